@@ -1,0 +1,812 @@
+#!/usr/bin/env python3
+"""prefill: the per-text language-modelling loss of a Qwen3 model whose weights need not fit in GPU memory.
+
+    python prefill.py --model DIR      prints `ready`, reads one JSON array of texts from stdin,
+                                       prints one loss per text (in order) and exits.
+
+The decoder runs layer by layer over every token of the request at once (texts packed without padding): the layers
+that fit stay on the GPU, the rest stream from pinned host memory through two device slots on a copy stream while
+the compute stream runs the layer before. Each streamed layer crosses PCIe once per request (once per wave when a
+huge request is split into waves).
+"""
+import argparse
+import contextlib
+import inspect
+import json
+import math
+import mmap
+import os
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+GiB = 2**30
+DTYPE = torch.bfloat16
+
+
+class UserError(Exception):
+    """Bad checkpoint, bad option or bad request: reported as one line on stderr, exit code 2."""
+
+
+def log(msg, end="\n"):
+    print(f"prefill: {msg}", end=end, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- config
+
+@dataclass
+class Qwen3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+
+    def __post_init__(self):
+        H, I, D = self.hidden_size, self.intermediate_size, self.head_dim
+        self.q_size = self.num_attention_heads * D  # != hidden_size in Qwen3-32B (8192 vs 5120)
+        self.kv_size = self.num_key_value_heads * D
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UserError("num_attention_heads must be a multiple of num_key_value_heads")
+        # One layer's tensors in their order inside the layer's flat buffer. q,k,v and gate,up sit in adjacent rows,
+        # so the fused qkv and gate_up matrices are plain views; only group starts are aligned (128 B).
+        shapes = [
+            ("input_layernorm", (H,)), ("self_attn.q_proj", (self.q_size, H)),
+            ("self_attn.k_proj", (self.kv_size, H)), ("self_attn.v_proj", (self.kv_size, H)),
+            ("self_attn.o_proj", (H, self.q_size)), ("self_attn.q_norm", (D,)), ("self_attn.k_norm", (D,)),
+            ("post_attention_layernorm", (H,)), ("mlp.gate_proj", (I, H)), ("mlp.up_proj", (I, H)),
+            ("mlp.down_proj", (H, I)),
+        ]
+        fused_followers = {"self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj"}
+        self.layer_layout, offset = {}, 0
+        for name, shape in shapes:
+            if name not in fused_followers:
+                offset = -(-offset // 64) * 64
+            self.layer_layout[name] = (offset, shape)
+            offset += math.prod(shape)
+        self.layer_numel = offset
+        self.layer_bytes = offset * DTYPE.itemsize
+
+    @classmethod
+    def from_dir(cls, model_dir):
+        path = Path(model_dir) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"{model_dir} has no config.json") from None
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read {path}: {e}") from None
+        if raw.get("model_type") != "qwen3":
+            raise UserError(f"{path}: model_type is {raw.get('model_type')!r}; prefill runs dense Qwen3 ('qwen3') only")
+        # transformers >= 5 writes rope_parameters instead of the top-level rope_theta.
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise UserError(f"{path}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
+        try:
+            heads = raw["num_attention_heads"]
+            return cls(
+                hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+                num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
+                num_key_value_heads=raw.get("num_key_value_heads", heads),
+                head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, vocab_size=raw["vocab_size"],
+                rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+                rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
+                tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            )
+        except KeyError as e:
+            raise UserError(f"{path} lacks {e.args[0]}") from None
+
+
+# ----------------------------------------------------------------------------- checkpoint loading
+
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+class Checkpoint:
+    """Zero-copy views of a folder's safetensors tensors, through read-only (copy-on-write) memory maps."""
+
+    def __init__(self, model_dir):
+        model_dir = Path(model_dir)
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError) as e:
+                raise UserError(f"cannot read {index}: {e}") from None
+        elif (model_dir / "model.safetensors").exists():
+            files = ["model.safetensors"]
+        else:
+            files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+        if not files:
+            pickles = [p.name for p in model_dir.glob("*") if p.suffix in (".bin", ".pt", ".pth")]
+            if pickles:
+                raise UserError(f"{model_dir} holds only pickle weights ({pickles[0]}); prefill loads safetensors only")
+            raise UserError(f"{model_dir} holds no *.safetensors weights")
+        self.tensors = {}  # name -> (mmap, dtype, shape, byte offset, byte count)
+        for name in files:
+            self._open(model_dir / name)
+
+    def _open(self, path):
+        try:
+            with open(path, "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(header_len))
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writable view, never written
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read safetensors file {path}: {e}") from None
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in SAFETENSORS_DTYPES:
+                raise UserError(f"{path.name}: {name} has dtype {info['dtype']}; expected BF16, F16 or F32")
+            start, end = info["data_offsets"]
+            if 8 + header_len + end > len(data):
+                raise UserError(f"{path.name} is truncated ({name} lies past its end)")
+            self.tensors[name] = (data, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]),
+                                  8 + header_len + start, end - start)
+
+    def get(self, name, shape):
+        if name not in self.tensors:
+            raise UserError(f"checkpoint lacks tensor {name}")
+        data, dtype, actual, offset, nbytes = self.tensors[name]
+        if actual != tuple(shape):
+            raise UserError(f"checkpoint tensor {name} has shape {list(actual)}, config implies {list(shape)}")
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
+        if offset % dtype.itemsize:  # a writer that did not align its header: one copy, then a typed view
+            raw = raw.clone()
+        return raw.view(dtype).view(shape)
+
+
+def fill_layer(flat, ckpt, cfg, layer):
+    # flat: [layer_numel] host buffer; copies each tensor out of the memory map (casting to bf16 on the way)
+    for name, (offset, shape) in cfg.layer_layout.items():
+        dst = flat[offset:offset + math.prod(shape)].view(shape)
+        dst.copy_(ckpt.get(f"model.layers.{layer}.{name}.weight", shape))
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor         # [q_size + 2 kv_size, hidden]
+    q_norm: torch.Tensor      # [head_dim]
+    k_norm: torch.Tensor      # [head_dim]
+    o_proj: torch.Tensor      # [hidden, q_size]
+    post_norm: torch.Tensor   # [hidden]
+    gate_up: torch.Tensor     # [2 intermediate, hidden]
+    down: torch.Tensor        # [hidden, intermediate]
+
+
+def layer_views(flat, cfg):
+    def view(name, rows=None):
+        offset, shape = cfg.layer_layout[name]
+        shape = (rows, *shape[1:]) if rows else shape
+        return flat[offset:offset + math.prod(shape)].view(shape)
+    return LayerWeights(
+        input_norm=view("input_layernorm"), qkv=view("self_attn.q_proj", cfg.q_size + 2 * cfg.kv_size),
+        q_norm=view("self_attn.q_norm"), k_norm=view("self_attn.k_norm"), o_proj=view("self_attn.o_proj"),
+        post_norm=view("post_attention_layernorm"), gate_up=view("mlp.gate_proj", 2 * cfg.intermediate_size),
+        down=view("mlp.down_proj"),
+    )
+
+
+def pin(t):
+    """Page-locks t in place at its exact size. torch's pinned allocator would round 1 GB up to 2 GB (and 20 GB of
+    layers to 32 GB); registering plain memory keeps host use exact. Falls back to a pinned copy if refused."""
+    if t.numel() == 0:
+        return t
+    try:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+        return t
+    except Exception:
+        return t.pin_memory()
+
+
+def unpin(t):
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())  # fails harmlessly for a pin_memory() copy
+
+
+# ----------------------------------------------------------------------------- memory plan
+
+LOGITS_CHUNK_BYTES = 512 * 2**20  # float32 logits of one loss chunk
+ALLOCATOR_SLACK = 512 * 2**20     # BLAS workspaces, allocator rounding, attention scratch
+
+
+@dataclass
+class MemoryPlan:
+    budget_bytes: int
+    resident_layers: tuple   # layer indices kept on the device
+    streamed_layers: tuple   # layer indices streamed through the slots, spread evenly among the resident ones
+    chunk_tokens: int        # tokens per layer step (whole sequences; longer sequences alone)
+    wave_tokens: int         # tokens whose hidden states stay on the device across all layers
+    loss_chunk_tokens: int
+    fixed_bytes: int         # lm_head + final norm
+    working_bytes: int       # wave hidden states + the larger of layer and loss scratch
+    slot_bytes: int
+    layer_bytes: int
+
+    @property
+    def total_bytes(self):
+        return self.fixed_bytes + self.working_bytes + self.slot_bytes + len(self.resident_layers) * self.layer_bytes
+
+    def describe(self):
+        fits = "" if self.total_bytes <= self.budget_bytes else " (over budget: the smallest plan that runs)"
+        return (f"plan for {self.budget_bytes / GiB:.1f} GiB: {len(self.resident_layers)} layers resident, "
+                f"{len(self.streamed_layers)} streamed through {self.slot_bytes // max(1, self.layer_bytes)} slots; "
+                f"{self.total_bytes / GiB:.2f} GiB planned{fits}; "
+                f"chunks of {self.chunk_tokens} tokens, waves of {self.wave_tokens}")
+
+
+def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536):
+    H, D, V, L = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.num_hidden_layers
+    loss_chunk_tokens = max(16, min(chunk_tokens, LOGITS_CHUNK_BYTES // (4 * V)))
+    # bf16 activations of one chunk (norm out, qkv, rotated q/k, attention out, o_proj out, gate_up, act, down out)
+    # plus the float32 temporaries of an RMSNorm over the widest row.
+    per_token = 2 * (3 * H + 2 * (cfg.q_size + cfg.kv_size) + cfg.q_size + 3 * cfg.intermediate_size)
+    layer_scratch = chunk_tokens * (per_token + 12 * max(H, cfg.q_size))
+    loss_scratch = loss_chunk_tokens * V * (2 + 4 + 4)  # bf16 logits, float32 copy, float32 log-softmax
+    wave_state = wave_tokens * (2 * H + 4 * D + 32)  # hidden states, rope cos/sin, ids/targets/positions
+    working = wave_state + max(layer_scratch, loss_scratch) + ALLOCATOR_SLACK
+    fixed = (V * H + H) * DTYPE.itemsize
+    free = budget_bytes - fixed - working
+    if free >= L * cfg.layer_bytes:
+        resident, slots = L, 0
+    else:
+        slots = min(2, L) * cfg.layer_bytes
+        resident = max(0, (free - slots) // cfg.layer_bytes)
+    # Spread the streamed layers evenly (each is preceded by its share of resident layers, whose compute hides its
+    # copy); consecutive indices differ by >= floor(L / streamed) >= 1, so they are distinct.
+    n_streamed = L - resident
+    streamed = tuple((j + 1) * L // n_streamed - 1 for j in range(n_streamed))
+    return MemoryPlan(
+        budget_bytes=budget_bytes, resident_layers=tuple(i for i in range(L) if i not in streamed),
+        streamed_layers=streamed, chunk_tokens=chunk_tokens, wave_tokens=wave_tokens,
+        loss_chunk_tokens=loss_chunk_tokens, fixed_bytes=fixed, working_bytes=working, slot_bytes=slots,
+        layer_bytes=cfg.layer_bytes,
+    )
+
+
+# ----------------------------------------------------------------------------- weight streaming
+
+class WeightStreamer:
+    """Hands out each layer's weights in layer order, wave after wave. Resident layers come from their own device
+    buffers; streamed layers come through two device slots, refilled on a copy stream in the cyclic order of the
+    streamed layers: as soon as compute has finished reading a slot, the copy of the layer after next starts into it.
+    Both slots are filled at construction (before `ready`), and the cycle wraps, so after a request (or the warm-up)
+    the slots already hold the first two streamed layers of the next one. On the CPU the same code does plain copies."""
+
+    def __init__(self, cfg, resident, host, device):
+        self.resident = {i: layer_views(buf, cfg) for i, buf in resident.items()}  # layer -> views on the device
+        self.host = host  # streamed layer -> pinned host buffer
+        self.order = sorted(host)
+        self.slots = [torch.empty(cfg.layer_numel, dtype=DTYPE, device=device) for _ in range(min(2, len(host)))]
+        self.slot_views = [layer_views(s, cfg) for s in self.slots]
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.slot_ready = [torch.cuda.Event() if self.cuda else None for _ in self.slots]
+        self.slot_free = [torch.cuda.Event() if self.cuda else None for _ in self.slots]
+        self.next_copy = 0  # position, in the endless cycle of streamed layers, of the next copy
+        self.next_use = 0   # position of the next streamed layer compute will use
+        self.streamed_bytes = 0
+        for _ in self.slots:
+            self._copy_next()
+
+    def _copy_next(self):
+        slot, layer = self.next_copy % len(self.slots), self.order[self.next_copy % len(self.order)]
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(self.slot_free[slot])  # no-op until the slot's first use
+                self.slots[slot].copy_(self.host[layer], non_blocking=True)
+                self.slot_ready[slot].record(self.copy_stream)
+        else:
+            self.slots[slot].copy_(self.host[layer])
+        self.streamed_bytes += self.slots[slot].nbytes
+        self.next_copy += 1
+
+    def acquire(self, layer):
+        if layer in self.resident:
+            return self.resident[layer]
+        slot = self.next_use % len(self.slots)
+        assert self.order[self.next_use % len(self.order)] == layer, "streamed layers must be used in cyclic order"
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self.slot_ready[slot])
+        return self.slot_views[slot]
+
+    def release(self, layer):
+        if layer in self.resident:
+            return
+        slot = self.next_use % len(self.slots)
+        if self.cuda:
+            self.slot_free[slot].record(torch.cuda.current_stream())
+        self.next_use += 1
+        self._copy_next()
+
+
+# ----------------------------------------------------------------------------- Qwen3 math
+
+def rms_norm(x, weight, eps):
+    # as transformers: normalize in float32, cast back, then scale in the model dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(positions, cfg):
+    # positions: [tokens] int64 -> cos, sin: [tokens, head_dim]; angles in float32 as transformers, then cast
+    D = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))  # on the CPU, as HF
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [tokens, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(DTYPE), emb.sin().to(DTYPE)
+
+
+def apply_rope(x, cos, sin):
+    # x: [tokens, heads, head_dim]; half-split (rotate_half) convention
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+@dataclass
+class Chunk:
+    start: int          # token offsets of the chunk inside its wave
+    end: int
+    seq_bounds: list    # host: cumulative sequence lengths inside the chunk, [0, ..., end - start]
+    cu_seqlens: object  # the same on the device, int32 (varlen kernels)
+    max_len: int
+
+
+def attention_sdpa(q, k, v, chunk):
+    # q: [tokens, heads, D], k/v: [tokens, kv_heads, D]; one causal SDPA call per sequence
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
+        ks = k[s:e].transpose(0, 1).repeat_interleave(group, dim=0)  # query head h reads kv head h // group
+        vs = v[s:e].transpose(0, 1).repeat_interleave(group, dim=0)
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), ks, vs, is_causal=True)
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+def max_len_bucket(n):
+    # flash-attn's Triton AMD kernels compile once per max_seqlen: round it up to a power of two (>= 128)
+    return max(128, 1 << (n - 1).bit_length())
+
+
+def make_attention(kind):
+    """An attention function (q, k, v, chunk) -> [tokens, heads, D] for the named backend."""
+    if kind == "sdpa":
+        return attention_sdpa
+    if kind == "flash":
+        from flash_attn import flash_attn_varlen_func
+
+        def attention_flash(q, k, v, chunk):
+            n = max_len_bucket(chunk.max_len)
+            return flash_attn_varlen_func(q, k, v, chunk.cu_seqlens, chunk.cu_seqlens, n, n, causal=True)
+        return attention_flash
+    if kind == "varlen":
+        from torch.nn.attention.varlen import varlen_attn
+        params = inspect.signature(varlen_attn).parameters
+        # the causal flag changed spelling between torch releases
+        causal = ({"window_size": (-1, 0)} if "window_size" in params else
+                  {"is_causal": True} if "is_causal" in params else {"causal": True})
+        native_gqa = "enable_gqa" in params
+
+        def attention_varlen(q, k, v, chunk):
+            if native_gqa:
+                extra = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+            else:
+                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+                extra = {}
+            return varlen_attn(q, k, v, chunk.cu_seqlens, chunk.cu_seqlens, chunk.max_len, chunk.max_len,
+                               **causal, **extra)
+        return attention_varlen
+    raise UserError(f"unknown attention backend {kind!r}")
+
+
+def pick_attention(requested, device, cfg):
+    """The first backend that imports and matches SDPA on this device (flash_attn, torch varlen, SDPA)."""
+    kinds = ["flash", "varlen", "sdpa"] if requested == "auto" else [requested]
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    lens = [37, 100]
+    T = sum(lens)
+    q, k, v = (torch.randn(T, h, D, generator=gen).to(device, DTYPE) for h in (heads, kv_heads, kv_heads))
+    bounds = [0, lens[0], T]
+    chunk = Chunk(0, T, bounds, torch.tensor(bounds, dtype=torch.int32, device=device), max(lens))
+    reference = attention_sdpa(q, k, v, chunk).float()
+    reasons = []
+    for kind in kinds:
+        try:
+            attend = make_attention(kind)
+            err = (attend(q, k, v, chunk).float() - reference).abs().max().item()
+            if err < 2e-2:
+                return kind, attend
+            reasons.append(f"{kind}: differs from SDPA by {err:.3g}")
+        except UserError:
+            raise
+        except Exception as e:
+            reasons.append(f"{kind}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    raise UserError(f"attention backend {requested!r} is unusable on {device}: " + "; ".join(reasons))
+
+
+def layer_forward(x, w, cos, sin, chunk, cfg, attend, mlp_tokens):
+    # x: [tokens, hidden] — the chunk's slice of the wave's hidden states, updated in place
+    T, eps = x.shape[0], cfg.rms_norm_eps
+    h = rms_norm(x, w.input_norm, eps)
+    q, k, v = F.linear(h, w.qkv).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+    q = rms_norm(q.view(T, cfg.num_attention_heads, cfg.head_dim), w.q_norm, eps)  # per-head norm before RoPE
+    k = rms_norm(k.view(T, cfg.num_key_value_heads, cfg.head_dim), w.k_norm, eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim).contiguous()
+    o = attend(q, k, v, chunk)  # [tokens, heads, D]
+    x += F.linear(o.reshape(T, cfg.q_size), w.o_proj)
+    for s in range(0, T, mlp_tokens):  # a single long sequence makes a long chunk: bound the MLP's scratch
+        xs = x[s:s + mlp_tokens]
+        gate, up = F.linear(rms_norm(xs, w.post_norm, eps), w.gate_up).chunk(2, dim=-1)
+        xs += F.linear(F.silu(gate) * up, w.down)
+
+
+# ----------------------------------------------------------------------------- packing and loss
+
+@dataclass
+class Wave:
+    seqs: list        # indices (into the request) of the sequences in this wave, in packing order
+    lengths: list
+    ids: torch.Tensor  # [tokens] int64, host
+    chunks: list      # Chunk, with cu_seqlens still None
+
+
+def pack(token_lists, chunk_tokens, wave_tokens):
+    """Packs the sequences with >= 2 tokens, in request order, into chunks of whole sequences (<= chunk_tokens,
+    unless a sequence is longer) and the chunks into waves (<= wave_tokens, unless a chunk is longer)."""
+    waves, wave, chunk = [], None, None
+    for i, ids in enumerate(token_lists):
+        n = len(ids)
+        if n < 2:
+            continue
+        if wave is None or wave["tokens"] + n > wave_tokens and wave["tokens"]:
+            wave = {"seqs": [], "lengths": [], "ids": [], "chunks": [], "tokens": 0}
+            waves.append(wave)
+            chunk = None
+        if chunk is None or chunk[-1] - chunk[0] + n > chunk_tokens:
+            chunk = [wave["tokens"]]
+            wave["chunks"].append(chunk)
+        chunk.append(chunk[-1] + n)
+        wave["seqs"].append(i)
+        wave["lengths"].append(n)
+        wave["ids"].extend(ids)
+        wave["tokens"] += n
+    packed = []
+    for w in waves:
+        chunks = [Chunk(c[0], c[-1], [b - c[0] for b in c], None, max(b - a for a, b in zip(c, c[1:])))
+                  for c in w["chunks"]]
+        packed.append(Wave(w["seqs"], w["lengths"], torch.tensor(w["ids"], dtype=torch.int64), chunks))
+    return packed
+
+
+def sequence_nll(h, lm_head, final_norm, targets, seq_index, n_seqs, eps, chunk_tokens):
+    # h: [tokens, hidden]; targets: [tokens] (next token, -100 after each sequence's last); returns [n_seqs] f32 sums
+    sums = torch.zeros(n_seqs, dtype=torch.float32, device=h.device)
+    for s in range(0, h.shape[0], chunk_tokens):
+        logits = F.linear(rms_norm(h[s:s + chunk_tokens], final_norm, eps), lm_head)  # [chunk, vocab] bf16
+        nll = F.cross_entropy(logits.float(), targets[s:s + chunk_tokens], ignore_index=-100, reduction="none")
+        sums.index_add_(0, seq_index[s:s + chunk_tokens], nll)
+    return sums
+
+
+# ----------------------------------------------------------------------------- the runner
+
+class PhaseTimer:
+    """Per-phase wall time without synchronising the hot path: CUDA events, read once at the end."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def mark(self, phase):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((phase, event))
+        else:
+            self.marks.append((phase, time.perf_counter()))
+
+    def totals(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        out = {}
+        for (phase, a), (_, b) in zip(self.marks, self.marks[1:]):
+            seconds = a.elapsed_time(b) / 1000 if self.cuda else b - a
+            out[phase] = out.get(phase, 0.0) + seconds
+        return out
+
+
+class Runner:
+    def __init__(self, model_dir, device=None, gpu_memory_gib=None, attention="auto", chunk_tokens=4096,
+                 wave_tokens=65536, workers=None):
+        t0 = time.perf_counter()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise UserError("--device cuda: no GPU is visible to torch")
+        self.cfg = cfg = Qwen3Config.from_dir(model_dir)
+        ckpt = Checkpoint(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.attention, self.attend = pick_attention(attention, self.device, cfg)
+        self.plan = plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens)
+
+        H, V = cfg.hidden_size, cfg.vocab_size
+        for layer in range(cfg.num_hidden_layers):  # every missing or misshapen tensor fails before any heavy work
+            for name, (_, shape) in cfg.layer_layout.items():
+                ckpt.get(f"model.layers.{layer}.{name}.weight", shape)
+        head = ckpt.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight", (V, H))
+        self.embed = ckpt.get("model.embed_tokens.weight", (V, H)).to(DTYPE, copy=True)  # host: gathered per request
+        self.lm_head = head.to(self.device, DTYPE, copy=True)
+        self.final_norm = ckpt.get("model.norm.weight", (H,)).to(self.device, DTYPE, copy=True)
+
+        resident, host = self._load_layers(ckpt, workers or min(8, os.cpu_count() or 1))
+        self.pinned_host_bytes = sum(t.nbytes for t in host.values()) if self.device.type == "cuda" else 0
+        self.streamer = WeightStreamer(cfg, resident, host, self.device)
+        self.stats = {}
+        log(f"loaded {cfg.num_hidden_layers}-layer Qwen3 ({self._model_bytes() / 1e9:.1f} GB) from {model_dir} "
+            f"in {time.perf_counter() - t0:.1f} s on {self.device}; attention: {self.attention}")
+        log(plan.describe())
+
+    def _budget(self, gpu_memory_gib):
+        if self.device.type != "cuda":
+            return int(gpu_memory_gib * GiB) if gpu_memory_gib is not None else 1 << 62
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if gpu_memory_gib is None:
+            return max(0, free - int(1.5 * GiB))  # room for the CUDA context's growth (kernels, BLAS handles)
+        if gpu_memory_gib * GiB > free:
+            raise UserError(f"--gpu-memory {gpu_memory_gib:g} GiB exceeds the {free / GiB:.1f} GiB free on {self.device}")
+        return int(gpu_memory_gib * GiB)
+
+    def _model_bytes(self):
+        return (self.cfg.num_hidden_layers * self.cfg.layer_bytes + self.embed.nbytes
+                + (0 if self.cfg.tie_word_embeddings else self.lm_head.nbytes))
+
+    def _load_layers(self, ckpt, workers):
+        # Streamed layers: exact-size host buffers, filled from the memory maps and pinned, by parallel threads.
+        # Resident layers: filled into one reusable pinned staging buffer per thread, then copied to the device.
+        cfg, cuda = self.cfg, self.device.type == "cuda"
+        staging = {}
+
+        def load(layer):
+            if layer in self.plan.streamed_layers or not cuda:
+                flat = torch.empty(cfg.layer_numel, dtype=DTYPE)
+                fill_layer(flat, ckpt, cfg, layer)
+                return pin(flat) if cuda else flat
+            key = threading.get_ident()
+            if key not in staging:
+                staging[key] = pin(torch.empty(cfg.layer_numel, dtype=DTYPE))
+            fill_layer(staging[key], ckpt, cfg, layer)
+            return staging[key].to(self.device)
+
+        with ThreadPoolExecutor(workers) as pool:
+            buffers = dict(zip(range(cfg.num_hidden_layers), pool.map(load, range(cfg.num_hidden_layers))))
+        for buf in staging.values():
+            unpin(buf)
+        resident = {i: buffers[i] for i in self.plan.resident_layers}
+        host = {i: buffers[i] for i in self.plan.streamed_layers}
+        return resident, host
+
+    def tokenize(self, texts):
+        return self.tokenizer(texts)["input_ids"] if texts else []
+
+    @torch.inference_mode()
+    def losses(self, token_lists, progress=False):
+        cfg, plan, dev = self.cfg, self.plan, self.device
+        timer = PhaseTimer(dev)
+        result = [math.nan] * len(token_lists)
+        waves = pack(token_lists, plan.chunk_tokens, plan.wave_tokens)
+        streamed_before = self.streamer.streamed_bytes
+        for wave_no, wave in enumerate(waves):
+            timer.mark("layers")
+            T = wave.ids.numel()
+            if T > plan.wave_tokens:
+                log(f"warning: a text of {max(wave.lengths)} tokens exceeds the plan's {plan.wave_tokens}-token wave")
+            x = self.embed.index_select(0, wave.ids).to(dev, non_blocking=True)  # [tokens, hidden]
+            lengths = torch.tensor(wave.lengths)
+            starts = torch.cumsum(lengths, 0) - lengths
+            seq_index = torch.repeat_interleave(torch.arange(len(wave.lengths)), lengths)  # [tokens]
+            positions = torch.arange(T) - starts[seq_index]
+            cos, sin = rope_tables(positions.to(dev), cfg)  # [tokens, head_dim] each
+            for chunk in wave.chunks:
+                chunk.cu_seqlens = torch.tensor(chunk.seq_bounds, dtype=torch.int32, device=dev)
+            for layer in range(cfg.num_hidden_layers):
+                if progress:
+                    log(f"wave {wave_no + 1}/{len(waves)}, layer {layer + 1}/{cfg.num_hidden_layers}", end="\r")
+                w = self.streamer.acquire(layer)
+                for c in wave.chunks:
+                    layer_forward(x[c.start:c.end], w, cos[c.start:c.end], sin[c.start:c.end], c, cfg,
+                                  self.attend, plan.chunk_tokens)
+                self.streamer.release(layer)
+            timer.mark("loss")
+            targets = torch.cat((wave.ids[1:], wave.ids[:1]))
+            targets[starts + lengths - 1] = -100  # no target after a sequence's last token
+            sums = sequence_nll(x, self.lm_head, self.final_norm, targets.to(dev), seq_index.to(dev),
+                                len(wave.seqs), cfg.rms_norm_eps, plan.loss_chunk_tokens)
+            for seq, n, total in zip(wave.seqs, wave.lengths, sums.tolist()):
+                result[seq] = total / (n - 1)
+            del x, cos, sin
+        timer.mark("end")
+        if progress:
+            print(file=sys.stderr)
+        self.stats = {
+            "texts": len(token_lists), "tokens": sum(len(t) for t in token_lists), "waves": len(waves),
+            "streamed_bytes": self.streamer.streamed_bytes - streamed_before, "phases": timer.totals(),
+        }
+        return result
+
+    def warm_up(self):
+        """Runs every kernel at the timed pass's shapes (a chunk-sized batch through every layer, the loss, each
+        flash-attn max_seqlen bucket) so compilation and allocator growth stay out of the timed window."""
+        gen = torch.Generator().manual_seed(0)
+        n = min(self.plan.chunk_tokens, 4096) if self.device.type == "cuda" else 64
+        lengths = [n // 2, n // 2 - n // 8, n // 8 - 1]
+        self.losses([torch.randint(self.cfg.vocab_size, (k,), generator=gen).tolist() for k in lengths])
+        if self.attention == "flash":
+            for bucket in {max_len_bucket(k) for k in (128, 256, 512, 1024, 2048, 4096, self.plan.chunk_tokens)}:
+                q = torch.randn(bucket, self.cfg.num_attention_heads, self.cfg.head_dim, device=self.device,
+                                dtype=DTYPE)
+                k = torch.randn(bucket, self.cfg.num_key_value_heads, self.cfg.head_dim, device=self.device,
+                                dtype=DTYPE)
+                bounds = [0, bucket]
+                self.attend(q, k, k, Chunk(0, bucket, bounds, torch.tensor(bounds, dtype=torch.int32,
+                                                                           device=self.device), bucket))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def load_tokenizer(model_dir):
+    import transformers
+    transformers.logging.set_verbosity_error()  # no "sequence longer than model_max_length" chatter on stderr
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+    except Exception as e:
+        raise UserError(f"cannot load the tokenizer from {model_dir}: {str(e).splitlines()[0] if str(e) else e}")
+
+
+# ----------------------------------------------------------------------------- protocol / CLI
+
+def parse_texts(text, source):
+    """A JSON array of strings, or (from a file) JSON lines each holding one string."""
+    try:
+        texts = json.loads(text)
+    except ValueError as e:
+        lines = [line for line in text.splitlines() if line.strip()]
+        try:
+            texts = [json.loads(line) for line in lines] if source != "stdin" and len(lines) > 1 else None
+        except ValueError:
+            texts = None
+        if texts is None:
+            raise UserError(f"{source}: not JSON ({e})") from None
+    if not isinstance(texts, list):
+        raise UserError(f"{source}: expected a JSON array of strings, got {type(texts).__name__}")
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise UserError(f"{source}: element {i} is {type(t).__name__}, not a string")
+    return texts
+
+
+def take_stdout():
+    """Reserves the real stdout for the protocol and points fd 1 at stderr, so that nothing a library prints
+    (Python or native code) can corrupt the `ready`/losses stream."""
+    sys.stdout.flush()
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return protocol
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        description="Per-text loss of a dense Qwen3 checkpoint (safetensors), streaming the layers that do not fit "
+                    "in GPU memory. Without --input: prints `ready`, reads one JSON array of strings on stdin, "
+                    "prints one loss per text (nan for texts of < 2 tokens) and exits.")
+    p.add_argument("--model", "--model_path", dest="model", required=True, metavar="DIR",
+                   help="folder with config.json, *.safetensors (+ index) and the tokenizer files")
+    p.add_argument("--input", metavar="FILE",
+                   help="read texts from FILE (JSON array or JSON lines; '-' for stdin) without the ready handshake")
+    p.add_argument("--gpu-memory", type=float, metavar="GIB",
+                   help="GPU memory the runner may plan for (default: what is free, less 1.5 GiB); "
+                        "0 streams every layer")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when a GPU is visible, else cpu")
+    p.add_argument("--attention", default="auto", choices=["auto", "flash", "varlen", "sdpa"],
+                   help="attention kernel: flash_attn varlen, torch varlen_attn or SDPA per sequence "
+                        "(default: the first that works here, in that order)")
+    p.add_argument("--chunk-tokens", type=int, default=4096, metavar="N",
+                   help="tokens per layer step (whole texts are kept together; default 4096)")
+    p.add_argument("--wave-tokens", type=int, default=65536, metavar="N",
+                   help="tokens kept on the GPU across all layers; larger requests run in several waves, "
+                        "each streaming the layers again (default 65536)")
+    p.add_argument("--stats", metavar="FILE", help="write the run's figures (tokens, bytes streamed, memory, "
+                                                   "per-phase times) as JSON to FILE")
+    args = p.parse_args(argv)
+    if args.chunk_tokens < 1 or args.wave_tokens < 1:
+        p.error("--chunk-tokens and --wave-tokens must be positive")
+    if args.gpu_memory is not None and args.gpu_memory < 0:
+        p.error("--gpu-memory must be >= 0")
+    return args
+
+
+def serve(args, protocol):
+    runner = Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
+                    chunk_tokens=args.chunk_tokens, wave_tokens=args.wave_tokens)
+    t0 = time.perf_counter()
+    runner.warm_up()
+    if args.input:
+        try:
+            source = sys.stdin.read() if args.input == "-" else Path(args.input).read_text()
+        except OSError as e:
+            raise UserError(f"cannot read {args.input}: {e.strerror}") from None
+        texts = parse_texts(source, args.input)
+    else:
+        log(f"ready (warm-up {time.perf_counter() - t0:.1f} s)")
+        protocol.write("ready\n")
+        protocol.flush()
+        line = sys.stdin.readline()
+        if not line:
+            log("stdin closed before a request arrived")
+            return 1
+        texts = parse_texts(line, "stdin")
+    t_start = time.perf_counter()
+    t_tok = time.perf_counter()
+    token_lists = runner.tokenize(texts)
+    tokenize_s = time.perf_counter() - t_tok
+    losses = runner.losses(token_lists, progress=sys.stderr.isatty())
+    protocol.write("".join(f"{loss!r}\n" for loss in losses))  # all at once: never a partial set
+    protocol.flush()
+    elapsed = time.perf_counter() - t_start
+    stats = dict(runner.stats, elapsed_s=elapsed, pinned_host_bytes=runner.pinned_host_bytes,
+                 resident_layers=len(runner.plan.resident_layers), streamed_layers=len(runner.plan.streamed_layers),
+                 attention=runner.attention, budget_bytes=runner.plan.budget_bytes,
+                 planned_bytes=runner.plan.total_bytes)
+    stats["phases"] = dict(tokenize=tokenize_s, **stats["phases"])
+    if runner.device.type == "cuda":
+        stats["peak_gpu_bytes"] = torch.cuda.max_memory_reserved(runner.device)
+    phases = ", ".join(f"{k} {v:.2f} s" for k, v in stats["phases"].items())
+    log(f"{len(texts)} texts, {stats['tokens']} tokens in {elapsed:.2f} s ({phases}); "
+        f"streamed {stats['streamed_bytes'] / 1e9:.1f} GB")
+    if args.stats:
+        Path(args.stats).write_text(json.dumps(stats, indent=1))
+    return 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    protocol = take_stdout()
+    try:
+        return serve(args, protocol)
+    except UserError as e:
+        log(f"error: {e}")
+        return 2
+    except torch.cuda.OutOfMemoryError:
+        log("error: out of GPU memory; give a smaller --gpu-memory or --chunk-tokens")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if os.environ.get("PREFILL_DEBUG"):
+            traceback.print_exc()
+        log(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (PREFILL_DEBUG=1 shows where)")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""prefill.py against transformers' Qwen3ForCausalLM on tiny checkpoints that transformers itself writes.
+
+The weights are scaled so that attention decides the loss: a wrong RoPE base, a dropped q/k norm or a wrong GQA head
+mapping moves some text's loss by several times the 1% tolerance (test_realistic_bug_falls_outside_tolerance).
+"""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import prefill
+
+TOLERANCE = 0.01  # relative, per text
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog near the river bank today.",
+    "Solve $x^2+1=0$: the roots are $\\pm i$.",
+    "In 1905 Einstein published four papers.",
+    "def f(x): return x * 2 + 1",
+    "Paris is the capital of France, and Berlin of Germany.",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12",
+    "The history of mathematics deals with the origin of discoveries in mathematics and the mathematical methods "
+    "and notation of the past. " * 3,
+    "x",  # one token: no loss
+    "",
+]
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+def write_checkpoint(out, tokenizer_dir, *, tied=False, sharded=False, top_level_rope=False, kv_heads=2, seed=0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    config = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=16,  # 8*16 != 64
+                         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tied)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:  # large q/k projections and q/k norms: sharp, position-dependent attention
+                p.normal_(0, (10 if ("q_proj" in name or "k_proj" in name) else 2) / p.shape[1] ** 0.5)
+            else:
+                p.normal_(3 if ("q_norm" in name or "k_norm" in name) else 1, 0.2)
+        model.model.embed_tokens.weight.normal_(0, 0.1 if not tied else 0.5)
+        if not tied:
+            model.lm_head.weight.normal_(0, 4 / config.hidden_size ** 0.5)
+    model.save_pretrained(out, max_shard_size="4MB" if sharded else "1GB")
+    for f in Path(tokenizer_dir).iterdir():
+        shutil.copy(f, out)
+    if top_level_rope:  # the transformers 4.x spelling
+        cfg = json.loads((Path(out) / "config.json").read_text())
+        cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+        (Path(out) / "config.json").write_text(json.dumps(cfg))
+    return model
+
+
+def reference_losses(model, tokenizer, texts):
+    out = []
+    with torch.no_grad():
+        for text in texts:
+            ids = torch.tensor([tokenizer(text)["input_ids"]])
+            out.append(model(input_ids=ids, labels=ids).loss.item() if ids.shape[1] >= 2 else math.nan)
+    return out
+
+
+VARIANTS = {
+    "untied-sharded-rope_parameters-gqa": dict(sharded=True),
+    "tied-single-top_level_rope_theta-gqa": dict(tied=True, top_level_rope=True),
+    "untied-mha": dict(kv_heads=8),
+}
+
+
+@pytest.fixture(scope="session", params=list(VARIANTS))
+def checkpoint(request, tmp_path_factory, qwen_tokenizer_dir):
+    from transformers import AutoTokenizer
+    out = tmp_path_factory.mktemp(request.param)
+    model = write_checkpoint(out, qwen_tokenizer_dir, **VARIANTS[request.param])
+    return out, reference_losses(model, AutoTokenizer.from_pretrained(out), TEXTS)
+
+
+@pytest.fixture(scope="session")
+def gqa_checkpoint(tmp_path_factory, qwen_tokenizer_dir):
+    from transformers import AutoTokenizer
+    out = tmp_path_factory.mktemp("gqa")
+    model = write_checkpoint(out, qwen_tokenizer_dir, sharded=True)
+    return out, reference_losses(model, AutoTokenizer.from_pretrained(out), TEXTS)
+
+
+def max_rel_err(losses, reference):
+    assert len(losses) == len(reference)
+    errs = []
+    for got, ref in zip(losses, reference):
+        if math.isnan(ref):
+            assert math.isnan(got)
+        else:
+            errs.append(abs(got - ref) / abs(ref))
+    return max(errs)
+
+
+def runner(path, **kw):
+    return prefill.Runner(path, device="cpu", attention="sdpa", **kw)
+
+
+# ----------------------------------------------------------------------------- against transformers
+
+def test_matches_transformers(checkpoint):
+    path, reference = checkpoint
+    r = runner(path)
+    assert max_rel_err(r.losses(r.tokenize(TEXTS)), reference) < TOLERANCE
+
+
+def swap_first_two_kv_heads(r):
+    # query heads of KV group 0 now read KV head 1 and vice versa: a wrong GQA mapping
+    cfg = r.cfg
+    for w in r.streamer.resident.values():
+        for base in (cfg.q_size, cfg.q_size + cfg.kv_size):  # k rows, then v rows
+            head0 = w.qkv[base:base + cfg.head_dim].clone()
+            w.qkv[base:base + cfg.head_dim] = w.qkv[base + cfg.head_dim:base + 2 * cfg.head_dim]
+            w.qkv[base + cfg.head_dim:base + 2 * cfg.head_dim] = head0
+
+
+@pytest.mark.parametrize("bug", ["rope_theta_default", "qk_norm_dropped", "kv_heads_swapped"])
+def test_realistic_bug_falls_outside_tolerance(gqa_checkpoint, bug, monkeypatch):
+    path, reference = gqa_checkpoint
+    r = runner(path)
+    if bug == "rope_theta_default":  # e.g. a config reader that misses transformers 5's rope_parameters
+        r.cfg.rope_theta = 10000.0
+    elif bug == "qk_norm_dropped":
+        norm = prefill.rms_norm
+        monkeypatch.setattr(prefill, "rms_norm", lambda x, w, eps: x if x.dim() == 3 else norm(x, w, eps))
+    else:
+        swap_first_two_kv_heads(r)
+    assert max_rel_err(r.losses(r.tokenize(TEXTS)), reference) > 3 * TOLERANCE
+
+
+# ----------------------------------------------------------------------------- streaming, chunks, waves
+
+def test_every_layer_streamed_equals_every_layer_resident(gqa_checkpoint):
+    path, _ = gqa_checkpoint
+    resident, streamed = runner(path), runner(path, gpu_memory_gib=0)
+    assert len(resident.plan.resident_layers) == 4 and len(streamed.plan.streamed_layers) == 4
+    ids = resident.tokenize(TEXTS)
+    assert streamed.losses(ids) == resident.losses(ids)
+    assert streamed.stats["streamed_bytes"] == 4 * streamed.cfg.layer_bytes
+    assert resident.stats["streamed_bytes"] == 0
+
+
+def test_waves_and_chunks_equal_one_pass(gqa_checkpoint):
+    path, reference = gqa_checkpoint
+    one = runner(path)
+    ids = one.tokenize(TEXTS)
+    longest = max(len(t) for t in ids)
+    # chunks shorter than the longest text (its MLP runs in slices), waves of a few texts, a streamed layer
+    split = runner(path, gpu_memory_gib=0, chunk_tokens=longest // 3, wave_tokens=longest + 5)
+    losses = split.losses(ids)
+    assert split.stats["waves"] >= 3
+    assert split.stats["streamed_bytes"] == split.stats["waves"] * 4 * split.cfg.layer_bytes
+    expected = one.losses(ids)
+    for got, want in zip(losses, expected):
+        assert (math.isnan(got) and math.isnan(want)) or abs(got - want) <= 1e-3 * abs(want)
+    assert max_rel_err(losses, reference) < TOLERANCE
+
+
+def test_pack_keeps_sequences_whole_and_bounded():
+    lengths = [5, 1, 0, 7, 30, 3, 3, 12]
+    waves = prefill.pack([[1] * n for n in lengths], chunk_tokens=10, wave_tokens=20)
+    seen = []
+    for wave in waves:
+        assert wave.ids.numel() == sum(wave.lengths) and (wave.ids.numel() <= 20 or len(wave.seqs) == 1)
+        for c in wave.chunks:
+            assert c.seq_bounds[0] == 0 and c.seq_bounds[-1] == c.end - c.start
+            assert c.end - c.start <= 10 or len(c.seq_bounds) == 2  # only a lone long text exceeds a chunk
+        seen += wave.seqs
+    assert seen == [i for i, n in enumerate(lengths) if n >= 2]
+
+
+QWEN3_32B = dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1e6,
+                 tie_word_embeddings=False)
+
+
+def test_plan_never_exceeds_its_budget():
+    cfg = prefill.Qwen3Config(**QWEN3_32B)
+    assert cfg.layer_numel >= 487_587_840 and cfg.layer_bytes < 0.98e9  # SPEC: 487.6 M params a layer
+    smallest = prefill.plan_memory(cfg, 0)
+    assert smallest.resident_layers == () and len(smallest.streamed_layers) == 64
+    previous = -1
+    for gib in [smallest.total_bytes / prefill.GiB + 0.01, 8, 24, 47.9, 48, 64, 70, 200]:
+        plan = prefill.plan_memory(cfg, int(gib * prefill.GiB))
+        assert plan.total_bytes <= plan.budget_bytes
+        assert len(plan.resident_layers) >= previous
+        assert sorted(plan.resident_layers + plan.streamed_layers) == list(range(64))
+        previous = len(plan.resident_layers)
+        if plan.streamed_layers:  # spread evenly among the resident layers
+            gaps = [b - a for a, b in zip(plan.streamed_layers, plan.streamed_layers[1:])]
+            assert max(gaps) - min(gaps) <= 1
+    assert 44 <= len(prefill.plan_memory(cfg, 48 * prefill.GiB).resident_layers) <= 47  # 48 GiB = 51.5 GB
+    assert prefill.plan_memory(cfg, 200 * prefill.GiB).slot_bytes == 0
+
+
+# ----------------------------------------------------------------------------- checkpoint errors
+
+def test_checkpoint_problems_are_named(gqa_checkpoint, tmp_path):
+    path, _ = gqa_checkpoint
+
+    def copy(name):
+        dst = tmp_path / name
+        shutil.copytree(path, dst)
+        return dst
+
+    def error(dst):
+        with pytest.raises(prefill.UserError) as e:
+            runner(dst)
+        return str(e.value)
+
+    assert "no config.json" in error(tmp_path)
+    other = copy("moe")
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(cfg, model_type="qwen3_moe")))
+    assert "qwen3_moe" in error(other)
+    pickles = copy("pickle")
+    for f in pickles.glob("*.safetensors*"):
+        f.unlink()
+    (pickles / "pytorch_model.bin").write_bytes(b"not loaded")
+    assert "pickle" in error(pickles)
+    missing = copy("missing")
+    from safetensors.torch import load_file, save_file
+    shard = sorted(missing.glob("*.safetensors"))[-1]
+    tensors = load_file(shard)
+    name = sorted(tensors)[0]
+    del tensors[name]
+    save_file(tensors, shard)
+    assert name in error(missing) and "lacks" in error(missing)
+
+
+def test_forced_attention_backend_that_cannot_run_is_a_clear_error(gqa_checkpoint):
+    # flash_attn runs on GPUs only: absent or not, forcing it on the CPU must fail in one clear line
+    with pytest.raises(prefill.UserError, match="'flash' is unusable on cpu"):
+        prefill.Runner(gqa_checkpoint[0], device="cpu", attention="flash")
+
+
+# ----------------------------------------------------------------------------- protocol (a subprocess, as the harness)
+
+def run(path, stdin, *args):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, str(ROOT / "prefill.py"), "--model", str(path), "--device", "cpu", *args],
+                          input=stdin, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_protocol_ready_then_one_loss_per_text(gqa_checkpoint):
+    path, reference = gqa_checkpoint
+    p = run(path, json.dumps(TEXTS) + "\n", "--gpu-memory", "0")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == "ready" and len(lines) == 1 + len(TEXTS)
+    assert max_rel_err([float(x) for x in lines[1:]], reference) < TOLERANCE
+    assert len(p.stderr.splitlines()) <= 6  # the harness reads stderr only after the run
+
+
+def test_input_file_without_handshake_and_model_path_spelling(gqa_checkpoint, tmp_path):
+    path, reference = gqa_checkpoint
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps(t) + "\n" for t in TEXTS[:3]))
+    p = subprocess.run([sys.executable, str(ROOT / "prefill.py"), "--model_path", str(path), "--device", "cpu",
+                        "--input", str(texts)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert max_rel_err([float(x) for x in p.stdout.split()], reference[:3]) < TOLERANCE
+
+
+@pytest.mark.parametrize("request_line, message", [
+    ("not json\n", "not JSON"),
+    ('{"texts": ["a"]}\n', "expected a JSON array"),
+    ('["a", 3]\n', "element 1 is int"),
+])
+def test_bad_request_is_one_line_exit_2_and_no_loss(gqa_checkpoint, request_line, message):
+    p = run(gqa_checkpoint[0], request_line)
+    assert p.returncode == 2
+    assert p.stdout == "ready\n"
+    errors = [line for line in p.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in p.stderr
+
+
+def test_empty_request_and_closed_stdin(gqa_checkpoint):
+    empty = run(gqa_checkpoint[0], "[]\n")
+    assert (empty.returncode, empty.stdout) == (0, "ready\n")
+    closed = run(gqa_checkpoint[0], "")
+    assert closed.returncode != 0 and closed.stdout == "ready\n" and "Traceback" not in closed.stderr
+
+
+def test_bad_checkpoint_fails_before_ready(tmp_path):
+    p = run(tmp_path, "[]\n")
+    assert p.returncode == 2 and p.stdout == ""
+    assert len(p.stderr.strip().splitlines()) == 1 and "config.json" in p.stderr
