@@ -244,7 +244,8 @@ class MemoryPlan:
 
     def describe(self):
         fits = "" if self.total_bytes <= self.budget_bytes else " (over budget: the smallest plan that runs)"
-        return (f"plan for {self.budget_bytes / GiB:.1f} GiB: {len(self.resident_layers)} layers resident, "
+        budget = f"{self.budget_bytes / GiB:.1f} GiB" if self.budget_bytes < 1 << 50 else "no memory limit"
+        return (f"plan for {budget}: {len(self.resident_layers)} layers resident, "
                 f"{len(self.streamed_layers)} streamed through {self.slot_bytes // max(1, self.layer_bytes)} slots; "
                 f"{self.total_bytes / GiB:.2f} GiB planned{fits}; "
                 f"chunks of {self.chunk_tokens} tokens, waves of {self.wave_tokens}")
@@ -360,6 +361,30 @@ def apply_rope(x, cos, sin):
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def head_norm_rope(x, weight, cos, sin, eps):
+    # x: [tokens, heads, head_dim] (a view into qkv); Qwen3's per-head q/k RMSNorm, then RoPE
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)
+
+
+def silu_mul(gate_up):
+    # gate_up: [tokens, 2 intermediate] -> [tokens, intermediate]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass
+class Kernels:
+    """The per-token elementwise work: plain PyTorch, or the fused Triton kernels below (same roundings)."""
+    name: str
+    rms_norm: object        # (x [tokens, n], weight [n], eps) -> [tokens, n]
+    head_norm_rope: object  # (x [tokens, heads, head_dim], weight, cos, sin, eps) -> [tokens, heads, head_dim]
+    silu_mul: object        # (gate_up [tokens, 2 intermediate]) -> [tokens, intermediate]
+
+
+# late-bound, so that tests can swap a piece of the math for a broken one
+TORCH_KERNELS = Kernels("torch", lambda *a: rms_norm(*a), lambda *a: head_norm_rope(*a), lambda *a: silu_mul(*a))
+
+
 @dataclass
 class Chunk:
     start: int          # token offsets of the chunk inside its wave
@@ -443,21 +468,144 @@ def pick_attention(requested, device, cfg):
     raise UserError(f"attention backend {requested!r} is unusable on {device}: " + "; ".join(reasons))
 
 
-def layer_forward(x, w, cos, sin, chunk, cfg, attend, mlp_tokens):
-    # x: [tokens, hidden] — the chunk's slice of the wave's hidden states, updated in place
-    T, eps = x.shape[0], cfg.rms_norm_eps
-    h = rms_norm(x, w.input_norm, eps)
-    q, k, v = F.linear(h, w.qkv).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    q = rms_norm(q.view(T, cfg.num_attention_heads, cfg.head_dim), w.q_norm, eps)  # per-head norm before RoPE
-    k = rms_norm(k.view(T, cfg.num_key_value_heads, cfg.head_dim), w.k_norm, eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim).contiguous()
-    o = attend(q, k, v, chunk)  # [tokens, heads, D]
-    x += F.linear(o.reshape(T, cfg.q_size), w.o_proj)
-    for s in range(0, T, mlp_tokens):  # a single long sequence makes a long chunk: bound the MLP's scratch
-        xs = x[s:s + mlp_tokens]
-        gate, up = F.linear(rms_norm(xs, w.post_norm, eps), w.gate_up).chunk(2, dim=-1)
-        xs += F.linear(F.silu(gate) * up, w.down)
+def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels):
+    # x: [tokens, hidden] — a chunk of whole sequences, updated in place
+    T, Q, KV, D, eps = x.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim, cfg.rms_norm_eps
+    qkv = F.linear(kernels.rms_norm(x, w.input_norm, eps), w.qkv)  # [tokens, q_size + 2 kv_size]
+    q = kernels.head_norm_rope(qkv[:, :Q].view(T, -1, D), w.q_norm, cos, sin, eps)  # per-head norm before RoPE
+    k = kernels.head_norm_rope(qkv[:, Q:Q + KV].view(T, -1, D), w.k_norm, cos, sin, eps)
+    v = qkv[:, Q + KV:].reshape(T, -1, D).contiguous()
+    o = attend(q, k, v, chunk)  # [tokens, heads, head_dim]
+    x += F.linear(o.reshape(T, Q), w.o_proj)
+
+
+def mlp_block(x, w, cfg, max_tokens, kernels):
+    # x: [tokens, hidden], updated in place; in slices, since a single long text makes a long chunk
+    for s in range(0, x.shape[0], max_tokens):
+        xs = x[s:s + max_tokens]
+        gate_up = F.linear(kernels.rms_norm(xs, w.post_norm, cfg.rms_norm_eps), w.gate_up)
+        xs += F.linear(kernels.silu_mul(gate_up), w.down)
+
+
+# ----------------------------------------------------------------------------- fused kernels (Triton, optional)
+# Each kernel reproduces the PyTorch op sequence's bf16 roundings (upcast, compute in float32, round where PyTorch
+# rounds), so the fused path matches the plain one to the last bit but for float32 summation order.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+        y = (x * rstd).to(tl.bfloat16).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n + cols, (y * w).to(tl.bfloat16), mask=mask)
+
+    @triton.jit
+    def _head_norm_rope_kernel(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps,
+                               HEADS: tl.constexpr, HALF: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.arange(0, HEADS)[:, None]
+        c = tl.arange(0, HALF)[None, :]
+        mask = h < heads
+        src = x_ptr + t * x_stride + h * (2 * HALF) + c
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + c).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + c).to(tl.float32)
+        y1 = ((x1 * rstd).to(tl.bfloat16).to(tl.float32) * w1).to(tl.bfloat16).to(tl.float32)
+        y2 = ((x2 * rstd).to(tl.bfloat16).to(tl.float32) * w2).to(tl.bfloat16).to(tl.float32)
+        cos1 = tl.load(cos_ptr + t * 2 * HALF + c).to(tl.float32)
+        cos2 = tl.load(cos_ptr + t * 2 * HALF + HALF + c).to(tl.float32)
+        sin1 = tl.load(sin_ptr + t * 2 * HALF + c).to(tl.float32)
+        sin2 = tl.load(sin_ptr + t * 2 * HALF + HALF + c).to(tl.float32)
+        # x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16 as in PyTorch
+        o1 = ((y1 * cos1).to(tl.bfloat16).to(tl.float32) + (-y2 * sin1).to(tl.bfloat16).to(tl.float32))
+        o2 = ((y2 * cos2).to(tl.bfloat16).to(tl.float32) + (y1 * sin2).to(tl.bfloat16).to(tl.float32))
+        dst = out_ptr + (t * heads + h) * (2 * HALF) + c
+        tl.store(dst, o1.to(tl.bfloat16), mask=mask)
+        tl.store(dst + HALF, o2.to(tl.bfloat16), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+        gate = tl.load(gu_ptr + t * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptr + t * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(tl.bfloat16).to(tl.float32)
+        tl.store(out_ptr + t * inter + cols, (act * up).to(tl.bfloat16), mask=mask)
+
+
+def rms_norm_triton(x, weight, eps):
+    assert x.stride(-1) == 1
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n = x.shape[-1]
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(x.shape[0],)](x, x.stride(0), weight, out, n, eps, BLOCK=block,
+                                    num_warps=min(16, max(1, block // 512)))
+    return out
+
+
+def head_norm_rope_triton(x, weight, cos, sin, eps):
+    T, heads, D = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == D and cos.is_contiguous() and sin.is_contiguous()
+    out = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
+    _head_norm_rope_kernel[(T,)](x, x.stride(0), weight, cos, sin, out, heads, eps,
+                                 HEADS=triton.next_power_of_2(heads), HALF=D // 2, num_warps=4)
+    return out
+
+
+def silu_mul_triton(gate_up):
+    T, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    assert gate_up.is_contiguous()
+    out = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    return out
+
+
+TRITON_KERNELS = Kernels("triton", rms_norm_triton, head_norm_rope_triton, silu_mul_triton)
+
+
+def pick_kernels(requested, device, cfg):
+    """Triton's fused kernels where Triton runs on this device and they agree with PyTorch, else PyTorch."""
+    if requested == "torch" or (requested == "auto" and device.type != "cuda"):
+        return TORCH_KERNELS
+    try:
+        if triton is None:
+            raise RuntimeError("triton is not installed")
+        gen = torch.Generator().manual_seed(1)
+        T, H, D = 67, cfg.hidden_size, cfg.head_dim
+        qkv = torch.randn(T, cfg.q_size + 2 * cfg.kv_size, generator=gen).to(device, DTYPE)
+        x = torch.randn(T, H, generator=gen).to(device, DTYPE)
+        w_h, w_d = (torch.rand(n, generator=gen).add(0.5).to(device, DTYPE) for n in (H, D))
+        cos, sin = rope_tables(torch.arange(T, device=device), cfg)
+        gate_up = torch.randn(T, 2 * cfg.intermediate_size, generator=gen).to(device, DTYPE)
+        heads = qkv[:, :cfg.q_size].view(T, -1, D)
+        pairs = [(rms_norm_triton(x, w_h, 1e-6), rms_norm(x, w_h, 1e-6)),
+                 (head_norm_rope_triton(heads, w_d, cos, sin, 1e-6), head_norm_rope(heads, w_d, cos, sin, 1e-6)),
+                 (silu_mul_triton(gate_up), silu_mul(gate_up))]
+        for got, want in pairs:  # ~4 bf16 ulps of the scale (the CPU interpreter truncates); bugs are off by O(1)
+            got, want = got.float(), want.float()
+            if not (got - want).abs().max() <= 2**-5 * want.abs().max():
+                raise RuntimeError("a fused kernel disagrees with PyTorch")
+        return TRITON_KERNELS
+    except Exception as e:
+        if requested == "triton":
+            raise UserError(f"--kernels triton is unusable on {device}: {e}") from None
+        log(f"fused Triton kernels unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            "using PyTorch")
+        return TORCH_KERNELS
 
 
 # ----------------------------------------------------------------------------- packing and loss
@@ -498,11 +646,11 @@ def pack(token_lists, chunk_tokens, wave_tokens):
     return packed
 
 
-def sequence_nll(h, lm_head, final_norm, targets, seq_index, n_seqs, eps, chunk_tokens):
+def sequence_nll(h, lm_head, final_norm, targets, seq_index, n_seqs, eps, chunk_tokens, norm):
     # h: [tokens, hidden]; targets: [tokens] (next token, -100 after each sequence's last); returns [n_seqs] f32 sums
     sums = torch.zeros(n_seqs, dtype=torch.float32, device=h.device)
     for s in range(0, h.shape[0], chunk_tokens):
-        logits = F.linear(rms_norm(h[s:s + chunk_tokens], final_norm, eps), lm_head)  # [chunk, vocab] bf16
+        logits = F.linear(norm(h[s:s + chunk_tokens], final_norm, eps), lm_head)  # [chunk, vocab] bf16
         nll = F.cross_entropy(logits.float(), targets[s:s + chunk_tokens], ignore_index=-100, reduction="none")
         sums.index_add_(0, seq_index[s:s + chunk_tokens], nll)
     return sums
@@ -536,8 +684,8 @@ class PhaseTimer:
 
 
 class Runner:
-    def __init__(self, model_dir, device=None, gpu_memory_gib=None, attention="auto", chunk_tokens=4096,
-                 wave_tokens=65536, workers=None):
+    def __init__(self, model_dir, device=None, gpu_memory_gib=None, attention="auto", kernels="auto",
+                 chunk_tokens=4096, wave_tokens=65536, workers=None):
         t0 = time.perf_counter()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -546,6 +694,7 @@ class Runner:
         ckpt = Checkpoint(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.attention, self.attend = pick_attention(attention, self.device, cfg)
+        self.kernels = pick_kernels(kernels, self.device, cfg)
         self.plan = plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens)
 
         H, V = cfg.hidden_size, cfg.vocab_size
@@ -562,7 +711,8 @@ class Runner:
         self.streamer = WeightStreamer(cfg, resident, host, self.device)
         self.stats = {}
         log(f"loaded {cfg.num_hidden_layers}-layer Qwen3 ({self._model_bytes() / 1e9:.1f} GB) from {model_dir} "
-            f"in {time.perf_counter() - t0:.1f} s on {self.device}; attention: {self.attention}")
+            f"in {time.perf_counter() - t0:.1f} s on {self.device}; attention: {self.attention}, "
+            f"elementwise kernels: {self.kernels.name}")
         log(plan.describe())
 
     def _budget(self, gpu_memory_gib):
@@ -632,14 +782,15 @@ class Runner:
                     log(f"wave {wave_no + 1}/{len(waves)}, layer {layer + 1}/{cfg.num_hidden_layers}", end="\r")
                 w = self.streamer.acquire(layer)
                 for c in wave.chunks:
-                    layer_forward(x[c.start:c.end], w, cos[c.start:c.end], sin[c.start:c.end], c, cfg,
-                                  self.attend, plan.chunk_tokens)
+                    xc = x[c.start:c.end]
+                    attention_block(xc, w, cos[c.start:c.end], sin[c.start:c.end], c, cfg, self.attend, self.kernels)
+                    mlp_block(xc, w, cfg, plan.chunk_tokens, self.kernels)
                 self.streamer.release(layer)
             timer.mark("loss")
             targets = torch.cat((wave.ids[1:], wave.ids[:1]))
             targets[starts + lengths - 1] = -100  # no target after a sequence's last token
             sums = sequence_nll(x, self.lm_head, self.final_norm, targets.to(dev), seq_index.to(dev),
-                                len(wave.seqs), cfg.rms_norm_eps, plan.loss_chunk_tokens)
+                                len(wave.seqs), cfg.rms_norm_eps, plan.loss_chunk_tokens, self.kernels.rms_norm)
             for seq, n, total in zip(wave.seqs, wave.lengths, sums.tolist()):
                 result[seq] = total / (n - 1)
             del x, cos, sin
@@ -730,6 +881,9 @@ def parse_args(argv):
     p.add_argument("--attention", default="auto", choices=["auto", "flash", "varlen", "sdpa"],
                    help="attention kernel: flash_attn varlen, torch varlen_attn or SDPA per sequence "
                         "(default: the first that works here, in that order)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
+                   help="per-token elementwise work (norms, RoPE, SiLU): fused Triton kernels or plain PyTorch "
+                        "(default: Triton on a GPU where it works, else PyTorch)")
     p.add_argument("--chunk-tokens", type=int, default=4096, metavar="N",
                    help="tokens per layer step (whole texts are kept together; default 4096)")
     p.add_argument("--wave-tokens", type=int, default=65536, metavar="N",
@@ -747,7 +901,7 @@ def parse_args(argv):
 
 def serve(args, protocol):
     runner = Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
-                    chunk_tokens=args.chunk_tokens, wave_tokens=args.wave_tokens)
+                    kernels=args.kernels, chunk_tokens=args.chunk_tokens, wave_tokens=args.wave_tokens)
     t0 = time.perf_counter()
     runner.warm_up()
     if args.input:
@@ -775,7 +929,7 @@ def serve(args, protocol):
     elapsed = time.perf_counter() - t_start
     stats = dict(runner.stats, elapsed_s=elapsed, pinned_host_bytes=runner.pinned_host_bytes,
                  resident_layers=len(runner.plan.resident_layers), streamed_layers=len(runner.plan.streamed_layers),
-                 attention=runner.attention, budget_bytes=runner.plan.budget_bytes,
+                 attention=runner.attention, kernels=runner.kernels.name, budget_bytes=runner.plan.budget_bytes,
                  planned_bytes=runner.plan.total_bytes)
     stats["phases"] = dict(tokenize=tokenize_s, **stats["phases"])
     if runner.device.type == "cuda":

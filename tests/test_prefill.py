@@ -297,3 +297,33 @@ def test_bad_checkpoint_fails_before_ready(tmp_path):
     p = run(tmp_path, "[]\n")
     assert p.returncode == 2 and p.stdout == ""
     assert len(p.stderr.strip().splitlines()) == 1 and "config.json" in p.stderr
+
+
+# ----------------------------------------------------------------------------- fused Triton kernels (interpreted)
+# Triton's CPU interpreter runs the GPU kernels here (it truncates where GPUs round, so only to a tolerance);
+# it must be switched on before triton is imported, hence a child process.
+
+KERNEL_CHECK = """
+import json, sys
+import prefill
+if sys.argv[2] == "broken":  # RoPE with sin and cos exchanged: the start-up check must refuse it
+    good = prefill.head_norm_rope_triton
+    prefill.head_norm_rope_triton = lambda x, w, cos, sin, eps: good(x, w, sin, cos, eps)
+    prefill.TRITON_KERNELS.head_norm_rope = prefill.head_norm_rope_triton
+r = prefill.Runner(sys.argv[1], device="cpu", attention="sdpa", kernels="triton")
+print(json.dumps(r.losses(r.tokenize(json.loads(sys.argv[3])))))
+"""
+
+
+@pytest.mark.parametrize("variant", ["good", "broken"])
+def test_triton_kernels_match_transformers(gqa_checkpoint, variant):
+    pytest.importorskip("triton")
+    path, reference = gqa_checkpoint
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", KERNEL_CHECK, str(path), variant, json.dumps(TEXTS)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    if variant == "broken":
+        assert p.returncode != 0 and "--kernels triton is unusable" in p.stderr
+    else:
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert max_rel_err(json.loads(p.stdout), reference) < TOLERANCE
