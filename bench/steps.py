@@ -1,0 +1,298 @@
+"""The heavy steps of bench/run.py, each run in a process of its own so that its memory is freed when it ends.
+
+    python bench/steps.py gemm      --config CFG.json --m 4096,16384 --json OUT.json [--device cuda]
+    python bench/steps.py blocker   --cap-gib 48          (holds all but 48 GiB of the GPU until stdin closes)
+    python bench/steps.py reference --model DIR --texts T.json --json OUT.json [--device cuda]
+    python bench/steps.py baseline  --model DIR --texts T.json --json OUT.json --gpu-gib 43.2 [--k 10]
+
+Each writes one JSON file (baseline rewrites it after every text, so a run killed at the deadline still
+leaves its timings).  run.py reads those files; the steps print only a line or two of progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Python puts a script's own folder first on sys.path, where a sibling named like a standard module (a
+# bench/profile.py shadows `profile`, which transformers imports through cProfile) would replace it.  So the
+# folder comes off the path, and the bench modules are imported as the package `bench` from the repo root.
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(REPO))
+
+GiB = 2**30
+
+
+def _write(path: str, record: dict) -> None:
+    """Whole or not at all (a temporary file renamed): run.py may kill a step while it writes."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _dtype_kw() -> str:
+    # transformers 4.56 renamed torch_dtype to dtype; an unknown keyword would be silently ignored (fp32!).
+    import transformers
+    from packaging.version import Version
+    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gemm: bf16 GEMM rate at the model's projection shapes, and host->device copy bandwidth
+# ---------------------------------------------------------------------------------------------------------
+
+def _time_op(fn, device: str, warmup: int, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` runs after `warmup` untimed ones (CUDA events on the GPU)."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm_rates(cfg: dict, ms: list[int], device: str, warmup: int = 3, repeats: int = 10) -> dict:
+    """Per (M, shape) TFLOP/s of x[M,K] @ W[N,K]^T, and per M the FLOP-weighted aggregate over one token's
+    pass through the model (every projection of every layer, and lm_head).
+
+    Random data, not zeros: tensor cores run faster on zeros (an H200 gave 894 vs 788 TFLOP/s at 8192^3)."""
+    import torch
+
+    from bench.make_checkpoint import matrix_shapes
+
+    shapes = matrix_shapes(cfg)
+    gen = torch.Generator(device=device).manual_seed(0)
+    per_m = {}
+    for m in ms:
+        rows, token_seconds, token_flops = {}, 0.0, 0.0
+        for name, (n, k, count) in shapes.items():
+            x = torch.randn(m, k, generator=gen, device=device, dtype=torch.bfloat16)
+            w = torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16)
+            out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+            seconds = _time_op(functools.partial(torch.matmul, x, w.t(), out=out), device, warmup, repeats)
+            flops = 2.0 * m * n * k
+            rows[name] = {"n": n, "k": k, "seconds": seconds, "tflops": flops / seconds / 1e12}
+            token_seconds += count * seconds / m  # this matrix's share of one token's pass
+            token_flops += count * 2.0 * n * k
+            del x, w, out
+        per_m[str(m)] = {"shapes": rows, "aggregate_tflops": token_flops / token_seconds / 1e12}
+        print(f"gemm M={m}: " + ", ".join(f"{k} {v['tflops']:.0f}" for k, v in rows.items())
+              + f" -> aggregate {per_m[str(m)]['aggregate_tflops']:.1f} TFLOP/s", flush=True)
+    # The floor should be the best this GPU reaches at these shapes: the best M's aggregate.
+    best = max(per_m.values(), key=lambda r: r["aggregate_tflops"])["aggregate_tflops"]
+    return {"per_m": per_m, "gemm_tflops": best}
+
+
+def h2d_bandwidth(nbytes: int = GiB, repeats: int = 5) -> dict:
+    """GB/s (1e9) of host->device copies of nbytes from pinned and from pageable memory (median of repeats)."""
+    import torch
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    pinned.fill_(1)
+    pageable = torch.ones(nbytes, dtype=torch.uint8)  # touched, so no page faults are timed
+    t_pinned = _time_op(lambda: dst.copy_(pinned, non_blocking=True), "cuda", 1, repeats)
+    t_pageable = _time_op(lambda: dst.copy_(pageable), "cuda", 1, max(3, repeats // 2))
+    out = {"bytes": nbytes, "pinned_gbps": nbytes / t_pinned / 1e9, "pageable_gbps": nbytes / t_pageable / 1e9}
+    print(f"h2d: pinned {out['pinned_gbps']:.1f} GB/s, pageable {out['pageable_gbps']:.1f} GB/s", flush=True)
+    return out
+
+
+def cmd_gemm(args) -> int:
+    import torch
+    cfg = json.loads(Path(args.config).read_text())
+    ms = [int(m) for m in args.m.split(",")]
+    record = {"device": args.device}
+    if args.device == "cuda":
+        record["gpu_name"] = torch.cuda.get_device_name(0)
+        record["gpu_total_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    record.update(gemm_rates(cfg, ms, args.device, repeats=args.repeats))
+    record["h2d"] = h2d_bandwidth() if args.device == "cuda" else None
+    _write(args.json, record)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# blocker: make the GPU look like a card of CAP GiB, as the contest's W7800 (48 GB) is
+# ---------------------------------------------------------------------------------------------------------
+
+def cmd_blocker(args) -> int:
+    """Allocates all but cap GiB of the GPU's free memory, prints one JSON line, holds it until stdin closes.
+
+    The runner started next sees cap GiB free, less its own CUDA context, as it would on the W7800.  The
+    parent holds our stdin: when it closes it (or dies), read() returns and the memory is released."""
+    import torch
+    cap = int(args.cap_gib * GiB)
+    torch.cuda.init()
+    held, stable = [], 0
+    # Memory a process that just ended (the reference) held may come back a little later: keep topping up
+    # until two checks half a second apart find no more than the cap free (10 s at most).
+    for _ in range(20):
+        free, total = torch.cuda.mem_get_info()
+        if free - cap >= 64 * 2**20:
+            held.append(torch.empty(free - cap, dtype=torch.uint8, device="cuda"))
+            stable = 0
+        else:
+            stable += 1
+            if stable == 2:
+                break
+        time.sleep(0.5)
+    free, total = torch.cuda.mem_get_info()
+    print(json.dumps({"held_bytes": sum(t.numel() for t in held), "free_bytes": free, "total_bytes": total}),
+          flush=True)
+    sys.stdin.read()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reference: transformers, the whole model on one device, one forward per text (SPEC §1's definition)
+# ---------------------------------------------------------------------------------------------------------
+
+def _texts(path: str) -> list[str]:
+    return json.loads(Path(path).read_text())
+
+
+def _sync(device: str) -> None:
+    import torch
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def cmd_reference(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import interact
+
+    texts = _texts(args.texts)
+    t0 = time.perf_counter()
+    # device_map loads straight onto the device: a CPU copy of 65 GB first would not fit beside /dev/shm.
+    model = AutoModelForCausalLM.from_pretrained(args.model, **{_dtype_kw(): torch.bfloat16},
+                                                 device_map=args.device).eval()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    _sync(args.device)
+    load_s = time.perf_counter() - t0
+    print(f"reference: loaded in {load_s:.1f} s", flush=True)
+    losses, tokens = [], 0
+    t1 = time.perf_counter()
+    with torch.inference_mode():
+        for text in texts:
+            ids = tok(text)["input_ids"]
+            tokens += len(ids)
+            if len(ids) < 2:
+                losses.append(float("nan"))
+                continue
+            t = torch.tensor([ids], device=args.device)
+            losses.append(model(input_ids=t, labels=t).loss.item())
+    forward_s = time.perf_counter() - t1
+    peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
+    print(f"reference: {len(texts)} texts, {tokens} tokens in {forward_s:.1f} s", flush=True)
+    _write(args.json, {"texts_sha256": interact.texts_sha256(texts), "losses": losses, "tokens": tokens,
+                       "load_s": load_s, "forward_s": forward_s, "peak_gpu_bytes": peak})
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# baseline: the contest handout's runner (transformers + accelerate device_map="auto", one forward per text)
+# ---------------------------------------------------------------------------------------------------------
+
+def cmd_baseline(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    texts = _texts(args.texts)[: args.k]
+    record = {"gpu_gib": args.gpu_gib, "cpu_gib": args.cpu_gib, "load_s": None, "per_text_s": [], "losses": [],
+              "tokens": []}
+    _write(args.json, record)
+    t0 = time.perf_counter()
+    max_memory = {"cpu": f"{args.cpu_gib}GiB"}
+    if args.device == "cuda":
+        max_memory[0] = f"{args.gpu_gib}GiB"
+    model = AutoModelForCausalLM.from_pretrained(args.model, **{_dtype_kw(): torch.bfloat16}, device_map="auto",
+                                                 max_memory=max_memory).eval()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    record["load_s"] = time.perf_counter() - t0
+    # accelerate's placement, module -> device (absent when everything landed on one device).
+    placement = getattr(model, "hf_device_map", None) or {}
+    record["device_map"] = {str(d): sum(1 for v in placement.values() if v == d) for d in set(placement.values())}
+    _write(args.json, record)
+    print(f"baseline: loaded in {record['load_s']:.1f} s; modules per device: {record['device_map']}", flush=True)
+    first = "cuda:0" if args.device == "cuda" else "cpu"
+    with torch.inference_mode():
+        for text in texts:
+            t1 = time.perf_counter()
+            ids = tok(text)["input_ids"]
+            t = torch.tensor([ids], device=first)
+            loss = model(input_ids=t, labels=t).loss.item()  # .item() synchronizes
+            record["per_text_s"].append(time.perf_counter() - t1)
+            record["losses"].append(loss)
+            record["tokens"].append(len(ids))
+            _write(args.json, record)  # a run killed at the deadline keeps the texts done so far
+            print(f"baseline: text {len(record['losses'])}/{len(texts)} in {record['per_text_s'][-1]:.2f} s",
+                  flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="step", required=True)
+
+    g = sub.add_parser("gemm")
+    g.add_argument("--config", required=True, help="JSON geometry (make_checkpoint's keys)")
+    g.add_argument("--m", default="4096,16384", help="token counts M, comma-separated")
+    g.add_argument("--repeats", type=int, default=10)
+    g.add_argument("--json", required=True)
+    g.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    g.set_defaults(fn=cmd_gemm)
+
+    b = sub.add_parser("blocker")
+    b.add_argument("--cap-gib", type=float, required=True)
+    b.set_defaults(fn=cmd_blocker)
+
+    r = sub.add_parser("reference")
+    r.add_argument("--model", required=True)
+    r.add_argument("--texts", required=True)
+    r.add_argument("--json", required=True)
+    r.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    r.set_defaults(fn=cmd_reference)
+
+    h = sub.add_parser("baseline")
+    h.add_argument("--model", required=True)
+    h.add_argument("--texts", required=True)
+    h.add_argument("--json", required=True)
+    h.add_argument("--k", type=int, default=10, help="how many of the texts to run")
+    h.add_argument("--gpu-gib", type=float, required=True, help="max_memory for GPU 0")
+    h.add_argument("--cpu-gib", type=float, default=120, help="max_memory for the CPU")
+    h.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    h.set_defaults(fn=cmd_baseline)
+
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

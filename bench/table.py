@@ -1,0 +1,91 @@
+"""The performance table: one Markdown row per bench/results/*.json report written by bench/run.py.
+
+    python bench/table.py                      # print the table
+    python bench/table.py --readme README.md   # rewrite the README's table between its markers
+
+The README keeps the table between the lines `<!-- bench-table -->` and `<!-- /bench-table -->`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+START, END = "<!-- bench-table -->", "<!-- /bench-table -->"
+
+COLUMNS = ("date", "machine", "workload", "texts", "tokens", "T (s)", "compute floor (s)", "T / floor",
+           "transfer floor (s)", "time to ready (s)", "peak GPU (GiB)", "max rel err", "baseline T (s)",
+           "W7800 estimate (s)")
+
+
+def _num(v, fmt: str) -> str:
+    return "–" if v is None else fmt.format(v)
+
+
+def row(r: dict) -> list[str]:
+    baseline = _num(r.get("baseline_t_seconds"), "{:.1f}")
+    if r.get("baseline_extrapolated"):
+        baseline = f"~{baseline} (from {r.get('baseline_texts')})"
+    est = r.get("w7800_estimate") or {}
+    w7800 = "–"
+    if est.get("t_compute_s") is not None:
+        # The larger of the two floors (copies hidden under compute), from SPEC figures: an estimate.
+        w7800 = f"≥ {_num(est.get('t_floor_s', est['t_compute_s']), '{:.1f}')} (est.)"
+    return [
+        r.get("date", "–"), r.get("machine", "–"), r.get("workload", "–"), _num(r.get("texts"), "{}"),
+        _num(r.get("tokens"), "{}"), _num(r.get("t_seconds"), "{:.2f}"), _num(r.get("compute_floor_s"), "{:.2f}"),
+        _num(r.get("t_over_compute_floor"), "{:.2f}×"), _num(r.get("transfer_floor_s"), "{:.2f}"),
+        _num(r.get("time_to_ready_s"), "{:.1f}"), _num(r.get("peak_gpu_gib"), "{:.1f}"),
+        _num(r.get("max_rel_err"), "{:.1e}"), baseline, w7800,
+    ]
+
+
+def load_reports(folder: Path) -> list[dict]:
+    reports = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as e:
+            print(f"table.py: skipping {path}: {e}", file=sys.stderr)
+    return sorted(reports, key=lambda r: (r.get("date", ""), r.get("machine", ""), r.get("workload", "")))
+
+
+def markdown(reports: list[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines += ["| " + " | ".join(row(r)) + " |" for r in reports]
+    return "\n".join(lines) + "\n"
+
+
+def replace_section(text: str, table: str) -> str:
+    """text with everything between the markers replaced by table; ValueError if the markers are missing."""
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"no `{START}` ... `{END}` section")
+    return text[: start + len(START)] + "\n" + table + text[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default=str(HERE / "results"), help="folder of reports (default: %(default)s)")
+    ap.add_argument("--readme", help="rewrite this file's table section instead of printing")
+    args = ap.parse_args(argv)
+
+    table = markdown(load_reports(Path(args.results)))
+    if not args.readme:
+        print(table, end="")
+        return 0
+    readme = Path(args.readme)
+    try:
+        readme.write_text(replace_section(readme.read_text(), table))
+    except (OSError, ValueError) as e:
+        print(f"table.py: {args.readme}: {e}", file=sys.stderr)
+        return 1
+    print(f"table.py: {args.readme}: {len(table.splitlines()) - 2} rows")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
