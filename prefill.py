@@ -16,8 +16,8 @@ import json
 import math
 import mmap
 import os
+import queue
 import sys
-import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -233,7 +233,7 @@ class MemoryPlan:
     chunk_tokens: int        # tokens per layer step (whole sequences; longer sequences alone)
     wave_tokens: int         # tokens whose hidden states stay on the device across all layers
     loss_chunk_tokens: int
-    fixed_bytes: int         # lm_head + final norm
+    fixed_bytes: int         # embedding, lm_head (one matrix when tied), final norm
     working_bytes: int       # wave hidden states + the larger of layer and loss scratch
     slot_bytes: int
     layer_bytes: int
@@ -261,7 +261,7 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536):
     loss_scratch = loss_chunk_tokens * V * (2 + 4 + 4)  # bf16 logits, float32 copy, float32 log-softmax
     wave_state = wave_tokens * (2 * H + 4 * D + 32)  # hidden states, rope cos/sin, ids/targets/positions
     working = wave_state + max(layer_scratch, loss_scratch) + ALLOCATOR_SLACK
-    fixed = (V * H + H) * DTYPE.itemsize
+    fixed = ((1 if cfg.tie_word_embeddings else 2) * V * H + H) * DTYPE.itemsize
     free = budget_bytes - fixed - working
     if free >= L * cfg.layer_bytes:
         resident, slots = L, 0
@@ -480,7 +480,7 @@ def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels):
 
 
 def mlp_block(x, w, cfg, max_tokens, kernels):
-    # x: [tokens, hidden], updated in place; in slices, since a single long text makes a long chunk
+    # x: [tokens, hidden], updated in place, in slices of max_tokens rows
     for s in range(0, x.shape[0], max_tokens):
         xs = x[s:s + max_tokens]
         gate_up = F.linear(kernels.rms_norm(xs, w.post_norm, cfg.rms_norm_eps), w.gate_up)
@@ -701,18 +701,20 @@ class Runner:
         for layer in range(cfg.num_hidden_layers):  # every missing or misshapen tensor fails before any heavy work
             for name, (_, shape) in cfg.layer_layout.items():
                 ckpt.get(f"model.layers.{layer}.{name}.weight", shape)
-        head = ckpt.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight", (V, H))
-        self.embed = ckpt.get("model.embed_tokens.weight", (V, H)).to(DTYPE, copy=True)  # host: gathered per request
-        self.lm_head = head.to(self.device, DTYPE, copy=True)
+        # The embedding lives on the device: a host-side gather would cost a pageable copy of every token's row
+        # inside the timed window (66 ms for 45k tokens on the H200).
+        self.embed = ckpt.get("model.embed_tokens.weight", (V, H)).to(self.device, DTYPE, copy=True)
+        self.lm_head = (self.embed if cfg.tie_word_embeddings else
+                        ckpt.get("lm_head.weight", (V, H)).to(self.device, DTYPE, copy=True))
         self.final_norm = ckpt.get("model.norm.weight", (H,)).to(self.device, DTYPE, copy=True)
 
-        resident, host = self._load_layers(ckpt, workers or min(8, os.cpu_count() or 1))
+        resident, host = self._load_layers(ckpt, workers or min(16, os.cpu_count() or 1))
         self.pinned_host_bytes = sum(t.nbytes for t in host.values()) if self.device.type == "cuda" else 0
         self.streamer = WeightStreamer(cfg, resident, host, self.device)
         self.stats = {}
         log(f"loaded {cfg.num_hidden_layers}-layer Qwen3 ({self._model_bytes() / 1e9:.1f} GB) from {model_dir} "
-            f"in {time.perf_counter() - t0:.1f} s on {self.device}; attention: {self.attention}, "
-            f"elementwise kernels: {self.kernels.name}")
+            f"in {time.perf_counter() - t0:.1f} s on {self.device} ({self.load_seconds}); "
+            f"attention: {self.attention}, elementwise kernels: {self.kernels.name}")
         log(plan.describe())
 
     def _budget(self, gpu_memory_gib):
@@ -727,29 +729,46 @@ class Runner:
 
     def _model_bytes(self):
         return (self.cfg.num_hidden_layers * self.cfg.layer_bytes + self.embed.nbytes
-                + (0 if self.cfg.tie_word_embeddings else self.lm_head.nbytes))
+                + (0 if self.lm_head is self.embed else self.lm_head.nbytes))
 
     def _load_layers(self, ckpt, workers):
         # Streamed layers: exact-size host buffers, filled from the memory maps and pinned, by parallel threads.
-        # Resident layers: filled into one reusable pinned staging buffer per thread, then copied to the device.
+        # Resident layers: filled into a few pinned staging buffers, registered once and reused, then copied.
         cfg, cuda = self.cfg, self.device.type == "cuda"
-        staging = {}
+        n_staging = min(4, workers, len(self.plan.resident_layers)) if cuda else 0
+        staging = queue.Queue()
+        for _ in range(n_staging):
+            staging.put(pin(torch.empty(cfg.layer_numel, dtype=DTYPE)))
+        seconds = {"fill": 0.0, "pin": 0.0, "copy": 0.0}  # thread-seconds, for the load line
+
+        def timed(phase, fn, *a):
+            t = time.perf_counter()
+            out = fn(*a)
+            seconds[phase] += time.perf_counter() - t
+            return out
 
         def load(layer):
             if layer in self.plan.streamed_layers or not cuda:
                 flat = torch.empty(cfg.layer_numel, dtype=DTYPE)
-                fill_layer(flat, ckpt, cfg, layer)
-                return pin(flat) if cuda else flat
-            key = threading.get_ident()
-            if key not in staging:
-                staging[key] = pin(torch.empty(cfg.layer_numel, dtype=DTYPE))
-            fill_layer(staging[key], ckpt, cfg, layer)
-            return staging[key].to(self.device)
+                timed("fill", fill_layer, flat, ckpt, cfg, layer)
+                return timed("pin", pin, flat) if cuda else flat
+            buf = staging.get()
+            timed("fill", fill_layer, buf, ckpt, cfg, layer)
+            on_device = timed("copy", buf.to, self.device)
+            staging.put(buf)
+            return on_device
 
-        with ThreadPoolExecutor(workers) as pool:
-            buffers = dict(zip(range(cfg.num_hidden_layers), pool.map(load, range(cfg.num_hidden_layers))))
-        for buf in staging.values():
-            unpin(buf)
+        # one copy thread per worker: torch's own intra-op threads would oversubscribe the cores
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with ThreadPoolExecutor(workers) as pool:
+                buffers = dict(zip(range(cfg.num_hidden_layers), pool.map(load, range(cfg.num_hidden_layers))))
+        finally:
+            torch.set_num_threads(threads)
+        while not staging.empty():
+            unpin(staging.get())
+        self.load_seconds = f"{workers} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + " s"
         resident = {i: buffers[i] for i in self.plan.resident_layers}
         host = {i: buffers[i] for i in self.plan.streamed_layers}
         return resident, host
@@ -769,7 +788,8 @@ class Runner:
             T = wave.ids.numel()
             if T > plan.wave_tokens:
                 log(f"warning: a text of {max(wave.lengths)} tokens exceeds the plan's {plan.wave_tokens}-token wave")
-            x = self.embed.index_select(0, wave.ids).to(dev, non_blocking=True)  # [tokens, hidden]
+            ids = wave.ids.to(dev)
+            x = self.embed.index_select(0, ids)  # [tokens, hidden]
             lengths = torch.tensor(wave.lengths)
             starts = torch.cumsum(lengths, 0) - lengths
             seq_index = torch.repeat_interleave(torch.arange(len(wave.lengths)), lengths)  # [tokens]
@@ -781,15 +801,15 @@ class Runner:
                 if progress:
                     log(f"wave {wave_no + 1}/{len(waves)}, layer {layer + 1}/{cfg.num_hidden_layers}", end="\r")
                 w = self.streamer.acquire(layer)
-                for c in wave.chunks:
-                    xc = x[c.start:c.end]
-                    attention_block(xc, w, cos[c.start:c.end], sin[c.start:c.end], c, cfg, self.attend, self.kernels)
-                    mlp_block(xc, w, cfg, plan.chunk_tokens, self.kernels)
+                for c in wave.chunks:  # attention needs whole sequences; the MLP (80% of FLOPs) does not, so
+                    attention_block(x[c.start:c.end], w, cos[c.start:c.end], sin[c.start:c.end], c, cfg,
+                                    self.attend, self.kernels)
+                mlp_block(x, w, cfg, plan.chunk_tokens, self.kernels)  # ...it runs in GEMM-friendly equal slices
                 self.streamer.release(layer)
             timer.mark("loss")
-            targets = torch.cat((wave.ids[1:], wave.ids[:1]))
-            targets[starts + lengths - 1] = -100  # no target after a sequence's last token
-            sums = sequence_nll(x, self.lm_head, self.final_norm, targets.to(dev), seq_index.to(dev),
+            targets = torch.cat((ids[1:], ids[:1]))
+            targets[(starts + lengths - 1).to(dev)] = -100  # no target after a sequence's last token
+            sums = sequence_nll(x, self.lm_head, self.final_norm, targets, seq_index.to(dev),
                                 len(wave.seqs), cfg.rms_norm_eps, plan.loss_chunk_tokens, self.kernels.rms_norm)
             for seq, n, total in zip(wave.seqs, wave.lengths, sums.tolist()):
                 result[seq] = total / (n - 1)

@@ -19,8 +19,8 @@ import prefill  # noqa: E402
 
 KINDS = [  # first match wins; names as CUDA/ROCm kernels and aten ops show them
     ("copy", ("memcpy", "Memcpy", "copy_")),
-    ("gemm", ("gemm", "Gemm", "cutlass", "nvjet", "sm90_xmma", "Cijk", "wgmma")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "varlen")),
+    ("gemm", ("gemm", "Gemm", "cutlass", "nvjet", "sm90_xmma", "Cijk", "wgmma")),
     ("loss", ("log_softmax", "nll_loss", "cross_entropy", "index_add")),
 ]
 
