@@ -10,14 +10,14 @@ the compute stream runs the layer before. Each streamed layer crosses PCIe once 
 huge request is split into waves).
 """
 import argparse
-import contextlib
+import ctypes
 import inspect
 import json
 import math
 import mmap
 import os
-import queue
 import sys
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -115,7 +115,8 @@ SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch
 
 
 class Checkpoint:
-    """Zero-copy views of a folder's safetensors tensors, through read-only (copy-on-write) memory maps."""
+    """A folder's safetensors tensors: zero-copy views through (copy-on-write) memory maps, and positioned reads
+    straight into a destination buffer for the bulk of the weights."""
 
     def __init__(self, model_dir):
         model_dir = Path(model_dir)
@@ -144,6 +145,7 @@ class Checkpoint:
                 header_len = int.from_bytes(f.read(8), "little")
                 header = json.loads(f.read(header_len))
                 data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writable view, never written
+            fd = os.open(path, os.O_RDONLY)
         except (OSError, ValueError) as e:
             raise UserError(f"cannot read safetensors file {path}: {e}") from None
         for name, info in header.items():
@@ -154,13 +156,13 @@ class Checkpoint:
             start, end = info["data_offsets"]
             if 8 + header_len + end > len(data):
                 raise UserError(f"{path.name} is truncated ({name} lies past its end)")
-            self.tensors[name] = (data, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]),
+            self.tensors[name] = (data, fd, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]),
                                   8 + header_len + start, end - start)
 
     def get(self, name, shape):
         if name not in self.tensors:
             raise UserError(f"checkpoint lacks tensor {name}")
-        data, dtype, actual, offset, nbytes = self.tensors[name]
+        data, _, dtype, actual, offset, nbytes = self.tensors[name]
         if actual != tuple(shape):
             raise UserError(f"checkpoint tensor {name} has shape {list(actual)}, config implies {list(shape)}")
         if nbytes == 0:
@@ -171,11 +173,27 @@ class Checkpoint:
         return raw.view(dtype).view(shape)
 
 
+    def read_into(self, name, dst):
+        # dst: a contiguous host tensor. bf16 tensors are read with pread (no page faults on a mapping, GIL
+        # released, 2-3x faster than copying out of the map from 16 threads); other dtypes are cast from the map.
+        src = self.get(name, dst.shape)
+        _, fd, dtype, _, offset, nbytes = self.tensors[name]
+        if dtype != dst.dtype or nbytes == 0:
+            dst.copy_(src)
+            return
+        view = memoryview((ctypes.c_char * nbytes).from_address(dst.data_ptr())).cast("B")
+        done = 0
+        while done < nbytes:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise UserError(f"checkpoint tensor {name}: unexpected end of file")
+            done += n
+
+
 def fill_layer(flat, ckpt, cfg, layer):
-    # flat: [layer_numel] host buffer; copies each tensor out of the memory map (casting to bf16 on the way)
+    # flat: [layer_numel] host buffer, filled tensor by tensor (casting to bf16 where the file is not)
     for name, (offset, shape) in cfg.layer_layout.items():
-        dst = flat[offset:offset + math.prod(shape)].view(shape)
-        dst.copy_(ckpt.get(f"model.layers.{layer}.{name}.weight", shape))
+        ckpt.read_into(f"model.layers.{layer}.{name}.weight", flat[offset:offset + math.prod(shape)].view(shape))
 
 
 @dataclass
@@ -732,13 +750,10 @@ class Runner:
                 + (0 if self.lm_head is self.embed else self.lm_head.nbytes))
 
     def _load_layers(self, ckpt, workers):
-        # Streamed layers: exact-size host buffers, filled from the memory maps and pinned, by parallel threads.
-        # Resident layers: filled into a few pinned staging buffers, registered once and reused, then copied.
+        # Streamed layers: exact-size host buffers, filled from the checkpoint and pinned, by parallel threads.
+        # Resident layers: filled into the thread's pinned staging buffer (pinned once, reused), then copied.
         cfg, cuda = self.cfg, self.device.type == "cuda"
-        n_staging = min(4, workers, len(self.plan.resident_layers)) if cuda else 0
-        staging = queue.Queue()
-        for _ in range(n_staging):
-            staging.put(pin(torch.empty(cfg.layer_numel, dtype=DTYPE)))
+        local, stagings = threading.local(), []
         seconds = {"fill": 0.0, "pin": 0.0, "copy": 0.0}  # thread-seconds, for the load line
 
         def timed(phase, fn, *a):
@@ -752,11 +767,11 @@ class Runner:
                 flat = torch.empty(cfg.layer_numel, dtype=DTYPE)
                 timed("fill", fill_layer, flat, ckpt, cfg, layer)
                 return timed("pin", pin, flat) if cuda else flat
-            buf = staging.get()
-            timed("fill", fill_layer, buf, ckpt, cfg, layer)
-            on_device = timed("copy", buf.to, self.device)
-            staging.put(buf)
-            return on_device
+            if not hasattr(local, "staging"):
+                local.staging = timed("pin", pin, torch.empty(cfg.layer_numel, dtype=DTYPE))
+                stagings.append(local.staging)
+            timed("fill", fill_layer, local.staging, ckpt, cfg, layer)
+            return timed("copy", local.staging.to, self.device)
 
         # one copy thread per worker: torch's own intra-op threads would oversubscribe the cores
         threads = torch.get_num_threads()
@@ -766,8 +781,8 @@ class Runner:
                 buffers = dict(zip(range(cfg.num_hidden_layers), pool.map(load, range(cfg.num_hidden_layers))))
         finally:
             torch.set_num_threads(threads)
-        while not staging.empty():
-            unpin(staging.get())
+        for buf in stagings:
+            unpin(buf)
         self.load_seconds = f"{workers} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + " s"
         resident = {i: buffers[i] for i in self.plan.resident_layers}
         host = {i: buffers[i] for i in self.plan.streamed_layers}

@@ -34,7 +34,8 @@ TEXTS = [
 
 # ----------------------------------------------------------------------------- fixtures
 
-def write_checkpoint(out, tokenizer_dir, *, tied=False, sharded=False, top_level_rope=False, kv_heads=2, seed=0):
+def write_checkpoint(out, tokenizer_dir, *, tied=False, sharded=False, top_level_rope=False, kv_heads=2, seed=0,
+                     file_dtype=torch.bfloat16):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     config = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=16,  # 8*16 != 64
@@ -50,7 +51,8 @@ def write_checkpoint(out, tokenizer_dir, *, tied=False, sharded=False, top_level
         model.model.embed_tokens.weight.normal_(0, 0.1 if not tied else 0.5)
         if not tied:
             model.lm_head.weight.normal_(0, 4 / config.hidden_size ** 0.5)
-    model.save_pretrained(out, max_shard_size="4MB" if sharded else "1GB")
+    model.to(file_dtype).save_pretrained(out, max_shard_size="4MB" if sharded else "1GB")
+    model.to(torch.bfloat16)  # exact: the weights were drawn in bf16
     for f in Path(tokenizer_dir).iterdir():
         shutil.copy(f, out)
     if top_level_rope:  # the transformers 4.x spelling
@@ -73,6 +75,7 @@ VARIANTS = {
     "untied-sharded-rope_parameters-gqa": dict(sharded=True),
     "tied-single-top_level_rope_theta-gqa": dict(tied=True, top_level_rope=True),
     "untied-mha": dict(kv_heads=8),
+    "float32-file": dict(file_dtype=torch.float32),  # cast while loading, not read straight into place
 }
 
 
