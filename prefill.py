@@ -390,6 +390,11 @@ def silu_mul(gate_up):
     return F.silu(gate) * up
 
 
+def token_nll(logits, targets):
+    # logits: [tokens, vocab] bf16 -> [tokens] float32; transformers upcasts the logits before the loss; 0 at -100
+    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none")
+
+
 @dataclass
 class Kernels:
     """The per-token elementwise work: plain PyTorch, or the fused Triton kernels below (same roundings)."""
@@ -397,10 +402,12 @@ class Kernels:
     rms_norm: object        # (x [tokens, n], weight [n], eps) -> [tokens, n]
     head_norm_rope: object  # (x [tokens, heads, head_dim], weight, cos, sin, eps) -> [tokens, heads, head_dim]
     silu_mul: object        # (gate_up [tokens, 2 intermediate]) -> [tokens, intermediate]
+    token_nll: object       # (logits [tokens, vocab], targets [tokens]) -> [tokens] float32
 
 
 # late-bound, so that tests can swap a piece of the math for a broken one
-TORCH_KERNELS = Kernels("torch", lambda *a: rms_norm(*a), lambda *a: head_norm_rope(*a), lambda *a: silu_mul(*a))
+TORCH_KERNELS = Kernels("torch", lambda *a: rms_norm(*a), lambda *a: head_norm_rope(*a), lambda *a: silu_mul(*a),
+                        lambda *a: token_nll(*a))
 
 
 @dataclass
@@ -563,6 +570,25 @@ if triton is not None:
         act = (gate / (1.0 + tl.exp(-gate))).to(tl.bfloat16).to(tl.float32)
         tl.store(out_ptr + t * inter + cols, (act * up).to(tl.bfloat16), mask=mask)
 
+    @triton.jit
+    def _token_nll_kernel(logits_ptr, stride, targets_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+        # one pass over a row of bf16 logits: running max and sum of exponentials per lane, combined at the end
+        row = tl.program_id(0)
+        base = logits_ptr + row.to(tl.int64) * stride
+        run_max = tl.full((BLOCK,), -1e30, tl.float32)  # finite: exp(-inf - run_max) stays 0, never nan
+        run_sum = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < vocab, other=-float("inf")).to(tl.float32)
+            new_max = tl.maximum(run_max, x)
+            run_sum = run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max)
+            run_max = new_max
+        row_max = tl.max(run_max, axis=0)
+        lse = row_max + tl.log(tl.sum(run_sum * tl.exp(run_max - row_max), axis=0))
+        target = tl.load(targets_ptr + row)
+        picked = tl.load(base + tl.maximum(target, 0)).to(tl.float32)
+        tl.store(out_ptr + row, tl.where(target >= 0, lse - picked, 0.0))
+
 
 def rms_norm_triton(x, weight, eps):
     assert x.stride(-1) == 1
@@ -592,7 +618,16 @@ def silu_mul_triton(gate_up):
     return out
 
 
-TRITON_KERNELS = Kernels("triton", rms_norm_triton, head_norm_rope_triton, silu_mul_triton)
+def token_nll_triton(logits, targets):
+    # reads the bf16 logits once, where the plain path writes and rereads a float32 copy and its log-softmax
+    assert logits.stride(-1) == 1
+    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    _token_nll_kernel[(logits.shape[0],)](logits, logits.stride(0), targets, out, logits.shape[1], BLOCK=4096,
+                                          num_warps=8)
+    return out
+
+
+TRITON_KERNELS = Kernels("triton", rms_norm_triton, head_norm_rope_triton, silu_mul_triton, token_nll_triton)
 
 
 def pick_kernels(requested, device, cfg):
@@ -610,9 +645,13 @@ def pick_kernels(requested, device, cfg):
         cos, sin = rope_tables(torch.arange(T, device=device), cfg)
         gate_up = torch.randn(T, 2 * cfg.intermediate_size, generator=gen).to(device, DTYPE)
         heads = qkv[:, :cfg.q_size].view(T, -1, D)
+        logits = (torch.randn(T, cfg.vocab_size, generator=gen) * 4).to(device, DTYPE)
+        targets = torch.randint(cfg.vocab_size, (T,), generator=gen).to(device)
+        targets[::7] = -100
         pairs = [(rms_norm_triton(x, w_h, 1e-6), rms_norm(x, w_h, 1e-6)),
                  (head_norm_rope_triton(heads, w_d, cos, sin, 1e-6), head_norm_rope(heads, w_d, cos, sin, 1e-6)),
-                 (silu_mul_triton(gate_up), silu_mul(gate_up))]
+                 (silu_mul_triton(gate_up), silu_mul(gate_up)),
+                 (token_nll_triton(logits, targets), token_nll(logits, targets))]
         for got, want in pairs:  # ~4 bf16 ulps of the scale (the CPU interpreter truncates); bugs are off by O(1)
             got, want = got.float(), want.float()
             if not (got - want).abs().max() <= 2**-5 * want.abs().max():
@@ -664,13 +703,12 @@ def pack(token_lists, chunk_tokens, wave_tokens):
     return packed
 
 
-def sequence_nll(h, lm_head, final_norm, targets, seq_index, n_seqs, eps, chunk_tokens, norm):
+def sequence_nll(h, lm_head, final_norm, targets, seq_index, n_seqs, eps, chunk_tokens, kernels):
     # h: [tokens, hidden]; targets: [tokens] (next token, -100 after each sequence's last); returns [n_seqs] f32 sums
     sums = torch.zeros(n_seqs, dtype=torch.float32, device=h.device)
     for s in range(0, h.shape[0], chunk_tokens):
-        logits = F.linear(norm(h[s:s + chunk_tokens], final_norm, eps), lm_head)  # [chunk, vocab] bf16
-        nll = F.cross_entropy(logits.float(), targets[s:s + chunk_tokens], ignore_index=-100, reduction="none")
-        sums.index_add_(0, seq_index[s:s + chunk_tokens], nll)
+        logits = F.linear(kernels.rms_norm(h[s:s + chunk_tokens], final_norm, eps), lm_head)  # [chunk, vocab] bf16
+        sums.index_add_(0, seq_index[s:s + chunk_tokens], kernels.token_nll(logits, targets[s:s + chunk_tokens]))
     return sums
 
 
@@ -825,7 +863,7 @@ class Runner:
             targets = torch.cat((ids[1:], ids[:1]))
             targets[(starts + lengths - 1).to(dev)] = -100  # no target after a sequence's last token
             sums = sequence_nll(x, self.lm_head, self.final_norm, targets, seq_index.to(dev),
-                                len(wave.seqs), cfg.rms_norm_eps, plan.loss_chunk_tokens, self.kernels.rms_norm)
+                                len(wave.seqs), cfg.rms_norm_eps, plan.loss_chunk_tokens, self.kernels)
             for seq, n, total in zip(wave.seqs, wave.lengths, sums.tolist()):
                 result[seq] = total / (n - 1)
             del x, cos, sin
