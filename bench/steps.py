@@ -1,6 +1,7 @@
 """The heavy steps of bench/run.py, each run in a process of its own so that its memory is freed when it ends.
 
     python bench/steps.py gemm      --config CFG.json --m 4096,16384 --json OUT.json [--device cuda]
+    python bench/steps.py storage   --model DIR --json OUT.json [--threads 16]   (read bandwidth of *.safetensors)
     python bench/steps.py blocker   --cap-gib 48          (holds all but 48 GiB of the GPU until stdin closes)
     python bench/steps.py reference --model DIR --texts T.json --json OUT.json [--device cuda]
     python bench/steps.py baseline  --model DIR --texts T.json --json OUT.json --gpu-gib 43.2 [--k 10]
@@ -104,6 +105,53 @@ def gemm_rates(cfg: dict, ms: list[int], device: str, warmup: int = 3, repeats: 
     return {"per_m": per_m, "gemm_tflops": best}
 
 
+def gemm_sustained(cfg: dict, m: int, device: str, seconds: float = 3.0, weight_sets: int = 4) -> dict:
+    """TFLOP/s of one layer's GEMMs (qkv, o, gate_up, down) at M tokens run back to back for ~`seconds`, with
+    no synchronisation in between, timed as one whole: what a forward pass can sustain (clocks under a long
+    load, launch gaps), unlike the burst medians above.  Each iteration takes the next of `weight_sets`
+    weight sets (0.98 GB each for Qwen3-32B), so no weight sits in L2 from the iteration before."""
+    import torch
+
+    from bench.make_checkpoint import matrix_shapes
+
+    shapes = {k: v for k, v in matrix_shapes(cfg).items() if k in ("qkv", "o", "gate_up", "down")}
+    gen = torch.Generator(device=device).manual_seed(1)
+    xs = {k: torch.randn(m, kk, generator=gen, device=device, dtype=torch.bfloat16) for k, (n, kk, _) in shapes.items()}
+    outs = {k: torch.empty(m, n, device=device, dtype=torch.bfloat16) for k, (n, _, _) in shapes.items()}
+    sets = [{k: torch.randn(n, kk, generator=gen, device=device, dtype=torch.bfloat16).t()
+             for k, (n, kk, _) in shapes.items()} for _ in range(weight_sets)]
+    layer_flops = sum(2.0 * m * n * k for n, k, _ in shapes.values())
+
+    def run(iters: int) -> None:
+        for i in range(iters):
+            w = sets[i % weight_sets]
+            for k in shapes:
+                torch.matmul(xs[k], w[k], out=outs[k])
+
+    def timed(iters: int) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run(iters)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000
+        t0 = time.perf_counter()
+        run(iters)
+        return time.perf_counter() - t0
+
+    run(weight_sets)  # warm-up: cuBLAS heuristics, clocks up
+    probe = timed(2 * weight_sets)
+    iters = max(weight_sets, round(seconds / (probe / (2 * weight_sets))))
+    elapsed = timed(iters)
+    out = {"m": m, "iterations": iters, "weight_sets": weight_sets, "seconds": elapsed,
+           "flops": layer_flops * iters, "tflops": layer_flops * iters / elapsed / 1e12}
+    print(f"gemm sustained M={m}: {iters} layers back to back in {elapsed:.2f} s -> {out['tflops']:.1f} TFLOP/s",
+          flush=True)
+    return out
+
+
 def h2d_bandwidth(nbytes: int = GiB, repeats: int = 5) -> dict:
     """GB/s (1e9) of host->device copies of nbytes from pinned and from pageable memory (median of repeats)."""
     import torch
@@ -127,7 +175,107 @@ def cmd_gemm(args) -> int:
         record["gpu_name"] = torch.cuda.get_device_name(0)
         record["gpu_total_bytes"] = torch.cuda.get_device_properties(0).total_memory
     record.update(gemm_rates(cfg, ms, args.device, repeats=args.repeats))
+    if args.sustained_s > 0:
+        record["sustained"] = gemm_sustained(cfg, args.sustained_m, args.device, seconds=args.sustained_s)
+        record["gemm_sustained_tflops"] = record["sustained"]["tflops"]
     record["h2d"] = h2d_bandwidth() if args.device == "cuda" else None
+    _write(args.json, record)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# storage: how fast the checkpoint's files can be read (the floor of the runner's time to ready)
+# ---------------------------------------------------------------------------------------------------------
+
+def _filesystem(path: Path) -> dict:
+    """The mount holding path, from /proc/mounts (longest mount point that is a prefix): {mount, type}."""
+    best = {"mount": None, "type": None}
+    try:
+        real = str(path.resolve())
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) < 3:
+                continue
+            mount = parts[1].replace("\\040", " ")
+            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and \
+                    len(mount) >= len(best["mount"] or ""):
+                best = {"mount": mount, "type": parts[2]}
+    except OSError:
+        pass
+    return best
+
+
+def storage_read(files: list[Path], threads: int, buffer_bytes: int = 64 * 2**20) -> dict:
+    """GB/s (1e9) reading every byte of files with `threads` threads, each os.preadv-ing into its own reusable
+    buffer: the files' bytes, laid end to end, are cut into `threads` contiguous shares (so a share may span
+    files, and a large file is read by several threads at once)."""
+    import threading
+
+    sizes = [f.stat().st_size for f in files]
+    total = sum(sizes)
+    threads = max(1, min(threads, max(1, total // buffer_bytes) or 1))
+    bounds = [total * i // threads for i in range(threads + 1)]
+
+    def segments(lo: int, hi: int) -> list[tuple[Path, int, int]]:
+        """(file, start, end) pieces of the global byte range [lo, hi)."""
+        out, base = [], 0
+        for f, size in zip(files, sizes):
+            a, b = max(lo, base), min(hi, base + size)
+            if a < b:
+                out.append((f, a - base, b - base))
+            base += size
+        return out
+
+    done = [0] * threads
+    errors: list[str] = []
+    barrier = threading.Barrier(threads + 1)
+
+    def worker(i: int) -> None:
+        buf = bytearray(b"\x01") * buffer_bytes  # written once: no page faults while timed
+        view = memoryview(buf)
+        barrier.wait()
+        try:
+            for f, start, end in segments(bounds[i], bounds[i + 1]):
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    pos = start
+                    while pos < end:
+                        n = os.preadv(fd, [view[: min(buffer_bytes, end - pos)]], pos)
+                        if n <= 0:
+                            raise OSError(f"{f}: short read at {pos}")
+                        pos += n
+                        done[i] += n
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            errors.append(str(e))
+
+    pool = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(threads)]
+    for t in pool:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in pool:
+        t.join()
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise OSError("; ".join(errors[:3]))
+    read = sum(done)
+    return {"files": len(files), "bytes": read, "threads": threads, "buffer_bytes": buffer_bytes,
+            "seconds": seconds, "gbps": read / seconds / 1e9}
+
+
+def cmd_storage(args) -> int:
+    model = Path(args.model)
+    files = sorted(model.glob("*.safetensors"))
+    if not files:
+        print(f"storage: no *.safetensors in {model}", file=sys.stderr)
+        return 1
+    record = storage_read(files, args.threads or min(16, os.cpu_count() or 1))
+    record.update(path=str(model), filesystem=_filesystem(model))
+    print(f"storage: {record['bytes'] / 1e9:.2f} GB in {record['files']} files read by {record['threads']} threads "
+          f"in {record['seconds']:.2f} s -> {record['gbps']:.1f} GB/s ({record['filesystem']['type']} at "
+          f"{record['filesystem']['mount']})", flush=True)
     _write(args.json, record)
     return 0
 
@@ -267,7 +415,15 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--repeats", type=int, default=10)
     g.add_argument("--json", required=True)
     g.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    g.add_argument("--sustained-m", type=int, default=4096, help="M of the sustained per-layer GEMM run")
+    g.add_argument("--sustained-s", type=float, default=3.0, help="its length in seconds (0: not run)")
     g.set_defaults(fn=cmd_gemm)
+
+    s = sub.add_parser("storage")
+    s.add_argument("--model", required=True, help="checkpoint folder: its *.safetensors are read")
+    s.add_argument("--threads", type=int, default=0, help="reader threads (default min(16, cpu count))")
+    s.add_argument("--json", required=True)
+    s.set_defaults(fn=cmd_storage)
 
     b = sub.add_parser("blocker")
     b.add_argument("--cap-gib", type=float, required=True)
