@@ -743,28 +743,39 @@ class Runner:
     def __init__(self, model_dir, device=None, gpu_memory_gib=None, attention="auto", kernels="auto",
                  chunk_tokens=4096, wave_tokens=65536, workers=None):
         t0 = time.perf_counter()
+        self.load_wall_s, marks = {}, [t0]  # where time-to-ready goes, for --stats
+
+        def lap(phase):
+            marks.append(time.perf_counter())
+            self.load_wall_s[phase] = marks[-1] - marks[-2]
+
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise UserError("--device cuda: no GPU is visible to torch")
         self.cfg = cfg = Qwen3Config.from_dir(model_dir)
         ckpt = Checkpoint(model_dir)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.attention, self.attend = pick_attention(attention, self.device, cfg)
-        self.kernels = pick_kernels(kernels, self.device, cfg)
-        self.plan = plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens)
-
         H, V = cfg.hidden_size, cfg.vocab_size
         for layer in range(cfg.num_hidden_layers):  # every missing or misshapen tensor fails before any heavy work
             for name, (_, shape) in cfg.layer_layout.items():
                 ckpt.get(f"model.layers.{layer}.{name}.weight", shape)
-        # The embedding lives on the device: a host-side gather would cost a pageable copy of every token's row
-        # inside the timed window (66 ms for 45k tokens on the H200).
-        self.embed = ckpt.get("model.embed_tokens.weight", (V, H)).to(self.device, DTYPE, copy=True)
-        self.lm_head = (self.embed if cfg.tie_word_embeddings else
-                        ckpt.get("lm_head.weight", (V, H)).to(self.device, DTYPE, copy=True))
-        self.final_norm = ckpt.get("model.norm.weight", (H,)).to(self.device, DTYPE, copy=True)
-
-        resident, host = self._load_layers(ckpt, workers or min(16, os.cpu_count() or 1))
+        self.tokenizer = load_tokenizer(model_dir)
+        self.plan = plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens)
+        lap("setup")
+        with ThreadPoolExecutor(1) as side:
+            # the kernels' JIT compilation and checks run while the weights load
+            picked = side.submit(lambda: (pick_attention(attention, self.device, cfg),
+                                          pick_kernels(kernels, self.device, cfg)))
+            # The embedding lives on the device: a host-side gather would cost a pageable copy of every token's
+            # row inside the timed window (66 ms for 45k tokens on the H200).
+            self.embed = ckpt.get("model.embed_tokens.weight", (V, H)).to(self.device, DTYPE, copy=True)
+            self.lm_head = (self.embed if cfg.tie_word_embeddings else
+                            ckpt.get("lm_head.weight", (V, H)).to(self.device, DTYPE, copy=True))
+            self.final_norm = ckpt.get("model.norm.weight", (H,)).to(self.device, DTYPE, copy=True)
+            lap("embeddings")
+            resident, host = self._load_layers(ckpt, workers or min(16, os.cpu_count() or 1))
+            lap("layers")
+            (self.attention, self.attend), self.kernels = picked.result()
+            lap("kernels_wait")
         self.pinned_host_bytes = sum(t.nbytes for t in host.values()) if self.device.type == "cuda" else 0
         self.streamer = WeightStreamer(cfg, resident, host, self.device)
         self.stats = {}
@@ -977,6 +988,7 @@ def serve(args, protocol):
                     kernels=args.kernels, chunk_tokens=args.chunk_tokens, wave_tokens=args.wave_tokens)
     t0 = time.perf_counter()
     runner.warm_up()
+    warm_up_s = time.perf_counter() - t0
     if args.input:
         try:
             source = sys.stdin.read() if args.input == "-" else Path(args.input).read_text()
@@ -984,7 +996,7 @@ def serve(args, protocol):
             raise UserError(f"cannot read {args.input}: {e.strerror}") from None
         texts = parse_texts(source, args.input)
     else:
-        log(f"ready (warm-up {time.perf_counter() - t0:.1f} s)")
+        log(f"ready (warm-up {warm_up_s:.1f} s)")
         protocol.write("ready\n")
         protocol.flush()
         line = sys.stdin.readline()
@@ -1001,6 +1013,7 @@ def serve(args, protocol):
     protocol.flush()
     elapsed = time.perf_counter() - t_start
     stats = dict(runner.stats, elapsed_s=elapsed, pinned_host_bytes=runner.pinned_host_bytes,
+                 load_wall_s=runner.load_wall_s, warm_up_s=warm_up_s,
                  resident_layers=len(runner.plan.resident_layers), streamed_layers=len(runner.plan.streamed_layers),
                  attention=runner.attention, kernels=runner.kernels.name, budget_bytes=runner.plan.budget_bytes,
                  planned_bytes=runner.plan.total_bytes)
