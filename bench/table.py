@@ -16,7 +16,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 START, END = "<!-- bench-table -->", "<!-- /bench-table -->"
 
-COLUMNS = ("date", "machine", "workload", "texts", "tokens", "T (s)", "compute floor (s)", "T / floor",
+COLUMNS = ("date", "commit", "machine", "workload", "texts", "tokens", "T (s)", "compute floor (s)", "T / floor",
            "T / sustained floor", "transfer floor (s)", "time to ready (s)", "ready / ready floor",
            "peak GPU (GiB)", "max rel err", "baseline T (s)", "W7800 estimate (s)")
 
@@ -35,7 +35,7 @@ def row(r: dict) -> list[str]:
         # The larger of the two floors (copies hidden under compute), from SPEC figures: an estimate.
         w7800 = f"≥ {_num(est.get('t_floor_s', est['t_compute_s']), '{:.1f}')} (est.)"
     return [
-        r.get("date", "–"), r.get("machine", "–"), r.get("workload", "–"), _num(r.get("texts"), "{}"),
+        r.get("date", "–"), f"`{str(r.get('commit', '–'))[:7]}`", r.get("machine", "–"), r.get("workload", "–"), _num(r.get("texts"), "{}"),
         _num(r.get("tokens"), "{}"), _num(r.get("t_seconds"), "{:.2f}"), _num(r.get("compute_floor_s"), "{:.2f}"),
         _num(r.get("t_over_compute_floor"), "{:.2f}×"), _num(r.get("t_over_compute_floor_sustained"), "{:.2f}×"),
         _num(r.get("transfer_floor_s"), "{:.2f}"), _num(r.get("time_to_ready_s"), "{:.1f}"),
@@ -51,7 +51,8 @@ def load_reports(folder: Path) -> list[dict]:
             reports.append(json.loads(path.read_text()))
         except (OSError, ValueError) as e:
             print(f"table.py: skipping {path}: {e}", file=sys.stderr)
-    return sorted(reports, key=lambda r: (r.get("date", ""), r.get("machine", ""), r.get("workload", "")))
+    return sorted(reports, key=lambda r: (r.get("date", ""), r.get("machine", ""), r.get("workload", ""),
+                                          r.get("wall_clock_start", r.get("commit", ""))))
 
 
 def markdown(reports: list[dict]) -> str:
