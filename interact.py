@@ -480,21 +480,30 @@ def dtype_kwarg() -> str:
     return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
 
-def reference_losses(model_dir: str | Path, texts: list[str], device: str | None = None) -> list[float]:
+def load_reference_model(model_dir: str | Path, device: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **{dtype_kwarg(): torch.bfloat16}).to(device).eval()
-    tok = load_tokenizer(model_dir)
+    kwargs = {dtype_kwarg(): torch.bfloat16}
+    if device != "cpu" and importlib.util.find_spec("accelerate"):
+        # straight onto the device: a host copy of a 65 GB model first may not fit beside its checkpoint
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), device_map=device, **kwargs).eval()
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs).to(device).eval()
+
+
+def reference_losses(model, tokenizer, texts: list[str]) -> list[float]:
+    """The simple way: one forward per text with labels=input_ids (nan below 2 tokens)."""
+    import torch
+
     losses = []
     with torch.inference_mode():
         for text in texts:
-            ids = tok(text)["input_ids"]
+            ids = tokenizer(text)["input_ids"]
             if len(ids) < 2:
                 losses.append(float("nan"))
                 continue
-            t = torch.tensor([ids], device=device)
+            t = torch.tensor([ids], device=model.device)
             losses.append(model(input_ids=t, labels=t).loss.item())
     return losses
 
@@ -687,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {model_dir}\ntexts: {len(texts)}", flush=True)
 
         if args.make_reference:
-            losses = reference_losses(model_dir, texts)
+            losses = reference_losses(load_reference_model(model_dir), load_tokenizer(model_dir), texts)
             record = {"texts_sha256": texts_sha256(texts), "losses": losses}
             Path(args.make_reference).write_text(json.dumps(record) + "\n")
             print(f"wrote {len(losses)} reference losses to {args.make_reference}")

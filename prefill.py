@@ -894,8 +894,9 @@ class Runner:
         n = min(self.plan.chunk_tokens, 4096) if self.device.type == "cuda" else 64
         lengths = [n // 2, n // 2 - n // 8, n // 8 - 1]
         self.losses([torch.randint(self.cfg.vocab_size, (k,), generator=gen).tolist() for k in lengths])
-        if self.attention == "flash":
-            for bucket in {max_len_bucket(k) for k in (128, 256, 512, 1024, 2048, 4096, self.plan.chunk_tokens)}:
+        if self.attention == "flash":  # a chunk of several texts has max_len <= chunk_tokens: 128, 256, ... that
+            top = max_len_bucket(self.plan.chunk_tokens)
+            for bucket in (128 << i for i in range(top.bit_length() - 7)):
                 q = torch.randn(bucket, self.cfg.num_attention_heads, self.cfg.head_dim, device=self.device,
                                 dtype=DTYPE)
                 k = torch.randn(bucket, self.cfg.num_key_value_heads, self.cfg.head_dim, device=self.device,

@@ -328,31 +328,20 @@ def _sync(device: str) -> None:
 
 def cmd_reference(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import interact
 
     texts = _texts(args.texts)
     t0 = time.perf_counter()
-    # device_map loads straight onto the device: a CPU copy of 65 GB first would not fit beside /dev/shm.
-    model = AutoModelForCausalLM.from_pretrained(args.model, **{_dtype_kw(): torch.bfloat16},
-                                                 device_map=args.device).eval()
-    tok = AutoTokenizer.from_pretrained(args.model)
+    model = interact.load_reference_model(args.model, args.device)
+    tok = interact.load_tokenizer(args.model)
     _sync(args.device)
     load_s = time.perf_counter() - t0
     print(f"reference: loaded in {load_s:.1f} s", flush=True)
-    losses, tokens = [], 0
     t1 = time.perf_counter()
-    with torch.inference_mode():
-        for text in texts:
-            ids = tok(text)["input_ids"]
-            tokens += len(ids)
-            if len(ids) < 2:
-                losses.append(float("nan"))
-                continue
-            t = torch.tensor([ids], device=args.device)
-            losses.append(model(input_ids=t, labels=t).loss.item())
+    losses = interact.reference_losses(model, tok, texts)
     forward_s = time.perf_counter() - t1
+    tokens = sum(len(tok(text)["input_ids"]) for text in texts)
     peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
     print(f"reference: {len(texts)} texts, {tokens} tokens in {forward_s:.1f} s", flush=True)
     _write(args.json, {"texts_sha256": interact.texts_sha256(texts), "losses": losses, "tokens": tokens,
@@ -360,7 +349,6 @@ def cmd_reference(args) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------
 # baseline: the contest handout's runner (transformers + accelerate device_map="auto", one forward per text)
 # ---------------------------------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import prefill
+from interact import reference_losses
 
 TOLERANCE = 0.01  # relative, per text
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,15 +61,6 @@ def write_checkpoint(out, tokenizer_dir, *, tied=False, sharded=False, top_level
         cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
         (Path(out) / "config.json").write_text(json.dumps(cfg))
     return model
-
-
-def reference_losses(model, tokenizer, texts):
-    out = []
-    with torch.no_grad():
-        for text in texts:
-            ids = torch.tensor([tokenizer(text)["input_ids"]])
-            out.append(model(input_ids=ids, labels=ids).loss.item() if ids.shape[1] >= 2 else math.nan)
-    return out
 
 
 VARIANTS = {
