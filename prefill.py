@@ -970,7 +970,8 @@ def parse_args(argv):
                    help="per-token elementwise work (norms, RoPE, SiLU): fused Triton kernels or plain PyTorch "
                         "(default: Triton on a GPU where it works, else PyTorch)")
     p.add_argument("--chunk-tokens", type=int, default=4096, metavar="N",
-                   help="tokens per layer step (whole texts are kept together; default 4096)")
+                   help="tokens per GEMM step: attention runs on chunks of whole texts of up to N tokens, the MLP "
+                        "on slices of N (default 4096)")
     p.add_argument("--wave-tokens", type=int, default=65536, metavar="N",
                    help="tokens kept on the GPU across all layers; larger requests run in several waves, "
                         "each streaming the layers again (default 65536)")
