@@ -39,13 +39,6 @@ def _write(path: str, record: dict) -> None:
     os.replace(tmp, path)
 
 
-def _dtype_kw() -> str:
-    # transformers 4.56 renamed torch_dtype to dtype; an unknown keyword would be silently ignored (fp32!).
-    import transformers
-    from packaging.version import Version
-    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-
-
 # ---------------------------------------------------------------------------------------------------------
 # gemm: bf16 GEMM rate at the model's projection shapes, and host->device copy bandwidth
 # ---------------------------------------------------------------------------------------------------------
@@ -316,10 +309,6 @@ def cmd_blocker(args) -> int:
 # reference: transformers, the whole model on one device, one forward per text (SPEC §1's definition)
 # ---------------------------------------------------------------------------------------------------------
 
-def _texts(path: str) -> list[str]:
-    return json.loads(Path(path).read_text())
-
-
 def _sync(device: str) -> None:
     import torch
     if device == "cuda":
@@ -331,7 +320,7 @@ def cmd_reference(args) -> int:
 
     import interact
 
-    texts = _texts(args.texts)
+    texts = interact.load_texts_file(args.texts)
     t0 = time.perf_counter()
     model = interact.load_reference_model(args.model, args.device)
     tok = interact.load_tokenizer(args.model)
@@ -356,7 +345,9 @@ def cmd_baseline(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    texts = _texts(args.texts)[: args.k]
+    import interact
+
+    texts = interact.load_texts_file(args.texts)[: args.k]
     record = {"gpu_gib": args.gpu_gib, "cpu_gib": args.cpu_gib, "load_s": None, "per_text_s": [], "losses": [],
               "tokens": []}
     _write(args.json, record)
@@ -364,7 +355,7 @@ def cmd_baseline(args) -> int:
     max_memory = {"cpu": f"{args.cpu_gib}GiB"}
     if args.device == "cuda":
         max_memory[0] = f"{args.gpu_gib}GiB"
-    model = AutoModelForCausalLM.from_pretrained(args.model, **{_dtype_kw(): torch.bfloat16}, device_map="auto",
+    model = AutoModelForCausalLM.from_pretrained(args.model, **{interact.dtype_kwarg(): torch.bfloat16}, device_map="auto",
                                                  max_memory=max_memory).eval()
     tok = AutoTokenizer.from_pretrained(args.model)
     record["load_s"] = time.perf_counter() - t0

@@ -71,20 +71,21 @@ VARIANTS = {
 }
 
 
+def checkpoint_with_reference(tmp_path_factory, tokenizer_dir, name, **variant):
+    from transformers import AutoTokenizer
+    out = tmp_path_factory.mktemp(name)
+    model = write_checkpoint(out, tokenizer_dir, **variant)
+    return out, reference_losses(model, AutoTokenizer.from_pretrained(out), TEXTS)
+
+
 @pytest.fixture(scope="session", params=list(VARIANTS))
 def checkpoint(request, tmp_path_factory, qwen_tokenizer_dir):
-    from transformers import AutoTokenizer
-    out = tmp_path_factory.mktemp(request.param)
-    model = write_checkpoint(out, qwen_tokenizer_dir, **VARIANTS[request.param])
-    return out, reference_losses(model, AutoTokenizer.from_pretrained(out), TEXTS)
+    return checkpoint_with_reference(tmp_path_factory, qwen_tokenizer_dir, request.param, **VARIANTS[request.param])
 
 
 @pytest.fixture(scope="session")
 def gqa_checkpoint(tmp_path_factory, qwen_tokenizer_dir):
-    from transformers import AutoTokenizer
-    out = tmp_path_factory.mktemp("gqa")
-    model = write_checkpoint(out, qwen_tokenizer_dir, sharded=True)
-    return out, reference_losses(model, AutoTokenizer.from_pretrained(out), TEXTS)
+    return checkpoint_with_reference(tmp_path_factory, qwen_tokenizer_dir, "gqa", sharded=True)
 
 
 def max_rel_err(losses, reference):
