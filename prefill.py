@@ -172,7 +172,6 @@ class Checkpoint:
             raw = raw.clone()
         return raw.view(dtype).view(shape)
 
-
     def read_into(self, name, dst):
         # dst: a contiguous host tensor. bf16 tensors are read with pread (no page faults on a mapping, GIL
         # released, 2-3x faster than copying out of the map from 16 threads); other dtypes are cast from the map.
@@ -248,7 +247,7 @@ class MemoryPlan:
     budget_bytes: int
     resident_layers: tuple   # layer indices kept on the device
     streamed_layers: tuple   # layer indices streamed through the slots, spread evenly among the resident ones
-    chunk_tokens: int        # tokens per layer step (whole sequences; longer sequences alone)
+    chunk_tokens: int        # attention: chunks of whole texts up to this; MLP: slices of this
     wave_tokens: int         # tokens whose hidden states stay on the device across all layers
     loss_chunk_tokens: int
     fixed_bytes: int         # embedding, lm_head (one matrix when tied), final norm
