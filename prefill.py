@@ -11,7 +11,6 @@ huge request is split into waves).
 """
 import argparse
 import ctypes
-import inspect
 import json
 import math
 import mmap
@@ -172,27 +171,29 @@ class Checkpoint:
             raw = raw.clone()
         return raw.view(dtype).view(shape)
 
-    def read_into(self, name, dst):
-        # dst: a contiguous host tensor. bf16 tensors are read with pread (no page faults on a mapping, GIL
-        # released, 2-3x faster than copying out of the map from 16 threads); other dtypes are cast from the map.
-        src = self.get(name, dst.shape)
-        _, fd, dtype, _, offset, nbytes = self.tensors[name]
-        if dtype != dst.dtype or nbytes == 0:
-            dst.copy_(src)
+    def read(self, name, dst, start=0):
+        # dst: a contiguous bf16 host tensor <- elements [start, start + dst.numel()) of tensor `name`, flattened.
+        # bf16 is read with pread (GIL released, no page faults on a mapping: 2-3x faster than copying out of the
+        # map from 16 threads); other dtypes are cast from the map.
+        _, fd, dtype, shape, offset, _ = self.tensors[name]
+        n = dst.numel()
+        if dtype != dst.dtype:
+            dst.copy_(self.get(name, shape).view(-1)[start:start + n])
             return
+        nbytes, offset = n * dtype.itemsize, offset + start * dtype.itemsize
         view = memoryview((ctypes.c_char * nbytes).from_address(dst.data_ptr())).cast("B")
         done = 0
         while done < nbytes:
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
                 raise UserError(f"checkpoint tensor {name}: unexpected end of file")
-            done += n
+            done += got
 
 
-def fill_layer(flat, ckpt, cfg, layer):
-    # flat: [layer_numel] host buffer, filled tensor by tensor (casting to bf16 where the file is not)
-    for name, (offset, shape) in cfg.layer_layout.items():
-        ckpt.read_into(f"model.layers.{layer}.{name}.weight", flat[offset:offset + math.prod(shape)].view(shape))
+def layer_tensors(cfg, layer):
+    # (checkpoint name, offset, element count) of each tensor inside the layer's flat buffer, in layout order
+    return [(f"model.layers.{layer}.{name}.weight", offset, math.prod(shape))
+            for name, (offset, shape) in cfg.layer_layout.items()]
 
 
 @dataclass
@@ -220,11 +221,19 @@ def layer_views(flat, cfg):
     )
 
 
+def host_empty(numel):
+    # Anonymous memory advised onto transparent huge pages: filling fresh memory is bound by its first-touch page
+    # faults, and 2 MiB pages made that 1.5x faster from 8 threads on the H200 machine (bench/primitives.py).
+    buf = mmap.mmap(-1, numel * DTYPE.itemsize)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=DTYPE)  # the tensor keeps the mapping alive
+
+
 def pin(t):
     """Page-locks t in place at its exact size. torch's pinned allocator would round 1 GB up to 2 GB (and 20 GB of
-    layers to 32 GB); registering plain memory keeps host use exact. Falls back to a pinned copy if refused."""
-    if t.numel() == 0:
-        return t
+    layers to 32 GB); registering plain memory keeps host use exact, and costs ~0.04 s/GiB once the pages exist
+    (0.4 s/GiB when registering has to fault them in). Falls back to a pinned copy if refused."""
     try:
         torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
         return t
@@ -233,7 +242,52 @@ def pin(t):
 
 
 def unpin(t):
-    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())  # fails harmlessly for a pin_memory() copy
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
+
+
+STAGING_BYTES = 32 * 2**20  # each of a loading thread's two staging buffers
+
+
+class Stager:
+    """Copies checkpoint tensors into device memory through two small pinned buffers of its own, so that resident
+    weights need no page-locked host copy: reading a piece into one buffer overlaps the copy out of the other.
+    One per loading thread; on the CPU the same code does plain copies."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.buffers = [host_empty(STAGING_BYTES // DTYPE.itemsize) for _ in range(2)]
+        self.registered = []
+        if self.cuda:
+            pinned = [pin(b) for b in self.buffers]
+            self.registered = [p for p, b in zip(pinned, self.buffers) if p is b]
+            self.buffers = pinned
+            self.stream = torch.cuda.Stream(device)
+            self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self.turn = 0
+
+    def put(self, ckpt, name, dst):
+        # dst: a contiguous device tensor <- the whole checkpoint tensor `name`
+        dst = dst.view(-1)
+        step = self.buffers[0].numel()
+        for start in range(0, dst.numel(), step):
+            n = min(step, dst.numel() - start)
+            staging = self.buffers[self.turn][:n]
+            if self.cuda:
+                self.copied[self.turn].synchronize()  # the copy out of this buffer, two pieces ago, is done
+            ckpt.read(name, staging, start)
+            if self.cuda:
+                with torch.cuda.stream(self.stream):
+                    dst[start:start + n].copy_(staging, non_blocking=True)
+                    self.copied[self.turn].record(self.stream)
+            else:
+                dst[start:start + n].copy_(staging)
+            self.turn ^= 1
+
+    def close(self):
+        if self.cuda:
+            self.stream.synchronize()
+        for b in self.registered:
+            unpin(b)
 
 
 # ----------------------------------------------------------------------------- memory plan
@@ -446,29 +500,21 @@ def make_attention(kind):
             n = max_len_bucket(chunk.max_len)
             return flash_attn_varlen_func(q, k, v, chunk.cu_seqlens, chunk.cu_seqlens, n, n, causal=True)
         return attention_flash
-    if kind == "varlen":
-        from torch.nn.attention.varlen import varlen_attn
-        params = inspect.signature(varlen_attn).parameters
-        # the causal flag changed spelling between torch releases
-        causal = ({"window_size": (-1, 0)} if "window_size" in params else
-                  {"is_causal": True} if "is_causal" in params else {"causal": True})
-        native_gqa = "enable_gqa" in params
+    if kind == "torch-flash":
+        # torch's own flash kernel, called directly: its varlen_attn wrapper (torch 2.11) has no GQA and would need
+        # the KV heads repeated 8x, which cost 0.2 s of copies and attention per 45k-token request on the H200
+        flash_forward = torch.ops.aten._flash_attention_forward
 
-        def attention_varlen(q, k, v, chunk):
-            if native_gqa:
-                extra = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-            else:
-                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-                extra = {}
-            return varlen_attn(q, k, v, chunk.cu_seqlens, chunk.cu_seqlens, chunk.max_len, chunk.max_len,
-                               **causal, **extra)
-        return attention_varlen
+        def attention_torch_flash(q, k, v, chunk):
+            cu = chunk.cu_seqlens
+            return flash_forward(q, k, v, cu, cu, chunk.max_len, chunk.max_len, 0.0, True, False)[0]
+        return attention_torch_flash
     raise UserError(f"unknown attention backend {kind!r}")
 
 
 def pick_attention(requested, device, cfg):
-    """The first backend that imports and matches SDPA on this device (flash_attn, torch varlen, SDPA)."""
-    kinds = ["flash", "varlen", "sdpa"] if requested == "auto" else [requested]
+    """The first backend that imports and matches SDPA on this device (flash_attn, torch's flash kernel, SDPA)."""
+    kinds = ["flash", "torch-flash", "sdpa"] if requested == "auto" else [requested]
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     lens = [37, 100]
@@ -482,7 +528,7 @@ def pick_attention(requested, device, cfg):
         try:
             attend = make_attention(kind)
             err = (attend(q, k, v, chunk).float() - reference).abs().max().item()
-            if err < 2e-2:
+            if err <= 2**-5 * reference.abs().max().item():  # a few bf16 ulps; a wrong mask or head map is O(1)
                 return kind, attend
             reasons.append(f"{kind}: differs from SDPA by {err:.3g}")
         except UserError:
@@ -757,26 +803,31 @@ class Runner:
         for layer in range(cfg.num_hidden_layers):  # every missing or misshapen tensor fails before any heavy work
             for name, (_, shape) in cfg.layer_layout.items():
                 ckpt.get(f"model.layers.{layer}.{name}.weight", shape)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.plan = plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens)
-        lap("setup")
-        with ThreadPoolExecutor(1) as side:
-            # the kernels' JIT compilation and checks run while the weights load
+        fixed = [("model.embed_tokens.weight", (V, H)), ("model.norm.weight", (H,))]
+        if not cfg.tie_word_embeddings:
+            fixed.append(("lm_head.weight", (V, H)))
+        for name, shape in fixed:
+            ckpt.get(name, shape)
+        with ThreadPoolExecutor(2) as side:
+            # importing transformers takes seconds (9.5 s on a fresh H200 machine): it overlaps the loading
+            tokenizer = side.submit(load_tokenizer, model_dir)
+            self.plan = plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens)
+            # so do the kernels' JIT compilation and checks
             picked = side.submit(lambda: (pick_attention(attention, self.device, cfg),
                                           pick_kernels(kernels, self.device, cfg)))
-            # The embedding lives on the device: a host-side gather would cost a pageable copy of every token's
-            # row inside the timed window (66 ms for 45k tokens on the H200).
-            self.embed = ckpt.get("model.embed_tokens.weight", (V, H)).to(self.device, DTYPE, copy=True)
-            self.lm_head = (self.embed if cfg.tie_word_embeddings else
-                            ckpt.get("lm_head.weight", (V, H)).to(self.device, DTYPE, copy=True))
-            self.final_norm = ckpt.get("model.norm.weight", (H,)).to(self.device, DTYPE, copy=True)
-            lap("embeddings")
-            resident, host = self._load_layers(ckpt, workers or min(16, os.cpu_count() or 1))
-            lap("layers")
+            lap("setup")
+            on_device, host = self._load_weights(ckpt, fixed, workers or min(16, os.cpu_count() or 1))
+            lap("weights")
+            self.tokenizer = tokenizer.result()
+            lap("tokenizer_wait")
             (self.attention, self.attend), self.kernels = picked.result()
             lap("kernels_wait")
+        # The embedding lives on the device: a host-side gather would cost a pageable copy of every token's row
+        # inside the timed window (66 ms for 45k tokens on the H200).
+        self.embed, self.final_norm = on_device["model.embed_tokens.weight"], on_device["model.norm.weight"]
+        self.lm_head = on_device.get("lm_head.weight", self.embed)
         self.pinned_host_bytes = sum(t.nbytes for t in host.values()) if self.device.type == "cuda" else 0
-        self.streamer = WeightStreamer(cfg, resident, host, self.device)
+        self.streamer = WeightStreamer(cfg, {i: on_device[i] for i in plan.resident_layers}, host, self.device)
         self.stats = {}
         log(f"loaded {cfg.num_hidden_layers}-layer Qwen3 ({self._model_bytes() / 1e9:.1f} GB) from {model_dir} "
             f"in {time.perf_counter() - t0:.1f} s on {self.device} ({self.load_seconds}); "
@@ -797,44 +848,62 @@ class Runner:
         return (self.cfg.num_hidden_layers * self.cfg.layer_bytes + self.embed.nbytes
                 + (0 if self.lm_head is self.embed else self.lm_head.nbytes))
 
-    def _load_layers(self, ckpt, workers):
-        # Streamed layers: exact-size host buffers, filled from the checkpoint and pinned, by parallel threads.
-        # Resident layers: filled into the thread's pinned staging buffer (pinned once, reused), then copied.
-        cfg, cuda = self.cfg, self.device.type == "cuda"
-        local, stagings = threading.local(), []
-        seconds = {"fill": 0.0, "pin": 0.0, "copy": 0.0}  # thread-seconds, for the load line
+    def _load_weights(self, ckpt, fixed, workers):
+        # Streamed layers: exact-size host buffers, filled straight from the checkpoint, then pinned (cheap once the
+        # pages exist). What stays on the device (resident layers, embedding, lm_head, final norm) goes through each
+        # thread's Stager, so it needs no pinned host copy: pinning is paid for the streamed bytes only.
+        cfg, dev = self.cfg, self.device
+        local, stagers, lock = threading.local(), [], threading.Lock()
+        seconds = {"fill": 0.0, "pin": 0.0, "stage": 0.0}  # thread-seconds: streamed layers read, pinned; the rest staged
 
         def timed(phase, fn, *a):
             t = time.perf_counter()
             out = fn(*a)
-            seconds[phase] += time.perf_counter() - t
+            with lock:
+                seconds[phase] += time.perf_counter() - t
             return out
 
-        def load(layer):
-            if layer in self.plan.streamed_layers or not cuda:
-                flat = torch.empty(cfg.layer_numel, dtype=DTYPE)
-                timed("fill", fill_layer, flat, ckpt, cfg, layer)
-                return timed("pin", pin, flat) if cuda else flat
-            if not hasattr(local, "staging"):
-                local.staging = timed("pin", pin, torch.empty(cfg.layer_numel, dtype=DTYPE))
-                stagings.append(local.staging)
-            timed("fill", fill_layer, local.staging, ckpt, cfg, layer)
-            return timed("copy", local.staging.to, self.device)
+        def stage(tensors, shape):
+            # tensors: [(checkpoint name, offset, count)] -> a new device buffer of `shape` holding them
+            if not hasattr(local, "stager"):
+                local.stager = Stager(dev)
+                with lock:
+                    stagers.append(local.stager)
+            out = torch.empty(shape, dtype=DTYPE, device=dev)
+            flat = out.view(-1)
+            for name, offset, count in tensors:
+                local.stager.put(ckpt, name, flat[offset:offset + count])
+            return out
 
-        # one copy thread per worker: torch's own intra-op threads would oversubscribe the cores
+        def fill(tensors, numel):
+            flat = host_empty(numel)
+            for name, offset, count in tensors:
+                ckpt.read(name, flat[offset:offset + count])
+            return flat
+
+        def load(job):
+            if job in self.plan.streamed_layers:
+                flat = timed("fill", fill, layer_tensors(cfg, job), cfg.layer_numel)
+                return timed("pin", pin, flat) if dev.type == "cuda" else flat
+            if isinstance(job, int):
+                return timed("stage", stage, layer_tensors(cfg, job), (cfg.layer_numel,))
+            name, shape = job
+            return timed("stage", stage, [(name, 0, math.prod(shape))], shape)
+
+        # the big fixed matrices first: each is one thread's job of a layer's size
+        jobs = [(name, shape) for name, shape in fixed] + list(range(cfg.num_hidden_layers))
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)
+        torch.set_num_threads(1)  # the loading threads' own copies: torch's intra-op threads would oversubscribe
         try:
             with ThreadPoolExecutor(workers) as pool:
-                buffers = dict(zip(range(cfg.num_hidden_layers), pool.map(load, range(cfg.num_hidden_layers))))
+                loaded = dict(zip([job if isinstance(job, int) else job[0] for job in jobs], pool.map(load, jobs)))
         finally:
             torch.set_num_threads(threads)
-        for buf in stagings:
-            unpin(buf)
+            for stager in stagers:
+                stager.close()  # waits for its last copies
         self.load_seconds = f"{workers} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + " s"
-        resident = {i: buffers[i] for i in self.plan.resident_layers}
-        host = {i: buffers[i] for i in self.plan.streamed_layers}
-        return resident, host
+        host = {i: loaded.pop(i) for i in self.plan.streamed_layers}
+        return loaded, host
 
     def tokenize(self, texts):
         return self.tokenizer(texts)["input_ids"] if texts else []
@@ -962,8 +1031,8 @@ def parse_args(argv):
                    help="GPU memory the runner may plan for (default: what is free, less 1.5 GiB); "
                         "0 streams every layer")
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when a GPU is visible, else cpu")
-    p.add_argument("--attention", default="auto", choices=["auto", "flash", "varlen", "sdpa"],
-                   help="attention kernel: flash_attn varlen, torch varlen_attn or SDPA per sequence "
+    p.add_argument("--attention", default="auto", choices=["auto", "flash", "torch-flash", "sdpa"],
+                   help="attention kernel: flash_attn's varlen kernel, torch's own flash kernel or SDPA per sequence "
                         "(default: the first that works here, in that order)")
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
                    help="per-token elementwise work (norms, RoPE, SiLU): fused Triton kernels or plain PyTorch "

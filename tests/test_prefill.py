@@ -147,6 +147,28 @@ def test_every_layer_streamed_equals_every_layer_resident(gqa_checkpoint):
     assert resident.stats["streamed_bytes"] == 0
 
 
+def test_staged_loading_in_odd_pieces_puts_every_weight_in_place(checkpoint, monkeypatch):
+    # Resident weights reach the device through small staging buffers; with 999-element pieces every large tensor
+    # is split mid-row and pieces alternate between the two buffers. They must equal the streamed layers' host
+    # buffers, which are read straight into place, and the file's own tensors.
+    import dataclasses
+    from safetensors.torch import load_file
+    path, reference = checkpoint
+    monkeypatch.setattr(prefill, "STAGING_BYTES", 2 * 999)
+    staged, direct = runner(path), runner(path, gpu_memory_gib=0)
+    assert len(staged.plan.resident_layers) == 4 and len(direct.plan.streamed_layers) == 4
+    for i in range(4):
+        a, b = staged.streamer.resident[i], prefill.layer_views(direct.streamer.host[i], direct.cfg)
+        for field in dataclasses.fields(a):
+            assert torch.equal(getattr(a, field.name), getattr(b, field.name)), (i, field.name)
+    files = {}
+    for f in sorted(path.glob("*.safetensors")):
+        files.update(load_file(f))
+    assert torch.equal(staged.embed, files["model.embed_tokens.weight"].to(torch.bfloat16))
+    assert torch.equal(staged.lm_head, files.get("lm_head.weight", files["model.embed_tokens.weight"]).bfloat16())
+    assert max_rel_err(staged.losses(staged.tokenize(TEXTS)), reference) < TOLERANCE
+
+
 def test_waves_and_chunks_equal_one_pass(gqa_checkpoint):
     path, reference = gqa_checkpoint
     one = runner(path)
@@ -239,6 +261,25 @@ def test_forced_attention_backend_that_cannot_run_is_a_clear_error(gqa_checkpoin
     # flash_attn runs on GPUs only: absent or not, forcing it on the CPU must fail in one clear line
     with pytest.raises(prefill.UserError, match="'flash' is unusable on cpu"):
         prefill.Runner(gqa_checkpoint[0], device="cpu", attention="flash")
+
+
+def test_attention_backend_that_disagrees_with_sdpa_is_refused(gqa_checkpoint, monkeypatch):
+    # a stand-in flash_attn that drops the causal mask imports and runs: the start-up check must catch it
+    import types
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+        out = torch.empty_like(q)
+        bounds = cu_q.tolist()
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            kv = [t[s:e].transpose(0, 1).repeat_interleave(q.shape[1] // k.shape[1], dim=0) for t in (k, v)]
+            out[s:e] = torch.nn.functional.scaled_dot_product_attention(q[s:e].transpose(0, 1), *kv).transpose(0, 1)
+        return out
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
+    cfg = prefill.Qwen3Config.from_dir(gqa_checkpoint[0])
+    with pytest.raises(prefill.UserError, match="flash: differs from SDPA"):
+        prefill.pick_attention("flash", torch.device("cpu"), cfg)
+    assert prefill.pick_attention("auto", torch.device("cpu"), cfg)[0] == "sdpa"
 
 
 # ----------------------------------------------------------------------------- protocol (a subprocess, as the harness)
@@ -358,6 +399,7 @@ def test_gpu_streaming_matches_and_nothing_compiles_after_warm_up(gqa_checkpoint
     streamed = prefill.Runner(path, device="cuda", gpu_memory_gib=0)  # every layer through the copy stream
     resident = prefill.Runner(path, device="cuda")
     assert streamed.kernels.name == "triton" and len(streamed.plan.streamed_layers) == 4
+    assert streamed.attention in ("flash", "torch-flash")  # not the per-text SDPA fallback
     streamed.warm_up()
     ids = streamed.tokenize(TEXTS)
     compiled = []
