@@ -1,0 +1,220 @@
+"""The primitives prefill's loading and attention rest on, each timed on its own (one device command, ~1-2 min).
+
+    python bench/primitives.py [--tokenizer DIR] [--gib 8] [--out DIR]
+
+Loading: CUDA init; transformers import + tokenizer load; page-locking host memory (cudaHostRegister on 4 KiB
+pages and on transparent huge pages, cudaHostAlloc), alone and from 8 threads at once; pread from tmpfs into
+fresh and into already-faulted memory; host->device through small pinned staging buffers from 16 threads.
+Compute: torch's flash kernel called directly with 8 KV heads (GQA) against varlen_attn with repeated KV heads,
+and a GEMM with the residual fused in (addmm, beta=1) against GEMM + add.
+Prints a table last and writes it as JSON to --out.
+"""
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+T0 = time.perf_counter()
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+IMPORT_TORCH_S = time.perf_counter() - T0
+GiB = 2**30
+rows = {}
+
+
+def record(name, value, unit):
+    rows[name] = (round(value, 4), unit)
+    print(f"{name:55s} {value:10.3f} {unit}", file=sys.stderr, flush=True)
+
+
+def timed(fn, *a):
+    t = time.perf_counter()
+    out = fn(*a)
+    return out, time.perf_counter() - t
+
+
+def register(t):
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0))
+
+
+def unregister(t):
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+def anon_buffer(nbytes, huge):
+    m = mmap.mmap(-1, nbytes)
+    m.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+    return m, torch.frombuffer(m, dtype=torch.uint8)
+
+
+def pread_into(fd, t, offset):
+    view = memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
+    done = 0
+    while done < t.nbytes:
+        done += os.preadv(fd, [view[done:]], offset + done)
+
+
+def make_file(path, nbytes):
+    block = os.urandom(64 * 2**20)
+    with open(path, "wb") as f:
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", help="tokenizer folder, to time transformers' import and the tokenizer load")
+    ap.add_argument("--gib", type=int, default=8, help="size of the test file in /dev/shm (default 8)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    record("import torch", IMPORT_TORCH_S, "s")
+    _, s = timed(lambda: (torch.cuda.init(), torch.zeros(1, device="cuda"), torch.cuda.mem_get_info()))
+    record("CUDA init (first allocation, mem_get_info)", s, "s")
+    if args.tokenizer:
+        def tok():
+            import transformers
+            return transformers.AutoTokenizer.from_pretrained(args.tokenizer)
+        _, s = timed(tok)
+        record("import transformers + load tokenizer", s, "s")
+    try:
+        record("THP enabled=[always] (1) / [madvise] (2) / never (0)", {"always": 1, "madvise": 2}.get(
+            Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0], 0), "")
+    except OSError:
+        pass
+
+    path = "/dev/shm/primitives-probe.bin"
+    _, s = timed(make_file, path, args.gib * GiB)
+    fd = os.open(path, os.O_RDONLY)
+
+    # page-locking, one thread, 1 GiB
+    for label, make in [("4K pages, untouched", lambda: anon_buffer(GiB, False)),
+                        ("4K pages, filled", lambda: anon_buffer(GiB, False)),
+                        ("THP madvise, filled", lambda: anon_buffer(GiB, True))]:
+        keep, t = make()
+        if "filled" in label:
+            _, s = timed(pread_into, fd, t, 0)
+            record(f"pread 1 GiB into fresh memory ({label.split(',')[0]})", 1 / s, "GiB/s")
+        _, s = timed(register, t)
+        record(f"cudaHostRegister 1 GiB, {label}", s, "s")
+        unregister(t)
+        del t, keep
+    _, s = timed(lambda: torch.empty(GiB, dtype=torch.uint8, pin_memory=True))
+    record("cudaHostAlloc (pin_memory=True) 1 GiB", s, "s")
+
+    # page-locking from 8 threads at once, 1 GiB each, filled first
+    for huge in (False, True):
+        bufs = [anon_buffer(GiB, huge) for _ in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            t = time.perf_counter()
+            list(pool.map(lambda b: pread_into(fd, b[1], 0), bufs))
+            fill_s = time.perf_counter() - t
+            t = time.perf_counter()
+            list(pool.map(lambda b: register(b[1]), bufs))
+            pin_s = time.perf_counter() - t
+        kind = "THP" if huge else "4K"
+        record(f"8 threads pread 8 GiB fresh ({kind})", 8 / fill_s, "GiB/s")
+        record(f"8 threads cudaHostRegister 8 GiB ({kind}), wall", pin_s, "s")
+        for b in bufs:
+            unregister(b[1])
+        del bufs
+
+    # pread into faulted memory (the pages already exist): the copy alone
+    buf = torch.empty(GiB, dtype=torch.uint8)
+    pread_into(fd, buf, 0)
+    _, s = timed(pread_into, fd, buf, GiB)
+    record("pread 1 GiB into faulted memory, 1 thread", 1 / s, "GiB/s")
+
+    # host->device through pinned staging, 16 threads, each 2 buffers of `piece` bytes, file -> device
+    dev = torch.empty(args.gib * GiB, dtype=torch.uint8, device="cuda")
+    for piece_mib in (16, 64):
+        piece = piece_mib * 2**20
+        pieces = list(range(0, args.gib * GiB, piece))
+        lock = threading.Lock()
+        it = iter(pieces)
+
+        def worker():
+            stream = torch.cuda.Stream()
+            staging = [torch.empty(piece, dtype=torch.uint8).pin_memory() for _ in range(2)]
+            done = [torch.cuda.Event(), torch.cuda.Event()]
+            i = 0
+            while True:
+                with lock:
+                    off = next(it, None)
+                if off is None:
+                    break
+                done[i].synchronize()
+                pread_into(fd, staging[i], off)
+                with torch.cuda.stream(stream):
+                    dev[off:off + piece].copy_(staging[i], non_blocking=True)
+                    done[i].record(stream)
+                i ^= 1
+            stream.synchronize()
+
+        t = time.perf_counter()
+        with ThreadPoolExecutor(16) as pool:
+            list(f.result() for f in [pool.submit(worker) for _ in range(16)])
+        s = time.perf_counter() - t
+        record(f"file -> 2x{piece_mib} MiB pinned staging -> GPU, 16 threads", args.gib / s, "GiB/s")
+        assert torch.equal(dev[:1024].cpu(), torch.frombuffer(bytearray(os.pread(fd, 1024, 0)), dtype=torch.uint8))
+    del dev
+    os.close(fd)
+    os.unlink(path)
+
+    # attention: torch's flash kernel, GQA native and strided views of a fused qkv, vs varlen_attn + repeat
+    torch.manual_seed(0)
+    lens = [455] * 9
+    T, H, KV, D = sum(lens), 64, 8, 128
+    qkv = torch.randn(T, (H + 2 * KV) * D, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + KV) * D].view(T, KV, D), qkv[:, (H + KV) * D:].view(T, KV, D)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+
+    def aten_flash():
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max(lens), max(lens), 0.0, True, False)[0]
+
+    def repeated():
+        kr, vr = (t.repeat_interleave(H // KV, dim=1) for t in (k, v))
+        return torch.ops.aten._flash_attention_forward(q, kr, vr.contiguous(), cu, cu, max(lens), max(lens), 0.0,
+                                                       True, False)[0]
+    ref = torch.cat([F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                                    v[a:b].transpose(0, 1), is_causal=True, enable_gqa=True)
+                     .transpose(0, 1) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    record("aten flash GQA max abs err vs SDPA", (aten_flash().float() - ref.float()).abs().max().item(), "")
+    for name, fn in [("aten flash, 8 KV heads (strided views)", aten_flash),
+                     ("repeat KV to 64 heads + flash", repeated)]:
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        record(f"attention {T} tokens: {name}", (time.perf_counter() - t) / 50 * 1e3, "ms")
+
+    # residual fused into the GEMM vs GEMM then add, the model's two residual GEMMs at 4096 tokens
+    for kname, kdim in [("o_proj", 8192), ("down", 25600)]:
+        a = torch.randn(4096, kdim, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(5120, kdim, device="cuda", dtype=torch.bfloat16) / kdim**0.5
+        x = torch.randn(4096, 5120, device="cuda", dtype=torch.bfloat16)
+        for name, fn in [("linear + add_", lambda: x.add_(F.linear(a, w))), ("addmm_", lambda: x.addmm_(a, w.t()))]:
+            fn()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(100):
+                fn()
+            torch.cuda.synchronize()
+            record(f"{kname} 4096x{kdim}x5120: {name}", (time.perf_counter() - t) / 100 * 1e3, "ms")
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "primitives.json").write_text(json.dumps(
+        {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    print("\n".join(f"{k:55s} {v[0]:>10} {v[1]}" for k, v in rows.items()))
+
+
+if __name__ == "__main__":
+    main()
