@@ -10,6 +10,7 @@ the compute stream runs the layer before. Each streamed layer crosses PCIe once 
 huge request is split into waves).
 """
 import argparse
+import contextlib
 import ctypes
 import json
 import math
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,9 +115,13 @@ class Qwen3Config:
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
+HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (hipHostRegisterReadOnly): the device only reads the pages
+
+
 class Checkpoint:
-    """A folder's safetensors tensors: zero-copy views through (copy-on-write) memory maps, and positioned reads
-    straight into a destination buffer for the bulk of the weights."""
+    """A folder's safetensors tensors: zero-copy views through (copy-on-write) memory maps, positioned reads straight
+    into a destination buffer, and each tensor's raw bytes in a shared read-only map of its file, which `lock()`
+    page-locks in place so that the device copies straight out of the page cache."""
 
     def __init__(self, model_dir):
         model_dir = Path(model_dir)
@@ -134,7 +140,9 @@ class Checkpoint:
             if pickles:
                 raise UserError(f"{model_dir} holds only pickle weights ({pickles[0]}); prefill loads safetensors only")
             raise UserError(f"{model_dir} holds no *.safetensors weights")
-        self.tensors = {}  # name -> (mmap, dtype, shape, byte offset, byte count)
+        self.files = []    # (fd, copy-on-write map) per file
+        self.shared = {}   # file index -> uint8 tensor over a shared read-only map of the whole file
+        self.tensors = {}  # name -> (file index, dtype, shape, byte offset, byte count)
         for name in files:
             self._open(model_dir / name)
 
@@ -147,6 +155,7 @@ class Checkpoint:
             fd = os.open(path, os.O_RDONLY)
         except (OSError, ValueError) as e:
             raise UserError(f"cannot read safetensors file {path}: {e}") from None
+        self.files.append((fd, data))
         for name, info in header.items():
             if name == "__metadata__":
                 continue
@@ -155,18 +164,18 @@ class Checkpoint:
             start, end = info["data_offsets"]
             if 8 + header_len + end > len(data):
                 raise UserError(f"{path.name} is truncated ({name} lies past its end)")
-            self.tensors[name] = (data, fd, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]),
+            self.tensors[name] = (len(self.files) - 1, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]),
                                   8 + header_len + start, end - start)
 
     def get(self, name, shape):
         if name not in self.tensors:
             raise UserError(f"checkpoint lacks tensor {name}")
-        data, _, dtype, actual, offset, nbytes = self.tensors[name]
+        file, dtype, actual, offset, nbytes = self.tensors[name]
         if actual != tuple(shape):
             raise UserError(f"checkpoint tensor {name} has shape {list(actual)}, config implies {list(shape)}")
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
+        raw = torch.frombuffer(self.files[file][1], dtype=torch.uint8, count=nbytes, offset=offset)
         if offset % dtype.itemsize:  # a writer that did not align its header: one copy, then a typed view
             raw = raw.clone()
         return raw.view(dtype).view(shape)
@@ -175,7 +184,7 @@ class Checkpoint:
         # dst: a contiguous bf16 host tensor <- elements [start, start + dst.numel()) of tensor `name`, flattened.
         # bf16 is read with pread (GIL released, no page faults on a mapping: 2-3x faster than copying out of the
         # map from 16 threads); other dtypes are cast from the map.
-        _, fd, dtype, shape, offset, _ = self.tensors[name]
+        file, dtype, shape, offset, _ = self.tensors[name]
         n = dst.numel()
         if dtype != dst.dtype:
             dst.copy_(self.get(name, shape).view(-1)[start:start + n])
@@ -184,10 +193,43 @@ class Checkpoint:
         view = memoryview((ctypes.c_char * nbytes).from_address(dst.data_ptr())).cast("B")
         done = 0
         while done < nbytes:
-            got = os.preadv(fd, [view[done:]], offset + done)
+            got = os.preadv(self.files[file][0], [view[done:]], offset + done)
             if got <= 0:
                 raise UserError(f"checkpoint tensor {name}: unexpected end of file")
             done += got
+
+    def is_bf16(self, names):
+        return all(self.tensors[name][1] == DTYPE for name in names)
+
+    def _shared_map(self, file):
+        if file not in self.shared:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch warns that a read-only buffer is not writable
+                self.shared[file] = torch.frombuffer(mmap.mmap(self.files[file][0], 0, access=mmap.ACCESS_READ),
+                                                     dtype=torch.uint8)
+        return self.shared[file]
+
+    def raw(self, name):
+        # [byte count] uint8: the tensor's bytes, read-only (the device copies from them; nothing writes them)
+        file, _, _, offset, nbytes = self.tensors[name]
+        return self._shared_map(file)[offset:offset + nbytes]
+
+    def lock(self, workers):
+        """Page-locks every file's page cache in place, read-only (0.06 s/GiB on the H200 machine, and no host
+        copy), and says whether it could; on a refusal (no read-only registration on this platform, too little
+        memory) nothing stays locked. The pages stay locked for the life of the process."""
+        maps = [self._shared_map(file) for file in range(len(self.files))]
+
+        def register(t):
+            return int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, HOST_REGISTER_READ_ONLY)) == 0
+        with ThreadPoolExecutor(workers) as pool:
+            locked = list(pool.map(register, maps))
+        if all(locked):
+            return True
+        for t, ok in zip(maps, locked):
+            if ok:
+                unpin(t)
+        return False
 
 
 def layer_tensors(cfg, layer):
@@ -362,10 +404,11 @@ class WeightStreamer:
 
     def __init__(self, cfg, resident, host, device):
         self.resident = {i: layer_views(buf, cfg) for i, buf in resident.items()}  # layer -> views on the device
-        self.host = host  # streamed layer -> pinned host buffer
+        self.host = host  # streamed layer -> [(page-locked host bytes, byte offset inside the layer's buffer)]
         self.order = sorted(host)
         self.slots = [torch.empty(cfg.layer_numel, dtype=DTYPE, device=device) for _ in range(min(2, len(host)))]
         self.slot_views = [layer_views(s, cfg) for s in self.slots]
+        self.slot_bytes = [s.view(torch.uint8) for s in self.slots]
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.slot_ready = [torch.cuda.Event() if self.cuda else None for _ in self.slots]
@@ -378,14 +421,17 @@ class WeightStreamer:
 
     def _copy_next(self):
         slot, layer = self.next_copy % len(self.slots), self.order[self.next_copy % len(self.order)]
+        dst = self.slot_bytes[slot]
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(self.slot_free[slot])  # no-op until the slot's first use
-                self.slots[slot].copy_(self.host[layer], non_blocking=True)
+                for src, offset in self.host[layer]:
+                    dst[offset:offset + src.numel()].copy_(src, non_blocking=True)
                 self.slot_ready[slot].record(self.copy_stream)
         else:
-            self.slots[slot].copy_(self.host[layer])
-        self.streamed_bytes += self.slots[slot].nbytes
+            for src, offset in self.host[layer]:
+                dst[offset:offset + src.numel()].copy_(src)
+        self.streamed_bytes += sum(src.numel() for src, _ in self.host[layer])
         self.next_copy += 1
 
     def acquire(self, layer):
@@ -786,7 +832,7 @@ class PhaseTimer:
 
 class Runner:
     def __init__(self, model_dir, device=None, gpu_memory_gib=None, attention="auto", kernels="auto",
-                 chunk_tokens=4096, wave_tokens=65536, workers=None):
+                 chunk_tokens=4096, wave_tokens=65536, workers=None, load="auto"):
         t0 = time.perf_counter()
         self.load_wall_s, marks = {}, [t0]  # where time-to-ready goes, for --stats
 
@@ -816,7 +862,7 @@ class Runner:
             picked = side.submit(lambda: (pick_attention(attention, self.device, cfg),
                                           pick_kernels(kernels, self.device, cfg)))
             lap("setup")
-            on_device, host = self._load_weights(ckpt, fixed, workers or min(16, os.cpu_count() or 1))
+            on_device, host = self._load_weights(ckpt, fixed, workers or min(16, os.cpu_count() or 1), load)
             lap("weights")
             self.tokenizer = tokenizer.result()
             lap("tokenizer_wait")
@@ -826,11 +872,10 @@ class Runner:
         # inside the timed window (66 ms for 45k tokens on the H200).
         self.embed, self.final_norm = on_device["model.embed_tokens.weight"], on_device["model.norm.weight"]
         self.lm_head = on_device.get("lm_head.weight", self.embed)
-        self.pinned_host_bytes = sum(t.nbytes for t in host.values()) if self.device.type == "cuda" else 0
         self.streamer = WeightStreamer(cfg, {i: on_device[i] for i in plan.resident_layers}, host, self.device)
         self.stats = {}
         log(f"loaded {cfg.num_hidden_layers}-layer Qwen3 ({self._model_bytes() / 1e9:.1f} GB) from {model_dir} "
-            f"in {time.perf_counter() - t0:.1f} s on {self.device} ({self.load_seconds}); "
+            f"in {time.perf_counter() - t0:.1f} s on {self.device}, {self.load_mode} ({self.load_seconds}); "
             f"attention: {self.attention}, elementwise kernels: {self.kernels.name}")
         log(plan.describe())
 
@@ -848,13 +893,54 @@ class Runner:
         return (self.cfg.num_hidden_layers * self.cfg.layer_bytes + self.embed.nbytes
                 + (0 if self.lm_head is self.embed else self.lm_head.nbytes))
 
-    def _load_weights(self, ckpt, fixed, workers):
+    def _load_weights(self, ckpt, fixed, workers, load):
+        # jobs: the big fixed matrices first (each one thread's job of a layer's size in the copy path), then layers
+        cfg, cuda = self.cfg, self.device.type == "cuda"
+        jobs = {name: ([(name, 0, math.prod(shape))], shape) for name, shape in fixed}
+        jobs.update({i: (layer_tensors(cfg, i), (cfg.layer_numel,)) for i in range(cfg.num_hidden_layers)})
+        t = time.perf_counter()
+        mapped = (load != "copy" and ckpt.is_bf16(name for tensors, _ in jobs.values() for name, _, _ in tensors)
+                  and (not cuda or ckpt.lock(workers)))
+        if load == "map" and not mapped:
+            raise UserError("--load map: the checkpoint cannot be page-locked in place here (it needs bf16 files "
+                            "and read-only host-memory registration); --load copy works everywhere")
+        self.load_mode = "mapped" if mapped else "copied"
+        if mapped:
+            lock_s = time.perf_counter() - t
+            on_device, host = self._load_mapped(ckpt, jobs)
+            self.load_seconds = f"in place: lock {lock_s:.1f}, copy {time.perf_counter() - t - lock_s:.1f} s"
+            self.pinned_host_bytes = sum(m.nbytes for m in ckpt.shared.values()) if cuda else 0
+        else:
+            on_device, host = self._load_copied(ckpt, jobs, workers)
+            self.pinned_host_bytes = len(host) * cfg.layer_bytes if cuda else 0
+        return on_device, host
+
+    def _load_mapped(self, ckpt, jobs):
+        # Everything is copied straight out of the page-locked page cache: no host copy, no CPU work.
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.Stream(self.device) if cuda else None
+        on_device = {}
+        for key, (tensors, shape) in jobs.items():
+            if key in self.plan.streamed_layers:
+                continue
+            out = on_device[key] = torch.empty(shape, dtype=DTYPE, device=self.device)
+            raw = out.view(-1).view(torch.uint8)
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                for name, offset, count in tensors:
+                    raw[offset * 2:(offset + count) * 2].copy_(ckpt.raw(name), non_blocking=cuda)
+        if cuda:
+            stream.synchronize()
+        host = {i: [(ckpt.raw(name), offset * DTYPE.itemsize) for name, offset, _ in jobs[i][0]]
+                for i in self.plan.streamed_layers}
+        return on_device, host
+
+    def _load_copied(self, ckpt, jobs, workers):
         # Streamed layers: exact-size host buffers, filled straight from the checkpoint, then pinned (cheap once the
-        # pages exist). What stays on the device (resident layers, embedding, lm_head, final norm) goes through each
-        # thread's Stager, so it needs no pinned host copy: pinning is paid for the streamed bytes only.
-        cfg, dev = self.cfg, self.device
+        # pages exist). What stays on the device goes through each thread's Stager, so it needs no pinned host
+        # copy: pinning is paid for the streamed bytes only.
+        dev = self.device
         local, stagers, lock = threading.local(), [], threading.Lock()
-        seconds = {"fill": 0.0, "pin": 0.0, "stage": 0.0}  # thread-seconds: streamed layers read, pinned; the rest staged
+        seconds = {"fill": 0.0, "pin": 0.0, "stage": 0.0}  # thread-seconds: streamed layers read, pinned; rest staged
 
         def timed(phase, fn, *a):
             t = time.perf_counter()
@@ -864,7 +950,6 @@ class Runner:
             return out
 
         def stage(tensors, shape):
-            # tensors: [(checkpoint name, offset, count)] -> a new device buffer of `shape` holding them
             if not hasattr(local, "stager"):
                 local.stager = Stager(dev)
                 with lock:
@@ -875,35 +960,32 @@ class Runner:
                 local.stager.put(ckpt, name, flat[offset:offset + count])
             return out
 
-        def fill(tensors, numel):
-            flat = host_empty(numel)
+        def fill(tensors, shape):
+            flat = host_empty(math.prod(shape))
             for name, offset, count in tensors:
                 ckpt.read(name, flat[offset:offset + count])
             return flat
 
-        def load(job):
-            if job in self.plan.streamed_layers:
-                flat = timed("fill", fill, layer_tensors(cfg, job), cfg.layer_numel)
-                return timed("pin", pin, flat) if dev.type == "cuda" else flat
-            if isinstance(job, int):
-                return timed("stage", stage, layer_tensors(cfg, job), (cfg.layer_numel,))
-            name, shape = job
-            return timed("stage", stage, [(name, 0, math.prod(shape))], shape)
+        def load(key):
+            tensors, shape = jobs[key]
+            if key not in self.plan.streamed_layers:
+                return timed("stage", stage, tensors, shape)
+            flat = timed("fill", fill, tensors, shape)
+            return timed("pin", pin, flat) if dev.type == "cuda" else flat
 
-        # the big fixed matrices first: each is one thread's job of a layer's size
-        jobs = [(name, shape) for name, shape in fixed] + list(range(cfg.num_hidden_layers))
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the loading threads' own copies: torch's intra-op threads would oversubscribe
         try:
             with ThreadPoolExecutor(workers) as pool:
-                loaded = dict(zip([job if isinstance(job, int) else job[0] for job in jobs], pool.map(load, jobs)))
+                loaded = dict(zip(jobs, pool.map(load, jobs)))
         finally:
             torch.set_num_threads(threads)
             for stager in stagers:
                 stager.close()  # waits for its last copies
         self.load_seconds = f"{workers} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + " s"
-        host = {i: loaded.pop(i) for i in self.plan.streamed_layers}
-        return loaded, host
+        host = {i: [(loaded[i].view(torch.uint8)[offset * 2:(offset + count) * 2], offset * 2)
+                    for _, offset, count in jobs[i][0]] for i in self.plan.streamed_layers}
+        return {key: buf for key, buf in loaded.items() if key not in host}, host
 
     def tokenize(self, texts):
         return self.tokenizer(texts)["input_ids"] if texts else []
@@ -1043,6 +1125,11 @@ def parse_args(argv):
     p.add_argument("--wave-tokens", type=int, default=65536, metavar="N",
                    help="tokens kept on the GPU across all layers; larger requests run in several waves, "
                         "each streaming the layers again (default 65536)")
+    p.add_argument("--load", default="auto", choices=["auto", "map", "copy"],
+                   help="map: page-lock the checkpoint files' page cache in place and copy to the GPU straight from "
+                        "it (no host copy; the whole checkpoint stays locked in RAM while prefill runs); copy: pinned "
+                        "copies of the streamed layers only; auto: map where the platform allows it and the files "
+                        "hold bf16, else copy")
     p.add_argument("--stats", metavar="FILE", help="write the run's figures (tokens, bytes streamed, memory, "
                                                    "per-phase times) as JSON to FILE")
     args = p.parse_args(argv)
@@ -1055,7 +1142,8 @@ def parse_args(argv):
 
 def serve(args, protocol):
     runner = Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
-                    kernels=args.kernels, chunk_tokens=args.chunk_tokens, wave_tokens=args.wave_tokens)
+                    kernels=args.kernels, chunk_tokens=args.chunk_tokens, wave_tokens=args.wave_tokens,
+                    load=args.load)
     t0 = time.perf_counter()
     runner.warm_up()
     warm_up_s = time.perf_counter() - t0
@@ -1083,7 +1171,7 @@ def serve(args, protocol):
     protocol.flush()
     elapsed = time.perf_counter() - t_start
     stats = dict(runner.stats, elapsed_s=elapsed, pinned_host_bytes=runner.pinned_host_bytes,
-                 load_wall_s=runner.load_wall_s, warm_up_s=warm_up_s,
+                 load_wall_s=runner.load_wall_s, load_mode=runner.load_mode, warm_up_s=warm_up_s,
                  resident_layers=len(runner.plan.resident_layers), streamed_layers=len(runner.plan.streamed_layers),
                  attention=runner.attention, kernels=runner.kernels.name, budget_bytes=runner.plan.budget_bytes,
                  planned_bytes=runner.plan.total_bytes)

@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -68,29 +69,7 @@ def make_file(path, nbytes):
             f.write(block)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokenizer", help="tokenizer folder, to time transformers' import and the tokenizer load")
-    ap.add_argument("--gib", type=int, default=8, help="size of the test file in /dev/shm (default 8)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = ap.parse_args()
-    record("import torch", IMPORT_TORCH_S, "s")
-    _, s = timed(lambda: (torch.cuda.init(), torch.zeros(1, device="cuda"), torch.cuda.mem_get_info()))
-    record("CUDA init (first allocation, mem_get_info)", s, "s")
-    if args.tokenizer:
-        def tok():
-            import transformers
-            return transformers.AutoTokenizer.from_pretrained(args.tokenizer)
-        _, s = timed(tok)
-        record("import transformers + load tokenizer", s, "s")
-    try:
-        record("THP enabled=[always] (1) / [madvise] (2) / never (0)", {"always": 1, "madvise": 2}.get(
-            Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0], 0), "")
-    except OSError:
-        pass
-
-    path = "/dev/shm/primitives-probe.bin"
-    _, s = timed(make_file, path, args.gib * GiB)
+def section_load(args, path):
     fd = os.open(path, os.O_RDONLY)
 
     # page-locking, one thread, 1 GiB
@@ -165,8 +144,41 @@ def main():
         assert torch.equal(dev[:1024].cpu(), torch.frombuffer(bytearray(os.pread(fd, 1024, 0)), dtype=torch.uint8))
     del dev
     os.close(fd)
-    os.unlink(path)
 
+
+
+def section_file(args, path):
+    # the checkpoint file's own page cache, page-locked in place (no host copy at all), then host->device from it
+    fd = os.open(path, os.O_RDONLY)
+    for access, label in [(mmap.ACCESS_READ, "shared read-only map"), (mmap.ACCESS_COPY, "private (COW) map")]:
+        m = mmap.mmap(fd, 0, access=access)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that a read-only buffer is not writable
+            t = torch.frombuffer(m, dtype=torch.uint8)
+        for flags, flag_label in [(8, "cudaHostRegisterReadOnly"), (0, "no flags")]:
+            rc, s = timed(lambda: torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, flags))
+            rc = int(getattr(rc, "value", rc))
+            record(f"register {args.gib} GiB file pages, {label}, {flag_label}: error code", rc, "")
+            if rc != 0:
+                continue
+            record(f"register {args.gib} GiB file pages, {label}, {flag_label}", s, "s")
+            dev = torch.empty(t.nbytes, dtype=torch.uint8, device="cuda")
+            piece = 256 * 2**20
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for off in range(0, t.nbytes, piece):
+                dev[off:off + piece].copy_(t[off:off + piece], non_blocking=True)
+            torch.cuda.synchronize()
+            record(f"file pages -> GPU, {label}, {flag_label}", args.gib / (time.perf_counter() - start), "GiB/s")
+            assert torch.equal(dev[-4096:].cpu(), t[-4096:])
+            del dev
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
+        del t
+        m.close()
+    os.close(fd)
+
+
+def section_compute():
     # attention: torch's flash kernel, GQA native and strided views of a fused qkv, vs varlen_attn + repeat
     torch.manual_seed(0)
     lens = [455] * 9
@@ -210,6 +222,44 @@ def main():
             torch.cuda.synchronize()
             record(f"{kname} 4096x{kdim}x5120: {name}", (time.perf_counter() - t) / 100 * 1e3, "ms")
 
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", help="tokenizer folder, to time transformers' import and the tokenizer load")
+    ap.add_argument("--gib", type=int, default=8, help="size of the test file in /dev/shm (default 8)")
+    ap.add_argument("--sections", default="load,file,compute", help="which to run (default: all three)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    record("import torch", IMPORT_TORCH_S, "s")
+    _, s = timed(lambda: (torch.cuda.init(), torch.zeros(1, device="cuda"), torch.cuda.mem_get_info()))
+    record("CUDA init (first allocation, mem_get_info)", s, "s")
+    if args.tokenizer:
+        def tok():
+            import transformers
+            return transformers.AutoTokenizer.from_pretrained(args.tokenizer)
+        _, s = timed(tok)
+        record("import transformers + load tokenizer", s, "s")
+    try:
+        record("THP enabled=[always] (1) / [madvise] (2) / never (0)", {"always": 1, "madvise": 2}.get(
+            Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0], 0), "")
+    except OSError:
+        pass
+
+    sections = args.sections.split(",")
+    path = "/dev/shm/primitives-probe.bin"
+    if "load" in sections or "file" in sections:
+        make_file(path, args.gib * GiB)
+    try:
+        if "load" in sections:
+            section_load(args, path)
+        if "file" in sections:
+            section_file(args, path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    if "compute" in sections:
+        section_compute()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "primitives.json").write_text(json.dumps(
         {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))

@@ -260,14 +260,15 @@ def step_storage(args, ckpt: dict, work: Path, deadline: Deadline, log: Log) -> 
     return json.loads(out.read_text())
 
 
-_LOAD_RE = re.compile(r"prefill: loaded .*? in ([\d.]+) s(?: on \S+)?(?: \(([^)]*)\))?")
+_LOAD_RE = re.compile(r"prefill: loaded .*? in ([\d.]+) s(?: on [^(;]*)?(?:\(([^)]*)\))?")
 _WARM_RE = re.compile(r"prefill: ready \(warm-up ([\d.]+) s\)")
 
 
 def parse_runner_log(stderr: str | None) -> dict:
     """load_s, load_threads, load_thread_seconds {phase: thread-seconds}, warm_up_s from prefill's stderr lines
 
-        prefill: loaded 64-layer Qwen3 (65.5 GB) from DIR in 21.1 s on cuda (16 threads: fill 42.2, pin 6.1, copy 10.3 s); ...
+        prefill: loaded 64-layer Qwen3 (65.5 GB) from DIR in 5.1 s on cuda, copied (16 threads: fill 27.2, pin 2.4, stage 45.9 s); ...
+        prefill: loaded 64-layer Qwen3 (65.5 GB) from DIR in 3.1 s on cuda, mapped (in place: lock 1.0, copy 0.9 s); ...
         prefill: ready (warm-up 0.8 s)
 
     Lenient: what is not there (another format, a runner that failed) is None."""
@@ -506,8 +507,11 @@ def print_table(res: dict) -> None:
     est = res.get("w7800_estimate") or {}
     check = {None: "-", True: "pass", False: "FAIL"}[res.get("check_pass")]
     phases = res.get("load_thread_seconds") or {}
-    load_threads = (f"{f('load_threads', '{}')} threads: "
-                    + (", ".join(f"{k} {v:.1f}" for k, v in phases.items()) or "-") + " thread-s")
+    load_threads = ", ".join(f"{k} {v:.1f}" for k, v in phases.items()) or "-"
+    if res.get("load_threads"):
+        load_threads = f"{res['load_threads']} threads: {load_threads} thread-s"
+    else:
+        load_threads = f"{(res.get('runner_stats') or {}).get('load_mode', '')}: {load_threads} s"
     fs = ((res.get("storage_read") or {}).get("filesystem") or {}).get("type") or "-"
     if fs == "tmpfs":
         fs = "tmpfs: host memory, not a disk"

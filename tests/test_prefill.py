@@ -137,35 +137,51 @@ def test_realistic_bug_falls_outside_tolerance(gqa_checkpoint, bug, monkeypatch)
 
 # ----------------------------------------------------------------------------- streaming, chunks, waves
 
-def test_every_layer_streamed_equals_every_layer_resident(gqa_checkpoint):
+def weight_bytes(cfg):  # one layer's weights, without the alignment gaps of its device buffer
+    return 2 * sum(count for _, _, count in prefill.layer_tensors(cfg, 0))
+
+
+@pytest.mark.parametrize("load", ["map", "copy"])
+def test_every_layer_streamed_equals_every_layer_resident(gqa_checkpoint, load):
+    # map: streamed straight from the checkpoint's pages, tensor by tensor; copy: from host copies of the layers
     path, _ = gqa_checkpoint
-    resident, streamed = runner(path), runner(path, gpu_memory_gib=0)
+    resident, streamed = runner(path, load=load), runner(path, gpu_memory_gib=0, load=load)
+    assert resident.load_mode == streamed.load_mode == {"map": "mapped", "copy": "copied"}[load]
     assert len(resident.plan.resident_layers) == 4 and len(streamed.plan.streamed_layers) == 4
     ids = resident.tokenize(TEXTS)
     assert streamed.losses(ids) == resident.losses(ids)
-    assert streamed.stats["streamed_bytes"] == 4 * streamed.cfg.layer_bytes
+    assert streamed.stats["streamed_bytes"] == 4 * weight_bytes(streamed.cfg)
     assert resident.stats["streamed_bytes"] == 0
 
 
-def test_staged_loading_in_odd_pieces_puts_every_weight_in_place(checkpoint, monkeypatch):
-    # Resident weights reach the device through small staging buffers; with 999-element pieces every large tensor
-    # is split mid-row and pieces alternate between the two buffers. They must equal the streamed layers' host
-    # buffers, which are read straight into place, and the file's own tensors.
-    import dataclasses
+def test_both_loading_paths_put_every_weight_in_place(checkpoint, monkeypatch):
+    # copy: resident weights go through small staging buffers; with 999-element pieces every large tensor is split
+    # mid-row and the pieces alternate between the two buffers. auto: copied straight out of the file's pages where
+    # the file holds bf16 (not the float32 variant). Both must hold the file's own tensors, in the fused layout.
     from safetensors.torch import load_file
     path, reference = checkpoint
     monkeypatch.setattr(prefill, "STAGING_BYTES", 2 * 999)
-    staged, direct = runner(path), runner(path, gpu_memory_gib=0)
-    assert len(staged.plan.resident_layers) == 4 and len(direct.plan.streamed_layers) == 4
-    for i in range(4):
-        a, b = staged.streamer.resident[i], prefill.layer_views(direct.streamer.host[i], direct.cfg)
-        for field in dataclasses.fields(a):
-            assert torch.equal(getattr(a, field.name), getattr(b, field.name)), (i, field.name)
+    staged, auto = runner(path, load="copy"), runner(path)
+    assert auto.load_mode == ("copied" if "float32" in path.name else "mapped")
+    if "float32" in path.name:  # a cast cannot come straight from the file's pages
+        with pytest.raises(prefill.UserError, match="--load map"):
+            runner(path, load="map")
     files = {}
     for f in sorted(path.glob("*.safetensors")):
         files.update(load_file(f))
-    assert torch.equal(staged.embed, files["model.embed_tokens.weight"].to(torch.bfloat16))
-    assert torch.equal(staged.lm_head, files.get("lm_head.weight", files["model.embed_tokens.weight"]).bfloat16())
+    for r in (staged, auto):
+        assert len(r.plan.resident_layers) == 4
+        for i in range(4):
+            w = r.streamer.resident[i]
+            expect = {"input_norm": "input_layernorm", "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+                      "o_proj": "self_attn.o_proj", "post_norm": "post_attention_layernorm", "down": "mlp.down_proj"}
+            for field, name in expect.items():
+                assert torch.equal(getattr(w, field), files[f"model.layers.{i}.{name}.weight"].bfloat16()), field
+            qkv = torch.cat([files[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"]).bfloat16()
+            gate_up = torch.cat([files[f"model.layers.{i}.mlp.{p}_proj.weight"] for p in ("gate", "up")]).bfloat16()
+            assert torch.equal(w.qkv, qkv) and torch.equal(w.gate_up, gate_up)
+        assert torch.equal(r.embed, files["model.embed_tokens.weight"].bfloat16())
+        assert torch.equal(r.lm_head, files.get("lm_head.weight", files["model.embed_tokens.weight"]).bfloat16())
     assert max_rel_err(staged.losses(staged.tokenize(TEXTS)), reference) < TOLERANCE
 
 
@@ -178,7 +194,7 @@ def test_waves_and_chunks_equal_one_pass(gqa_checkpoint):
     split = runner(path, gpu_memory_gib=0, chunk_tokens=longest // 3, wave_tokens=longest + 5)
     losses = split.losses(ids)
     assert split.stats["waves"] >= 3
-    assert split.stats["streamed_bytes"] == split.stats["waves"] * 4 * split.cfg.layer_bytes
+    assert split.stats["streamed_bytes"] == split.stats["waves"] * 4 * weight_bytes(split.cfg)
     expected = one.losses(ids)
     for got, want in zip(losses, expected):
         assert (math.isnan(got) and math.isnan(want)) or abs(got - want) <= 1e-3 * abs(want)
@@ -396,7 +412,11 @@ def test_flash_max_seqlen_buckets_are_all_compiled_before_ready(gqa_checkpoint, 
 def test_gpu_streaming_matches_and_nothing_compiles_after_warm_up(gqa_checkpoint):
     triton = pytest.importorskip("triton")
     path, reference = gqa_checkpoint
-    streamed = prefill.Runner(path, device="cuda", gpu_memory_gib=0)  # every layer through the copy stream
+    # every layer through the copy stream, straight from the page-locked checkpoint (read-only registration is
+    # CUDA's; on ROCm auto may fall back to copies), and from host copies
+    load = "map" if torch.version.hip is None else "auto"
+    streamed = prefill.Runner(path, device="cuda", gpu_memory_gib=0, load=load)
+    copied = prefill.Runner(path, device="cuda", gpu_memory_gib=0, load="copy")
     resident = prefill.Runner(path, device="cuda")
     assert streamed.kernels.name == "triton" and len(streamed.plan.streamed_layers) == 4
     assert streamed.attention in ("flash", "torch-flash")  # not the per-text SDPA fallback
@@ -416,3 +436,4 @@ def test_gpu_streaming_matches_and_nothing_compiles_after_warm_up(gqa_checkpoint
     # not bitwise: cuBLAS may pick another algorithm for a slot than for a resident buffer (seen: 7e-8 relative);
     # a race on a slot would show as a different loss, not as rounding
     assert max_rel_err(losses, resident.losses(ids)) < 1e-5
+    assert copied.load_mode == "copied" and max_rel_err(losses, copied.losses(ids)) < 1e-5
