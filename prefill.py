@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,6 +142,8 @@ class Checkpoint:
             raise UserError(f"{model_dir} holds no *.safetensors weights")
         self.files = []    # (fd, copy-on-write map) per file
         self.shared = {}   # file index -> uint8 tensor over a shared read-only map of the whole file
+        self.locked = []   # file indices whose shared map is page-locked
+        self.lock_seconds = 0.0  # thread-seconds spent locking
         self.tensors = {}  # name -> (file index, dtype, shape, byte offset, byte count)
         for name in files:
             self._open(model_dir / name)
@@ -198,6 +200,9 @@ class Checkpoint:
                 raise UserError(f"checkpoint tensor {name}: unexpected end of file")
             done += got
 
+    def file_of(self, name):
+        return self.tensors[name][0]
+
     def is_bf16(self, names):
         return all(self.tensors[name][1] == DTYPE for name in names)
 
@@ -214,22 +219,30 @@ class Checkpoint:
         file, _, _, offset, nbytes = self.tensors[name]
         return self._shared_map(file)[offset:offset + nbytes]
 
-    def lock(self, workers):
-        """Page-locks every file's page cache in place, read-only (0.06 s/GiB on the H200 machine, and no host
-        copy), and says whether it could; on a refusal (no read-only registration on this platform, too little
-        memory) nothing stays locked. The pages stay locked for the life of the process."""
-        maps = [self._shared_map(file) for file in range(len(self.files))]
+    def lock(self, workers, on_locked):
+        """Page-locks each file's page cache in place, read-only (0.06 s/GiB on the H200 machine, and no host copy),
+        calling on_locked(file) in this thread as each file is done, and says whether every file could be locked
+        (a refusal: no read-only registration on this platform, too little memory). The pages stay locked for the
+        life of the process, or until unlock()."""
+        def register(file):
+            t, start = self._shared_map(file), time.perf_counter()
+            ok = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, HOST_REGISTER_READ_ONLY)) == 0
+            return ok, time.perf_counter() - start
 
-        def register(t):
-            return int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, HOST_REGISTER_READ_ONLY)) == 0
         with ThreadPoolExecutor(workers) as pool:
-            locked = list(pool.map(register, maps))
-        if all(locked):
-            return True
-        for t, ok in zip(maps, locked):
-            if ok:
-                unpin(t)
-        return False
+            futures = {pool.submit(register, file): file for file in range(len(self.files))}
+            for done in as_completed(futures):
+                ok, seconds = done.result()
+                self.lock_seconds += seconds
+                if ok:
+                    self.locked.append(futures[done])
+                    on_locked(futures[done])
+        return len(self.locked) == len(self.files)
+
+    def unlock(self):
+        for file in self.locked:
+            unpin(self.shared[file])
+        self.locked = []
 
 
 def layer_tensors(cfg, layer):
@@ -899,37 +912,50 @@ class Runner:
         jobs = {name: ([(name, 0, math.prod(shape))], shape) for name, shape in fixed}
         jobs.update({i: (layer_tensors(cfg, i), (cfg.layer_numel,)) for i in range(cfg.num_hidden_layers)})
         t = time.perf_counter()
-        mapped = (load != "copy" and ckpt.is_bf16(name for tensors, _ in jobs.values() for name, _, _ in tensors)
-                  and (not cuda or ckpt.lock(workers)))
-        if load == "map" and not mapped:
+        loaded = None
+        if load != "copy" and ckpt.is_bf16(name for tensors, _ in jobs.values() for name, _, _ in tensors):
+            loaded = self._load_mapped(ckpt, jobs, workers)
+        if load == "map" and loaded is None:
             raise UserError("--load map: the checkpoint cannot be page-locked in place here (it needs bf16 files "
                             "and read-only host-memory registration); --load copy works everywhere")
-        self.load_mode = "mapped" if mapped else "copied"
-        if mapped:
-            lock_s = time.perf_counter() - t
-            on_device, host = self._load_mapped(ckpt, jobs)
-            self.load_seconds = f"in place: lock {lock_s:.1f}, copy {time.perf_counter() - t - lock_s:.1f} s"
-            self.pinned_host_bytes = sum(m.nbytes for m in ckpt.shared.values()) if cuda else 0
+        self.load_mode = "copied" if loaded is None else "mapped"
+        if loaded is None:
+            loaded = self._load_copied(ckpt, jobs, workers)
+            self.pinned_host_bytes = len(self.plan.streamed_layers) * cfg.layer_bytes if cuda else 0
         else:
-            on_device, host = self._load_copied(ckpt, jobs, workers)
-            self.pinned_host_bytes = len(host) * cfg.layer_bytes if cuda else 0
-        return on_device, host
+            self.load_seconds = (f"in place: lock {ckpt.lock_seconds:.1f} thread-s, "
+                                 f"total {time.perf_counter() - t:.1f} s")
+            self.pinned_host_bytes = sum(ckpt.shared[file].nbytes for file in ckpt.locked)
+        return loaded
 
-    def _load_mapped(self, ckpt, jobs):
-        # Everything is copied straight out of the page-locked page cache: no host copy, no CPU work.
+    def _load_mapped(self, ckpt, jobs, workers):
+        # Everything is copied straight out of the page-locked page cache: no host copy, no CPU work. A file's
+        # tensors are copied as soon as it is locked, while the next files lock. None where locking is refused.
         cuda = self.device.type == "cuda"
-        stream = torch.cuda.Stream(self.device) if cuda else None
-        on_device = {}
+        on_device, copies = {}, {}  # copies: file -> [(device bytes, checkpoint tensor)]
         for key, (tensors, shape) in jobs.items():
             if key in self.plan.streamed_layers:
                 continue
-            out = on_device[key] = torch.empty(shape, dtype=DTYPE, device=self.device)
-            raw = out.view(-1).view(torch.uint8)
+            on_device[key] = torch.empty(shape, dtype=DTYPE, device=self.device)
+            raw = on_device[key].view(-1).view(torch.uint8)
+            for name, offset, count in tensors:
+                copies.setdefault(ckpt.file_of(name), []).append((raw[offset * 2:(offset + count) * 2], name))
+        stream = torch.cuda.Stream(self.device) if cuda else None
+
+        def copy_file(file):
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                for name, offset, count in tensors:
-                    raw[offset * 2:(offset + count) * 2].copy_(ckpt.raw(name), non_blocking=cuda)
+                for dst, name in copies.get(file, []):
+                    dst.copy_(ckpt.raw(name), non_blocking=cuda)
+
         if cuda:
+            locked = ckpt.lock(workers, copy_file)
             stream.synchronize()
+            if not locked:
+                ckpt.unlock()
+                return None
+        else:  # nothing to lock: plain copies out of the maps
+            for file in copies:
+                copy_file(file)
         host = {i: [(ckpt.raw(name), offset * DTYPE.itemsize) for name, offset, _ in jobs[i][0]]
                 for i in self.plan.streamed_layers}
         return on_device, host

@@ -56,10 +56,15 @@ def write_checkpoint(out, tokenizer_dir, *, tied=False, sharded=False, top_level
     model.to(torch.bfloat16)  # exact: the weights were drawn in bf16
     for f in Path(tokenizer_dir).iterdir():
         shutil.copy(f, out)
-    if top_level_rope:  # the transformers 4.x spelling
-        cfg = json.loads((Path(out) / "config.json").read_text())
-        cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
-        (Path(out) / "config.json").write_text(json.dumps(cfg))
+    # each variant gets its spelling whichever transformers wrote the file: 4.x top-level, 5.x rope_parameters
+    cfg = json.loads((Path(out) / "config.json").read_text())
+    rope = cfg.pop("rope_parameters", None) or {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+    cfg.pop("rope_theta", None)
+    if top_level_rope:
+        cfg["rope_theta"] = rope["rope_theta"]
+    else:
+        cfg["rope_parameters"] = rope
+    (Path(out) / "config.json").write_text(json.dumps(cfg))
     return model
 
 
