@@ -41,6 +41,17 @@ def timed(fn, *a):
     return out, time.perf_counter() - t
 
 
+def gpu_ms(fn, reps):
+    # mean milliseconds per call after one warm-up call, the GPU drained before and after
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps * 1e3
+
+
 def register(t):
     torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0))
 
@@ -200,13 +211,7 @@ def section_compute():
     record("aten flash GQA max abs err vs SDPA", (aten_flash().float() - ref.float()).abs().max().item(), "")
     for name, fn in [("aten flash, 8 KV heads (strided views)", aten_flash),
                      ("repeat KV to 64 heads + flash", repeated)]:
-        fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        record(f"attention {T} tokens: {name}", (time.perf_counter() - t) / 50 * 1e3, "ms")
+        record(f"attention {T} tokens: {name}", gpu_ms(fn, 50), "ms")
 
     # residual fused into the GEMM vs GEMM then add, the model's two residual GEMMs at 4096 tokens
     for kname, kdim in [("o_proj", 8192), ("down", 25600)]:
@@ -214,13 +219,7 @@ def section_compute():
         w = torch.randn(5120, kdim, device="cuda", dtype=torch.bfloat16) / kdim**0.5
         x = torch.randn(4096, 5120, device="cuda", dtype=torch.bfloat16)
         for name, fn in [("linear + add_", lambda: x.add_(F.linear(a, w))), ("addmm_", lambda: x.addmm_(a, w.t()))]:
-            fn()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(100):
-                fn()
-            torch.cuda.synchronize()
-            record(f"{kname} 4096x{kdim}x5120: {name}", (time.perf_counter() - t) / 100 * 1e3, "ms")
+            record(f"{kname} 4096x{kdim}x5120: {name}", gpu_ms(fn, 100), "ms")
 
 
 

@@ -278,7 +278,7 @@ def parse_runner_log(stderr: str | None) -> dict:
     if m:
         out["load_s"] = float(m.group(1))
         inner = m.group(2) or ""
-        threads = re.search(r"(\d+)\s+threads?", inner)
+        threads = re.match(r"\s*(\d+)\s+threads?:", inner)  # "16 threads: fill 27.2, ..." (not "44.3 thread-s")
         out["load_threads"] = int(threads.group(1)) if threads else None
         phases = inner.split(":", 1)[1] if ":" in inner else ("" if threads else inner)
         pairs = {k: float(v) for k, v in re.findall(r"([A-Za-z_][\w-]*)\s+([\d.]+)", phases)}

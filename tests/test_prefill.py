@@ -245,6 +245,29 @@ def test_plan_never_exceeds_its_budget():
 
 # ----------------------------------------------------------------------------- checkpoint errors
 
+def test_refused_locking_leaves_nothing_locked(gqa_checkpoint, monkeypatch):
+    # ROCm may refuse read-only registration of a file's pages: files locked before the refusal must be unlocked
+    # (the runner then copies), and each file's copies start only once that file is locked
+    import types
+    registered, unregistered, copied = {}, [], []
+
+    def register(ptr, nbytes, flags):
+        assert flags == prefill.HOST_REGISTER_READ_ONLY
+        registered[ptr] = len(registered) < 2  # the third file and later are refused
+        return 0 if registered[ptr] else 1
+
+    fake = types.SimpleNamespace(cudaHostRegister=register, cudaHostUnregister=lambda ptr: unregistered.append(ptr))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "check_error", lambda rc: None)
+    ckpt = prefill.Checkpoint(gqa_checkpoint[0])
+    assert len(ckpt.files) >= 3
+    assert not ckpt.lock(1, copied.append)
+    assert sorted(copied) == sorted(ckpt.locked) and len(copied) == 2
+    locked_ptrs = sorted(ckpt.shared[f].data_ptr() for f in ckpt.locked)
+    ckpt.unlock()
+    assert sorted(unregistered) == locked_ptrs and ckpt.locked == []
+
+
 def test_checkpoint_problems_are_named(gqa_checkpoint, tmp_path):
     path, _ = gqa_checkpoint
 
