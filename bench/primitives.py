@@ -5,6 +5,8 @@
 Loading: CUDA init; transformers import + tokenizer load; page-locking host memory (cudaHostRegister on 4 KiB
 pages and on transparent huge pages, cudaHostAlloc), alone and from 8 threads at once; pread from tmpfs into
 fresh and into already-faulted memory; host->device through small pinned staging buffers from 16 threads.
+File pages: a checkpoint-like file's page cache registered in place (shared read-only map, the read-only flag),
+from one thread and from eight. Tokenizer: the Rust tokenizer alone against transformers' load.
 Compute: torch's flash kernel called directly with 8 KV heads (GQA) against varlen_attn with repeated KV heads,
 and a GEMM with the residual fused in (addmm, beta=1) against GEMM + add.
 Prints a table last and writes it as JSON to --out.
@@ -189,6 +191,44 @@ def section_file(args, path):
     os.close(fd)
 
 
+def section_threads(args):
+    # registering file pages (shared read-only maps) from 1 thread and from 8, eight 1 GiB files
+    paths = [f"/dev/shm/primitives-probe-{i}.bin" for i in range(8)]
+    for p in paths:
+        make_file(p, GiB)
+    try:
+        for threads in (1, 8):
+            fds = [os.open(p, os.O_RDONLY) for p in paths]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch warns that a read-only buffer is not writable
+                ts = [torch.frombuffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ), dtype=torch.uint8) for fd in fds]
+
+            def register_read_only(t):
+                return int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 8))
+            start = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                errors = sum(rc != 0 for rc in pool.map(register_read_only, ts))
+            record(f"register 8 x 1 GiB file pages read-only, {threads} thread(s), wall ({errors} refused)",
+                   time.perf_counter() - start, "s")
+            for t in ts:
+                unregister(t)
+            for fd in fds:
+                os.close(fd)
+    finally:
+        for p in paths:
+            os.unlink(p)
+
+
+def section_tokenizer(args):
+    # where the tokenizer's load time goes: the Rust tokenizer alone, then transformers (imported already)
+    import tokenizers
+    import transformers
+    _, s = timed(tokenizers.Tokenizer.from_file, str(Path(args.tokenizer) / "tokenizer.json"))
+    record("tokenizers.Tokenizer.from_file (no transformers)", s, "s")
+    _, s = timed(transformers.AutoTokenizer.from_pretrained, args.tokenizer)
+    record("transformers AutoTokenizer.from_pretrained, second load", s, "s")
+
+
 def section_compute():
     # attention: torch's flash kernel, GQA native and strided views of a fused qkv, vs varlen_attn + repeat
     torch.manual_seed(0)
@@ -227,7 +267,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", help="tokenizer folder, to time transformers' import and the tokenizer load")
     ap.add_argument("--gib", type=int, default=8, help="size of the test file in /dev/shm (default 8)")
-    ap.add_argument("--sections", default="load,file,compute", help="which to run (default: all three)")
+    ap.add_argument("--sections", default="load,file,threads,tokenizer,compute",
+                    help="comma-separated: load, file, threads, tokenizer, compute (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     record("import torch", IMPORT_TORCH_S, "s")
@@ -257,6 +298,10 @@ def main():
     finally:
         if os.path.exists(path):
             os.unlink(path)
+    if "threads" in sections:
+        section_threads(args)
+    if "tokenizer" in sections and args.tokenizer:
+        section_tokenizer(args)
     if "compute" in sections:
         section_compute()
     Path(args.out).mkdir(parents=True, exist_ok=True)
