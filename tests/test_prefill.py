@@ -268,6 +268,26 @@ def test_refused_locking_leaves_nothing_locked(gqa_checkpoint, monkeypatch):
     assert sorted(unregistered) == locked_ptrs and ckpt.locked == []
 
 
+def test_tokenizer_is_autotokenizers_without_its_imports(qwen_tokenizer_dir, tmp_path):
+    # prefill names the tokenizer class itself (AutoTokenizer's imports cost seconds): same ids as AutoTokenizer,
+    # also through the AutoTokenizer fallback when tokenizer_config.json names no class
+    from transformers import AutoTokenizer
+    texts = TEXTS + ["<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nOk<|im_end|>\n"]
+    want = AutoTokenizer.from_pretrained(qwen_tokenizer_dir)(texts)["input_ids"]
+    assert prefill.load_tokenizer(qwen_tokenizer_dir)(texts)["input_ids"] == want
+    unnamed = tmp_path / "unnamed"
+    shutil.copytree(qwen_tokenizer_dir, unnamed)
+    config = json.loads((unnamed / "tokenizer_config.json").read_text())
+    del config["tokenizer_class"]
+    (unnamed / "tokenizer_config.json").write_text(json.dumps(config))
+    (unnamed / "config.json").write_text(json.dumps({"model_type": "qwen3"}))  # what AutoTokenizer falls back on
+    assert prefill.load_tokenizer(unnamed)(texts)["input_ids"] == want
+    check = ("import sys, prefill; prefill.load_tokenizer(sys.argv[1]); "
+             "assert 'transformers.models.auto.auto_factory' not in sys.modules")
+    p = subprocess.run([sys.executable, "-c", check, str(qwen_tokenizer_dir)], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+
+
 def test_checkpoint_problems_are_named(gqa_checkpoint, tmp_path):
     path, _ = gqa_checkpoint
 
