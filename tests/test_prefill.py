@@ -261,8 +261,8 @@ def test_refused_locking_leaves_nothing_locked(gqa_checkpoint, monkeypatch):
     monkeypatch.setattr(torch.cuda, "check_error", lambda rc: None)
     ckpt = prefill.Checkpoint(gqa_checkpoint[0])
     assert len(ckpt.files) >= 3
-    assert not ckpt.lock(1, copied.append)
-    assert sorted(copied) == sorted(ckpt.locked) and len(copied) == 2
+    assert not ckpt.lock(copied.append)
+    assert copied == ckpt.locked == [0, 1]
     locked_ptrs = sorted(ckpt.shared[f].data_ptr() for f in ckpt.locked)
     ckpt.unlock()
     assert sorted(unregistered) == locked_ptrs and ckpt.locked == []
