@@ -9,6 +9,8 @@ File pages: a checkpoint-like file's page cache registered in place (shared read
 from one thread and from eight. Tokenizer: the Rust tokenizer alone against transformers' load.
 Compute: torch's flash kernel called directly with 8 KV heads (GQA) against varlen_attn with repeated KV heads,
 and a GEMM with the residual fused in (addmm, beta=1) against GEMM + add.
+Attention: prefill's backends and Triton attention tiles (ATTENTION_TILES and a few more) on one chunk of
+contest-length texts at Qwen3-32B's heads, each checked against SDPA.
 Prints a table last and writes it as JSON to --out.
 """
 import argparse
@@ -263,12 +265,43 @@ def section_compute():
 
 
 
+def section_attention():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import prefill
+    cfg = prefill.Qwen3Config(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                              num_attention_heads=64, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                              rope_theta=1e6, tie_word_embeddings=False)
+    lens = [279, 607, 455, 512, 330, 600, 390, 470, 440]  # 4083 tokens, the contest's range
+    q, k, v, chunk = prefill.attention_inputs(torch.device("cuda"), cfg, lens, seed=0)
+    ref = prefill.attention_sdpa(q, k, v, chunk).float()
+    flops = sum(2 * cfg.num_attention_heads * cfg.head_dim * n * (n + 1) for n in lens)  # QK^T and PV, causal
+    candidates = [(kind, None) for kind in ("torch-flash", "flash")]
+    tiles = prefill.ATTENTION_TILES + [t for t in [(128, 128, 8, 2), (128, 64, 4, 3), (128, 32, 4, 3),
+                                                   (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 2)]
+                                       if t not in prefill.ATTENTION_TILES]
+    candidates += [("triton", t) for t in tiles]
+    for kind, tile in candidates:
+        name = kind if tile is None else f"triton {tile}"
+        try:
+            attend = prefill.make_attention(kind, tile)
+            err = (attend(q, k, v, chunk).float() - ref).abs().max().item() / ref.abs().max().item()
+            ms = gpu_ms(lambda: attend(q, k, v, chunk), 50)
+        except Exception as e:
+            print(f"{name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+            continue
+        record(f"attention {sum(lens)} tokens: {name} rel err", err, "")
+        record(f"attention {sum(lens)} tokens: {name}", ms, f"ms ({flops / ms / 1e9:.0f} TFLOP/s)")
+    picked = prefill.pick_attention("auto", torch.device("cuda"), cfg)[0]
+    print(f"pick_attention('auto') -> {picked}", file=sys.stderr)
+    rows["pick_attention auto"] = (picked, "")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", help="tokenizer folder, to time transformers' import and the tokenizer load")
     ap.add_argument("--gib", type=int, default=8, help="size of the test file in /dev/shm (default 8)")
-    ap.add_argument("--sections", default="load,file,threads,tokenizer,compute",
-                    help="comma-separated: load, file, threads, tokenizer, compute (default: all)")
+    ap.add_argument("--sections", default="load,file,threads,tokenizer,compute,attention",
+                    help="comma-separated: load, file, threads, tokenizer, compute, attention (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     record("import torch", IMPORT_TORCH_S, "s")
@@ -304,10 +337,12 @@ def main():
         section_tokenizer(args)
     if "compute" in sections:
         section_compute()
+    if "attention" in sections:
+        section_attention()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "primitives.json").write_text(json.dumps(
         {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    print("\n".join(f"{k:55s} {v[0]:>10} {v[1]}" for k, v in rows.items()))
+    print("\n".join(f"{k:60s} {v[0]:>10} {v[1]}" for k, v in rows.items()))
 
 
 if __name__ == "__main__":

@@ -430,6 +430,41 @@ def test_triton_kernels_match_transformers(gqa_checkpoint, variant):
         assert max_rel_err(json.loads(p.stdout), reference) < TOLERANCE
 
 
+ATTENTION_CHECK = """
+import json, torch, prefill
+# the interpreter multiplies bfloat16 tiles as raw integers, so the kernel runs on float16 here (bf16 on a GPU)
+lens = [1, 37, 200, 64, 129, 2]  # a 1-token text, tile-size multiples, several query tiles, partial tiles
+bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
+chunk = prefill.Chunk(0, bounds[-1], bounds, torch.tensor(bounds, dtype=torch.int32), max(lens))
+gen = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(bounds[-1], h, 16, generator=gen, dtype=torch.float16) * 3 for h in (8, 2, 2))
+want = prefill.attention_sdpa(q.float(), k.float(), v.float(), chunk)
+def err(out):
+    return ((out.float() - want).abs().max() / want.abs().max()).item()
+report = {}
+for tile in prefill.ATTENTION_TILES:
+    report[str(tile)] = err(prefill.attention_triton(q, k, v, chunk, tile))
+tile = prefill.ATTENTION_TILES[0]
+report["kv heads swapped"] = err(prefill.attention_triton(q, k.flip(1).contiguous(), v.flip(1).contiguous(), chunk, tile))
+report["one text"] = err(prefill.attention_triton(q, k, v, prefill.Chunk(0, bounds[-1], [0, bounds[-1]],
+                                                  torch.tensor([0, bounds[-1]], dtype=torch.int32), bounds[-1]), tile))
+print(json.dumps(report))
+"""
+
+
+def test_triton_attention_matches_sdpa_and_the_check_catches_wrong_heads_or_bounds():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", ATTENTION_CHECK], capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = json.loads(p.stdout)
+    limit = 2**-5  # pick_attention's tolerance, relative to the output's scale
+    for tile in prefill.ATTENTION_TILES:
+        assert report[str(tile)] < limit / 4, report
+    # a wrong GQA head map, or texts run together as one, is far outside that tolerance
+    assert report["kv heads swapped"] > 4 * limit and report["one text"] > 4 * limit, report
+
+
 # ----------------------------------------------------------------------------- nothing compiles in the timed window
 
 def test_flash_max_seqlen_buckets_are_all_compiled_before_ready(gqa_checkpoint, monkeypatch):
@@ -467,7 +502,7 @@ def test_gpu_streaming_matches_and_nothing_compiles_after_warm_up(gqa_checkpoint
     copied = prefill.Runner(path, device="cuda", gpu_memory_gib=0, load="copy")
     resident = prefill.Runner(path, device="cuda")
     assert streamed.kernels.name == "triton" and len(streamed.plan.streamed_layers) == 4
-    assert streamed.attention in ("flash", "torch-flash")  # not the per-text SDPA fallback
+    assert streamed.attention.split()[0] in ("flash", "triton", "torch-flash")  # not the per-text SDPA loop
     streamed.warm_up()
     ids = streamed.tokenize(TEXTS)
     compiled = []
