@@ -225,6 +225,14 @@ class Checkpoint:
         no read-only registration on this platform, too little memory). One file after the other: registering from
         8 threads was no faster (0.51 vs 0.61 s for 8 GiB), and files done one by one let their copies start early.
         The pages stay locked for the life of the process, or until unlock()."""
+        # On a thread of its own: a refused cudaHostRegister also leaves its error as the calling thread's CUDA
+        # "last error", which torch's next kernel-launch check on that thread raises (seen on the H200: the main
+        # thread's first kernel failed after a refusal, with "part or all of the requested memory range is already
+        # mapped"). The thread ends with its error.
+        with ThreadPoolExecutor(1) as locker:
+            return locker.submit(self._lock_files, on_locked).result()
+
+    def _lock_files(self, on_locked):
         for file in range(len(self.files)):
             t, start = self._shared_map(file), time.perf_counter()
             ok = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, HOST_REGISTER_READ_ONLY)) == 0
