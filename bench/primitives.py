@@ -6,7 +6,8 @@ Loading: CUDA init; transformers import + tokenizer load; page-locking host memo
 pages and on transparent huge pages, cudaHostAlloc), alone and from 8 threads at once; pread from tmpfs into
 fresh and into already-faulted memory; host->device through small pinned staging buffers from 16 threads.
 File pages: a checkpoint-like file's page cache registered in place (shared read-only map, the read-only flag),
-from one thread and from eight. Tokenizer: the Rust tokenizer alone against transformers' load.
+from one thread and from eight. GIL: whether other Python threads run while 4 GiB of file pages register (torch's
+binding vs prefill's ctypes call). Tokenizer: the Rust tokenizer alone against transformers' load.
 Compute: torch's flash kernel called directly with 8 KV heads (GQA) against varlen_attn with repeated KV heads,
 and a GEMM with the residual fused in (addmm, beta=1) against GEMM + add.
 Attention: prefill's backends and Triton attention tiles (ATTENTION_TILES and a few more) on one chunk of
@@ -221,6 +222,42 @@ def section_threads(args):
             os.unlink(p)
 
 
+def section_gil(args):
+    # does registering 4 GiB of file pages let other Python threads run? torch's binding vs prefill's ctypes call
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import prefill
+    path = "/dev/shm/primitives-gil.bin"
+    make_file(path, 4 * GiB)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for label, register_fn in [("torch.cuda.cudart()", lambda p, n: torch.cuda.cudart().cudaHostRegister(p, n, 8)),
+                                   ("prefill.host_register (ctypes)", lambda p, n: prefill.host_register(p, n, 8))]:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                t = torch.frombuffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ), dtype=torch.uint8)
+            ticks, stop = [0], threading.Event()
+
+            def spin():
+                while not stop.is_set():
+                    ticks[0] += 1
+                    time.sleep(0.001)
+            spinner = threading.Thread(target=spin)
+            spinner.start()
+            time.sleep(0.2)
+            before, start = ticks[0], time.perf_counter()
+            rc = int(register_fn(t.data_ptr(), t.nbytes))
+            seconds, during = time.perf_counter() - start, ticks[0] - before
+            stop.set()
+            spinner.join()
+            record(f"register 4 GiB file pages via {label} (rc {rc})", seconds, "s")
+            record(f"  other thread's 1 ms sleeps completed meanwhile", during, f"(~{seconds * 1e3:.0f} if free)")
+            unregister(t)
+            del t
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def section_tokenizer(args):
     # where the tokenizer's load time goes: the Rust tokenizer alone, then transformers (imported already)
     import tokenizers
@@ -276,8 +313,8 @@ def section_attention():
     ref = prefill.attention_sdpa(q, k, v, chunk).float()
     flops = sum(2 * cfg.num_attention_heads * cfg.head_dim * n * (n + 1) for n in lens)  # QK^T and PV, causal
     candidates = [(kind, None) for kind in ("torch-flash", "flash")]
-    tiles = prefill.ATTENTION_TILES + [t for t in [(128, 128, 8, 2), (128, 64, 4, 3), (128, 32, 4, 3),
-                                                   (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 2)]
+    tiles = prefill.ATTENTION_TILES + [t for t in [(128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3),
+                                                   (64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 4, 3), (32, 32, 4, 2)]
                                        if t not in prefill.ATTENTION_TILES]
     candidates += [("triton", t) for t in tiles]
     for kind, tile in candidates:
@@ -300,8 +337,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", help="tokenizer folder, to time transformers' import and the tokenizer load")
     ap.add_argument("--gib", type=int, default=8, help="size of the test file in /dev/shm (default 8)")
-    ap.add_argument("--sections", default="load,file,threads,tokenizer,compute,attention",
-                    help="comma-separated: load, file, threads, tokenizer, compute, attention (default: all)")
+    ap.add_argument("--sections", default="load,file,threads,gil,tokenizer,compute,attention",
+                    help="comma-separated: load, file, threads, gil, tokenizer, compute, attention (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     record("import torch", IMPORT_TORCH_S, "s")
@@ -333,6 +370,8 @@ def main():
             os.unlink(path)
     if "threads" in sections:
         section_threads(args)
+    if "gil" in sections:
+        section_gil(args)
     if "tokenizer" in sections and args.tokenizer:
         section_tokenizer(args)
     if "compute" in sections:
