@@ -12,7 +12,6 @@ huge request is split into waves).
 import argparse
 import contextlib
 import ctypes
-import functools
 import json
 import math
 import mmap
@@ -117,33 +116,6 @@ SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch
 
 
 HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (hipHostRegisterReadOnly): the device only reads the pages
-
-
-@functools.cache
-def runtime_host_register():
-    # The runtime's own cudaHostRegister (hipHostRegister) through ctypes, which lets go of the GIL during the call:
-    # torch's binding holds it, and locking the checkpoint (~5 s) then stalled the tokenizer and kernel threads.
-    # Only a library already loaded (RTLD_NOLOAD): the one torch uses. None where it cannot be found by name.
-    if torch.version.hip:
-        names, symbol = ["libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6"], "hipHostRegister"
-    elif torch.version.cuda:
-        names, symbol = [f"libcudart.so.{torch.version.cuda.split('.')[0]}"], "cudaHostRegister"
-    else:
-        return None
-    for name in names:
-        try:
-            fn = getattr(ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY), symbol)
-        except (OSError, AttributeError):
-            continue
-        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        return fn
-    return None
-
-
-def host_register(ptr, nbytes, flags):
-    # page-locks [ptr, ptr + nbytes) for the device; returns the runtime's error code (0: done)
-    fn = runtime_host_register()
-    return fn(ptr, nbytes, flags) if fn else int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, flags))
 
 
 class Checkpoint:
@@ -263,7 +235,7 @@ class Checkpoint:
     def _lock_files(self, on_locked):
         for file in range(len(self.files)):
             t, start = self._shared_map(file), time.perf_counter()
-            ok = host_register(t.data_ptr(), t.nbytes, HOST_REGISTER_READ_ONLY) == 0
+            ok = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, HOST_REGISTER_READ_ONLY)) == 0
             self.lock_seconds += time.perf_counter() - start
             if not ok:
                 return False
@@ -321,9 +293,11 @@ def pin(t):
     """Page-locks t in place at its exact size. torch's pinned allocator would round 1 GB up to 2 GB (and 20 GB of
     layers to 32 GB); registering plain memory keeps host use exact, and costs ~0.04 s/GiB once the pages exist
     (0.4 s/GiB when registering has to fault them in). Falls back to a pinned copy if refused."""
-    if host_register(t.data_ptr(), t.numel() * t.element_size(), 0) == 0:
+    try:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
         return t
-    return t.pin_memory()
+    except Exception:
+        return t.pin_memory()
 
 
 def unpin(t):
@@ -848,8 +822,9 @@ def token_nll_triton(logits, targets):
 
 
 # (BLOCK_M, BLOCK_N, warps, stages) tried for the attention kernel; the fastest that compiles and agrees is kept.
-# The first needs ~128 KB of shared memory (Hopper-class), the second fits RDNA3's 64 KB LDS.
-ATTENTION_TILES = [(128, 64, 8, 3), (64, 64, 4, 2)]
+# On the H200 the first was the fastest of ten (bench/results/primitives/…-attention*.json; 128-row tiles were
+# 10-30% slower); the second, within 1% of it there, needs ~48 KB of shared memory, under RDNA3's 64 KB LDS.
+ATTENTION_TILES = [(64, 64, 4, 2), (64, 32, 4, 2)]
 
 
 def attention_triton(q, k, v, chunk, tile):

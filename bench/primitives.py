@@ -7,7 +7,7 @@ pages and on transparent huge pages, cudaHostAlloc), alone and from 8 threads at
 fresh and into already-faulted memory; host->device through small pinned staging buffers from 16 threads.
 File pages: a checkpoint-like file's page cache registered in place (shared read-only map, the read-only flag),
 from one thread and from eight. GIL: whether other Python threads run while 4 GiB of file pages register (torch's
-binding vs prefill's ctypes call). Tokenizer: the Rust tokenizer alone against transformers' load.
+binding). Tokenizer: the Rust tokenizer alone against transformers' load.
 Compute: torch's flash kernel called directly with 8 KV heads (GQA) against varlen_attn with repeated KV heads,
 and a GEMM with the residual fused in (addmm, beta=1) against GEMM + add.
 Attention: prefill's backends and Triton attention tiles (ATTENTION_TILES and a few more) on one chunk of
@@ -223,36 +223,32 @@ def section_threads(args):
 
 
 def section_gil(args):
-    # does registering 4 GiB of file pages let other Python threads run? torch's binding vs prefill's ctypes call
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import prefill
+    # does registering 4 GiB of file pages through torch's binding let other Python threads run meanwhile?
+    # (commit 1d2f7df also timed a ctypes call of the runtime's cudaHostRegister: the same, so it was reverted)
     path = "/dev/shm/primitives-gil.bin"
     make_file(path, 4 * GiB)
     fd = os.open(path, os.O_RDONLY)
     try:
-        for label, register_fn in [("torch.cuda.cudart()", lambda p, n: torch.cuda.cudart().cudaHostRegister(p, n, 8)),
-                                   ("prefill.host_register (ctypes)", lambda p, n: prefill.host_register(p, n, 8))]:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                t = torch.frombuffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ), dtype=torch.uint8)
-            ticks, stop = [0], threading.Event()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = torch.frombuffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ), dtype=torch.uint8)
+        ticks, stop = [0], threading.Event()
 
-            def spin():
-                while not stop.is_set():
-                    ticks[0] += 1
-                    time.sleep(0.001)
-            spinner = threading.Thread(target=spin)
-            spinner.start()
-            time.sleep(0.2)
-            before, start = ticks[0], time.perf_counter()
-            rc = int(register_fn(t.data_ptr(), t.nbytes))
-            seconds, during = time.perf_counter() - start, ticks[0] - before
-            stop.set()
-            spinner.join()
-            record(f"register 4 GiB file pages via {label} (rc {rc})", seconds, "s")
-            record(f"  other thread's 1 ms sleeps completed meanwhile", during, f"(~{seconds * 1e3:.0f} if free)")
-            unregister(t)
-            del t
+        def spin():
+            while not stop.is_set():
+                ticks[0] += 1
+                time.sleep(0.001)
+        spinner = threading.Thread(target=spin)
+        spinner.start()
+        time.sleep(0.2)
+        before, start = ticks[0], time.perf_counter()
+        rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 8))
+        seconds, during = time.perf_counter() - start, ticks[0] - before
+        stop.set()
+        spinner.join()
+        record(f"register 4 GiB file pages via torch.cuda.cudart() (rc {rc})", seconds, "s")
+        record("  other thread's 1 ms sleeps completed meanwhile", during, f"(~{seconds * 1e3:.0f} if free)")
+        unregister(t)
     finally:
         os.close(fd)
         os.unlink(path)

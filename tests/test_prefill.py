@@ -256,8 +256,7 @@ def test_refused_locking_leaves_nothing_locked(gqa_checkpoint, monkeypatch):
         registered[ptr] = len(registered) < 2  # the third file and later are refused
         return 0 if registered[ptr] else 1
 
-    fake = types.SimpleNamespace(cudaHostUnregister=lambda ptr: unregistered.append(ptr))
-    monkeypatch.setattr(prefill, "host_register", register)
+    fake = types.SimpleNamespace(cudaHostRegister=register, cudaHostUnregister=lambda ptr: unregistered.append(ptr))
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(torch.cuda, "check_error", lambda rc: None)
     ckpt = prefill.Checkpoint(gqa_checkpoint[0])
