@@ -978,19 +978,26 @@ class Runner:
             fixed.append(("lm_head.weight", (V, H)))
         for name, shape in fixed:
             ckpt.get(name, shape)
-        with ThreadPoolExecutor(2) as side:
+        self.side_done_s = {}  # when each side task finished, in seconds since t0, for --stats
+
+        def side_task(name, fn, *args):
+            result = fn(*args)
+            self.side_done_s[name] = time.perf_counter() - t0
+            return result
+
+        with ThreadPoolExecutor(3) as side:
             # importing transformers takes seconds (9.5 s on a fresh H200 machine): it overlaps the loading
-            tokenizer = side.submit(load_tokenizer, model_dir)
+            tokenizer = side.submit(side_task, "tokenizer", load_tokenizer, model_dir)
             self.plan = plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens)
-            # so do the kernels' JIT compilation and checks
-            picked = side.submit(lambda: (pick_attention(attention, self.device, cfg),
-                                          pick_kernels(kernels, self.device, cfg)))
             lap("setup")
+            # so do the kernels' JIT compilation, checks and timings
+            picked_attention = side.submit(side_task, "attention", pick_attention, attention, self.device, cfg)
+            picked_kernels = side.submit(side_task, "kernels", pick_kernels, kernels, self.device, cfg)
             on_device, host = self._load_weights(ckpt, fixed, workers or min(16, os.cpu_count() or 1), load)
             lap("weights")
             self.tokenizer = tokenizer.result()
             lap("tokenizer_wait")
-            (self.attention, self.attend), self.kernels = picked.result()
+            (self.attention, self.attend), self.kernels = picked_attention.result(), picked_kernels.result()
             lap("kernels_wait")
         # The embedding lives on the device: a host-side gather would cost a pageable copy of every token's row
         # inside the timed window (66 ms for 45k tokens on the H200).
@@ -1319,9 +1326,10 @@ def serve(args, protocol):
     protocol.flush()
     elapsed = time.perf_counter() - t_start
     stats = dict(runner.stats, elapsed_s=elapsed, pinned_host_bytes=runner.pinned_host_bytes,
-                 load_wall_s=runner.load_wall_s, load_mode=runner.load_mode, warm_up_s=warm_up_s,
-                 resident_layers=len(runner.plan.resident_layers), streamed_layers=len(runner.plan.streamed_layers),
-                 attention=runner.attention, kernels=runner.kernels.name, budget_bytes=runner.plan.budget_bytes,
+                 load_wall_s=runner.load_wall_s, side_done_s=runner.side_done_s, load_mode=runner.load_mode,
+                 warm_up_s=warm_up_s, resident_layers=len(runner.plan.resident_layers),
+                 streamed_layers=len(runner.plan.streamed_layers), attention=runner.attention,
+                 kernels=runner.kernels.name, budget_bytes=runner.plan.budget_bytes,
                  planned_bytes=runner.plan.total_bytes)
     stats["phases"] = dict(tokenize=tokenize_s, **stats["phases"])
     if runner.device.type == "cuda":

@@ -445,7 +445,8 @@ report = {}
 for tile in prefill.ATTENTION_TILES:
     report[str(tile)] = err(prefill.attention_triton(q, k, v, chunk, tile))
 tile = prefill.ATTENTION_TILES[0]
-report["kv heads swapped"] = err(prefill.attention_triton(q, k.flip(1).contiguous(), v.flip(1).contiguous(), chunk, tile))
+swapped = [t.flip(1).contiguous() for t in (k, v)]  # kv head j's values under kv head 1 - j
+report["kv heads swapped"] = err(prefill.attention_triton(q, *swapped, chunk, tile))
 report["one text"] = err(prefill.attention_triton(q, k, v, prefill.Chunk(0, bounds[-1], [0, bounds[-1]],
                                                   torch.tensor([0, bounds[-1]], dtype=torch.int32), bounds[-1]), tile))
 print(json.dumps(report))
