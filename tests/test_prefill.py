@@ -501,9 +501,9 @@ def test_gpu_streaming_matches_and_nothing_compiles_after_warm_up(gqa_checkpoint
     load = "map" if torch.version.hip is None else "auto"
     streamed = prefill.Runner(path, device="cuda", gpu_memory_gib=0, load=load)
     copied = prefill.Runner(path, device="cuda", gpu_memory_gib=0, load="copy")
+    # `streamed` still holds these files' pages locked: on the H200 CUDA refused registering them again in some
+    # runs (then this Runner copies; a leaked refusal once failed its first kernel) and not in others
     resident = prefill.Runner(path, device="cuda")
-    if torch.version.hip is None:  # CUDA refuses to register pages `streamed` holds: the fallback after a refusal
-        assert resident.load_mode == "copied"
     assert streamed.kernels.name == "triton" and len(streamed.plan.streamed_layers) == 4
     assert streamed.attention.split()[0] in ("flash", "triton", "torch-flash")  # not the per-text SDPA loop
     streamed.warm_up()
