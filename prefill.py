@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,18 +225,10 @@ class Checkpoint:
         copy), calling on_locked(file) as each file is done, and says whether every file could be locked (a refusal:
         no read-only registration on this platform, too little memory). One file after the other: registering from
         8 threads was no faster (0.51 vs 0.61 s for 8 GiB), and files done one by one let their copies start early.
-        The pages stay locked for the life of the process, or until unlock()."""
-        # On a thread of its own: a refused cudaHostRegister also leaves its error as the calling thread's CUDA
-        # "last error", which torch's next kernel-launch check on that thread raises (seen on the H200: the main
-        # thread's first kernel failed after a refusal, with "part or all of the requested memory range is already
-        # mapped"). The thread ends with its error.
-        with ThreadPoolExecutor(1) as locker:
-            return locker.submit(self._lock_files, on_locked).result()
-
-    def _lock_files(self, on_locked):
+        The pages stay locked until unlock(); the maps must outlive the registration."""
         for file in range(len(self.files)):
             t, start = self._shared_map(file), time.perf_counter()
-            ok = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, HOST_REGISTER_READ_ONLY)) == 0
+            ok = host_register(t, HOST_REGISTER_READ_ONLY)
             self.lock_seconds += time.perf_counter() - start
             if not ok:
                 return False
@@ -289,19 +282,37 @@ def host_empty(numel):
     return torch.frombuffer(buf, dtype=DTYPE)  # the tensor keeps the mapping alive
 
 
+# Every cudaHostRegister/Unregister runs on this one thread, which launches nothing: a refused call also leaves its
+# error as the calling thread's CUDA "last error", and torch's next launch check on that thread raises it (seen on
+# the H200: a refusal failed the next kernel, or the next copy, of the thread that asked).
+REGISTRAR = ThreadPoolExecutor(1, thread_name_prefix="prefill-registrar")
+
+
+def on_registrar(fn):
+    if threading.current_thread().name.startswith("prefill-registrar"):
+        return fn()
+    return REGISTRAR.submit(fn).result()
+
+
+def host_register(t, flags=0):
+    # page-locks t's memory in place; False where the runtime refuses
+    return on_registrar(lambda: int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, flags)) == 0)
+
+
 def pin(t):
     """Page-locks t in place at its exact size. torch's pinned allocator would round 1 GB up to 2 GB (and 20 GB of
     layers to 32 GB); registering plain memory keeps host use exact, and costs ~0.04 s/GiB once the pages exist
     (0.4 s/GiB when registering has to fault them in). Falls back to a pinned copy if refused."""
-    try:
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
-        return t
-    except Exception:
-        return t.pin_memory()
+    return t if host_register(t) else t.pin_memory()
 
 
 def unpin(t):
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
+    on_registrar(lambda: torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())))
+
+
+def unpin_all(tensors):
+    for t in tensors:
+        unpin(t)
 
 
 STAGING_BYTES = 32 * 2**20  # each of a loading thread's two staging buffers
@@ -1030,6 +1041,11 @@ class Runner:
         jobs = {name: ([(name, 0, math.prod(shape))], shape) for name, shape in fixed}
         jobs.update({i: (layer_tensors(cfg, i), (cfg.layer_numel,)) for i in range(cfg.num_hidden_layers)})
         t = time.perf_counter()
+        # Host memory page-locked in place, unlocked when this Runner goes and before it can be unmapped: freed while
+        # registered, its addresses keep a stale registration that the next mapping there inherits (seen on the H200:
+        # a later Runner's registrations and copies failed with "invalid argument").
+        self.locked_host = []
+        weakref.finalize(self, unpin_all, self.locked_host).atexit = False
         loaded = None
         if load != "copy" and ckpt.is_bf16(name for tensors, _ in jobs.values() for name, _, _ in tensors):
             loaded = self._load_mapped(ckpt, jobs)
@@ -1043,7 +1059,8 @@ class Runner:
         else:
             self.load_seconds = (f"in place: lock {ckpt.lock_seconds:.1f}, "
                                  f"total {time.perf_counter() - t:.1f} s")
-            self.pinned_host_bytes = sum(ckpt.shared[file].nbytes for file in ckpt.locked)
+            self.locked_host += [ckpt.shared[file] for file in ckpt.locked]
+            self.pinned_host_bytes = sum(t.nbytes for t in self.locked_host)
         return loaded
 
     def _load_mapped(self, ckpt, jobs):
@@ -1115,7 +1132,13 @@ class Runner:
             if key not in self.plan.streamed_layers:
                 return timed("stage", stage, tensors, shape)
             flat = timed("fill", fill, tensors, shape)
-            return timed("pin", pin, flat) if dev.type == "cuda" else flat
+            if dev.type != "cuda":
+                return flat
+            pinned = timed("pin", pin, flat)
+            if pinned is flat:
+                with lock:
+                    self.locked_host.append(flat)
+            return pinned
 
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the loading threads' own copies: torch's intra-op threads would oversubscribe
