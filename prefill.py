@@ -618,26 +618,33 @@ def attention_ms(attend, device, cfg):
     return start.elapsed_time(end) / 5
 
 
+def attention_candidates(requested):
+    # (name, kind, tile) of each backend and Triton tile that `requested` names: "auto", a kind, or a name that
+    # pick_attention returned (so that a second Runner can use exactly the kernel the first one picked)
+    named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}", kind, tile)
+             for kind in ATTENTION_KINDS for tile in (ATTENTION_TILES if kind == "triton" else [None])]
+    chosen = [c for c in named if requested in ("auto", c[0], c[1])]
+    if not chosen:
+        raise UserError(f"unknown attention backend {requested!r}")
+    return chosen
+
+
 def pick_attention(requested, device, cfg):
     """Of the backends (and Triton tiles) that run here and match SDPA, the fastest on a GPU, else the first.
     Returns (name, attend)."""
     q, k, v, chunk = attention_inputs(device, cfg, [37, 100], seed=0)
     reference = attention_sdpa(q, k, v, chunk).float()
     usable, reasons = [], []
-    for kind in ATTENTION_KINDS if requested == "auto" else [requested]:
-        for tile in ATTENTION_TILES if kind == "triton" else [None]:
-            name = kind if tile is None else f"{kind} {tile[0]}x{tile[1]}"
-            try:
-                attend = make_attention(kind, tile)
-                err = (attend(q, k, v, chunk).float() - reference).abs().max().item()
-                if err <= 2**-5 * reference.abs().max().item():  # a few bf16 ulps; a wrong mask or head map is O(1)
-                    usable.append((name, attend))
-                else:
-                    reasons.append(f"{name}: differs from SDPA by {err:.3g}")
-            except UserError:
-                raise
-            except Exception as e:
-                reasons.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    for name, kind, tile in attention_candidates(requested):
+        try:
+            attend = make_attention(kind, tile)
+            err = (attend(q, k, v, chunk).float() - reference).abs().max().item()
+            if err <= 2**-5 * reference.abs().max().item():  # a few bf16 ulps; a wrong mask or head map is O(1)
+                usable.append((name, attend))
+            else:
+                reasons.append(f"{name}: differs from SDPA by {err:.3g}")
+        except Exception as e:
+            reasons.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     if not usable:
         raise UserError(f"attention backend {requested!r} is unusable on {device}: " + "; ".join(reasons))
     if device.type != "cuda" or len(usable) == 1:
