@@ -1067,7 +1067,7 @@ class Runner:
             self.load_seconds = (f"in place: lock {ckpt.lock_seconds:.1f}, "
                                  f"total {time.perf_counter() - t:.1f} s")
             self.locked_host += [ckpt.shared[file] for file in ckpt.locked]
-            self.pinned_host_bytes = sum(t.nbytes for t in self.locked_host)
+            self.pinned_host_bytes = sum(buf.nbytes for buf in self.locked_host)
         return loaded
 
     def _load_mapped(self, ckpt, jobs):
