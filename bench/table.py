@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,6 +45,16 @@ def row(r: dict) -> list[str]:
     ]
 
 
+def commit_order(repo: Path) -> dict[str, int]:
+    """7-character commit hash -> its position in the checkout's history (oldest first); {} without git."""
+    try:
+        log = subprocess.run(["git", "-C", str(repo), "log", "--reverse", "--format=%H"], capture_output=True,
+                             text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    return {h[:7]: i for i, h in enumerate(log.split())}
+
+
 def load_reports(folder: Path) -> list[dict]:
     reports = []
     for path in sorted(folder.glob("*.json")):
@@ -51,8 +62,11 @@ def load_reports(folder: Path) -> list[dict]:
             reports.append(json.loads(path.read_text()))
         except (OSError, ValueError) as e:
             print(f"table.py: skipping {path}: {e}", file=sys.stderr)
+    # runs of one day in the order of their commits (commits not in this history last, by hash)
+    order = commit_order(folder)
     return sorted(reports, key=lambda r: (r.get("date", ""), r.get("machine", ""), r.get("workload", ""),
-                                          r.get("wall_clock_start", r.get("commit", ""))))
+                                          order.get(str(r.get("commit", ""))[:7], len(order)),
+                                          str(r.get("commit", ""))))
 
 
 def markdown(reports: list[dict]) -> str:
