@@ -594,19 +594,19 @@ def make_attention(kind, tile=None):
 
 
 def attention_inputs(device, cfg, lens, seed):
-    gen = torch.Generator().manual_seed(seed)
+    # random q, k, v for texts of the given lengths, drawn on the device (a 4096-token set is 42M values)
+    gen = torch.Generator(device=device).manual_seed(seed)
     heads, kv_heads, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     T = sum(lens)
-    q, k, v = (torch.randn(T, h, D, generator=gen).to(device, DTYPE) for h in (heads, kv_heads, kv_heads))
+    q, k, v = (torch.randn(T, h, D, generator=gen, device=device, dtype=DTYPE) for h in (heads, kv_heads, kv_heads))
     bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
     return q, k, v, Chunk(0, T, bounds, torch.tensor(bounds, dtype=torch.int32, device=device), max(lens))
 
 
-def attention_ms(attend, device, cfg):
-    # a chunk of eight 512-token texts (the contest's are 280-650), timed on a stream of its own: the weights are
-    # being copied on others while this runs
-    q, k, v, chunk = attention_inputs(device, cfg, [512] * 8, seed=1)
-    stream = torch.cuda.Stream(device)
+def attention_ms(attend, inputs):
+    # timed on a stream of its own: the weights are being copied on others while this runs
+    q, k, v, chunk = inputs
+    stream = torch.cuda.Stream(q.device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(stream):
         attend(q, k, v, chunk)
@@ -649,7 +649,8 @@ def pick_attention(requested, device, cfg):
         raise UserError(f"attention backend {requested!r} is unusable on {device}: " + "; ".join(reasons))
     if device.type != "cuda" or len(usable) == 1:
         return usable[0]
-    return min(usable, key=lambda named: attention_ms(named[1], device, cfg))
+    eight_texts = attention_inputs(device, cfg, [512] * 8, seed=1)  # the contest's texts are 280-650 tokens
+    return min(usable, key=lambda named: attention_ms(named[1], eight_texts))
 
 
 def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels):
@@ -1221,13 +1222,7 @@ class Runner:
         if self.attention == "flash":  # a chunk of several texts has max_len <= chunk_tokens: 128, 256, ... that
             top = max_len_bucket(self.plan.chunk_tokens)
             for bucket in (128 << i for i in range(top.bit_length() - 7)):
-                q = torch.randn(bucket, self.cfg.num_attention_heads, self.cfg.head_dim, device=self.device,
-                                dtype=DTYPE)
-                k = torch.randn(bucket, self.cfg.num_key_value_heads, self.cfg.head_dim, device=self.device,
-                                dtype=DTYPE)
-                bounds = [0, bucket]
-                self.attend(q, k, k, Chunk(0, bucket, bounds, torch.tensor(bounds, dtype=torch.int32,
-                                                                           device=self.device), bucket))
+                self.attend(*attention_inputs(self.device, self.cfg, [bucket], seed=0))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(self.device)
