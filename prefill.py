@@ -237,9 +237,13 @@ class Checkpoint:
         return True
 
     def unlock(self):
-        for file in self.locked:
-            unpin(self.shared[file])
+        unpin_all(self.shared[file] for file in self.locked)
         self.locked = []
+
+
+def byte_range(flat, offset, count):
+    # the bytes of elements [offset, offset + count) of a flat bf16 buffer
+    return flat.view(torch.uint8)[offset * DTYPE.itemsize:(offset + count) * DTYPE.itemsize]
 
 
 def layer_tensors(cfg, layer):
@@ -1080,9 +1084,9 @@ class Runner:
             if key in self.plan.streamed_layers:
                 continue
             on_device[key] = torch.empty(shape, dtype=DTYPE, device=self.device)
-            raw = on_device[key].view(-1).view(torch.uint8)
+            flat = on_device[key].view(-1)
             for name, offset, count in tensors:
-                copies.setdefault(ckpt.file_of(name), []).append((raw[offset * 2:(offset + count) * 2], name))
+                copies.setdefault(ckpt.file_of(name), []).append((byte_range(flat, offset, count), name))
         stream = torch.cuda.Stream(self.device) if cuda else None
 
         def copy_file(file):
@@ -1158,8 +1162,8 @@ class Runner:
             for stager in stagers:
                 stager.close()  # waits for its last copies
         self.load_seconds = f"{workers} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + " s"
-        host = {i: [(loaded[i].view(torch.uint8)[offset * 2:(offset + count) * 2], offset * 2)
-                    for _, offset, count in jobs[i][0]] for i in self.plan.streamed_layers}
+        host = {i: [(byte_range(loaded[i], offset, count), offset * DTYPE.itemsize) for _, offset, count in jobs[i][0]]
+                for i in self.plan.streamed_layers}
         return {key: buf for key, buf in loaded.items() if key not in host}, host
 
     def tokenize(self, texts):
