@@ -16,6 +16,7 @@ Prints a table last and writes it as JSON to --out.
 """
 import argparse
 import ctypes
+import dataclasses
 import json
 import mmap
 import os
@@ -301,9 +302,8 @@ def section_compute():
 def section_attention():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import prefill
-    cfg = prefill.Qwen3Config(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
-                              num_attention_heads=64, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                              rope_theta=1e6, tie_word_embeddings=False)
+    from bench.make_checkpoint import QWEN3_32B
+    cfg = prefill.Qwen3Config(**{f.name: QWEN3_32B[f.name] for f in dataclasses.fields(prefill.Qwen3Config)})
     lens = [279, 607, 455, 512, 330, 600, 390, 470, 440]  # 4083 tokens, the contest's range
     q, k, v, chunk = prefill.attention_inputs(torch.device("cuda"), cfg, lens, seed=0)
     ref = prefill.attention_sdpa(q, k, v, chunk).float()
