@@ -846,7 +846,8 @@ def token_nll_triton(logits, targets):
 
 # (BLOCK_M, BLOCK_N, warps, stages) tried for the attention kernel; the fastest that compiles and agrees is kept.
 # On the H200 the first was the fastest of ten (bench/results/primitives/…-attention*.json; 128-row tiles were
-# 10-30% slower); the second, within 1% of it there, needs ~48 KB of shared memory, under RDNA3's 64 KB LDS.
+# 13-120% slower); the second, within 1% of it there, should need ~48 KB of shared memory (Q and two stages of K
+# and V tiles, counted, not measured), under RDNA3's 64 KB LDS.
 ATTENTION_TILES = [(64, 64, 4, 2), (64, 32, 4, 2)]
 
 
