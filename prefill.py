@@ -622,11 +622,11 @@ def attention_ms(attend, inputs):
     return start.elapsed_time(end) / 5
 
 
-def attention_candidates(requested):
-    # (name, kind, tile) of each backend and Triton tile that `requested` names: "auto", a kind, or a name that
-    # pick_attention returned (so that a second Runner can use exactly the kernel the first one picked)
+def attention_candidates(requested, family):
+    # (name, kind, tile) of each backend and Triton tile (those offered for this GPU family) that `requested` names:
+    # "auto", a kind, or a name that pick_attention returned (so that a second Runner can use exactly that kernel)
     named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}", kind, tile)
-             for kind in ATTENTION_KINDS for tile in (ATTENTION_TILES if kind == "triton" else [None])]
+             for kind in ATTENTION_KINDS for tile in (ATTENTION_TILES[family] if kind == "triton" else [None])]
     chosen = [c for c in named if requested in ("auto", c[0], c[1])]
     if not chosen:
         raise UserError(f"unknown attention backend {requested!r}")
@@ -639,7 +639,7 @@ def pick_attention(requested, device, cfg):
     q, k, v, chunk = attention_inputs(device, cfg, [37, 100], seed=0)
     reference = attention_sdpa(q, k, v, chunk).float()
     usable, reasons = [], []
-    for name, kind, tile in attention_candidates(requested):
+    for name, kind, tile in attention_candidates(requested, gpu_family(device)):
         try:
             attend = make_attention(kind, tile)
             err = (attend(q, k, v, chunk).float() - reference).abs().max().item()
@@ -844,11 +844,30 @@ def token_nll_triton(logits, targets):
     return out
 
 
-# (BLOCK_M, BLOCK_N, warps, stages) tried for the attention kernel; the fastest that compiles and agrees is kept.
-# On the H200 the first was the fastest of ten (bench/results/primitives/…-attention*.json; 128-row tiles were
-# 13-120% slower); the second, within 1% of it there, should need ~48 KB of shared memory (Q and two stages of K
-# and V tiles, counted, not measured), under RDNA3's 64 KB LDS.
-ATTENTION_TILES = [(64, 64, 4, 2), (64, 32, 4, 2)]
+# (BLOCK_M, BLOCK_N, warps, stages) offered for the attention kernel, per GPU family (gpu_family below).
+# NVIDIA: on the H200 the first was the fastest of ten (bench/results/primitives/…-attention*.json; 128-row tiles were
+# 13-120% slower), the second within 1% of it.
+# RDNA3 (gfx11, wave32, 64 KB LDS): only tiles that compile without register spills there. Compiled for gfx1100
+# without a GPU (SPEC §8), 64x64 and 64x32 with 2 stages spilled 137 and 49 VGPRs; these two did not spill.
+# tests/test_gfx1100_compile.py compiles every kernel prefill can launch for gfx1100 and fails on a spill.
+# Other AMD GPUs (CDNA wave64, RDNA4) get the RDNA3 tiles: small and single-stage, the safe side, unmeasured.
+ATTENTION_TILES = {
+    "nvidia": [(64, 64, 4, 2), (64, 32, 4, 2)],
+    "rdna3": [(64, 32, 4, 1), (64, 16, 4, 1)],
+    "cpu": [(64, 64, 4, 2), (64, 32, 4, 2)],  # Triton's interpreter (tests): the NVIDIA tiles
+}
+ATTENTION_TILES["amd"] = ATTENTION_TILES["rdna3"]
+
+
+def gpu_family(device):
+    """'nvidia', 'rdna3', 'amd' (another AMD GPU) or 'cpu': which kernel configurations suit this device."""
+    if device.type != "cuda":
+        return "cpu"
+    if torch.version.hip is None:
+        return "nvidia"
+    # gcnArchName is e.g. "gfx1100" or "gfx1100:sramecc-:xnack-" on ROCm builds (torch/csrc/cuda/Module.cpp)
+    arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
+    return "rdna3" if arch.startswith("gfx11") else "amd"
 
 
 def attention_triton(q, k, v, chunk, tile):

@@ -309,9 +309,9 @@ def section_attention():
     ref = prefill.attention_sdpa(q, k, v, chunk).float()
     flops = sum(2 * cfg.num_attention_heads * cfg.head_dim * n * (n + 1) for n in lens)  # QK^T and PV, causal
     candidates = [(kind, None) for kind in ("torch-flash", "flash")]
-    tiles = prefill.ATTENTION_TILES + [t for t in [(128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3),
-                                                   (64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 4, 3), (32, 32, 4, 2)]
-                                       if t not in prefill.ATTENTION_TILES]
+    offered = prefill.ATTENTION_TILES["nvidia"] + prefill.ATTENTION_TILES["rdna3"]
+    tiles = offered + [t for t in [(128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 2), (64, 32, 4, 2),
+                                   (64, 32, 4, 3), (32, 32, 4, 2)] if t not in offered]
     candidates += [("triton", t) for t in tiles]
     for kind, tile in candidates:
         name = kind if tile is None else f"triton {tile}"

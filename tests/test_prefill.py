@@ -348,13 +348,16 @@ def test_attention_backend_that_disagrees_with_sdpa_is_refused(gqa_checkpoint, m
 
 
 def test_attention_can_be_asked_for_by_kind_or_by_the_name_auto_picked():
-    names = [name for name, _, _ in prefill.attention_candidates("auto")]
-    triton_tiles = [name for name, _, _ in prefill.attention_candidates("triton")]
-    assert len(triton_tiles) == len(prefill.ATTENTION_TILES) >= 2 and set(triton_tiles) < set(names)
-    assert [name for name, _, _ in prefill.attention_candidates(triton_tiles[1])] == [triton_tiles[1]]
-    assert [kind for _, kind, _ in prefill.attention_candidates("sdpa")] == ["sdpa"]
+    names = [name for name, _, _ in prefill.attention_candidates("auto", "nvidia")]
+    triton_tiles = [name for name, _, _ in prefill.attention_candidates("triton", "nvidia")]
+    assert len(triton_tiles) == len(prefill.ATTENTION_TILES["nvidia"]) >= 2 and set(triton_tiles) < set(names)
+    assert [name for name, _, _ in prefill.attention_candidates(triton_tiles[1], "nvidia")] == [triton_tiles[1]]
+    assert [kind for _, kind, _ in prefill.attention_candidates("sdpa", "rdna3")] == ["sdpa"]
+    # a tile offered on one family is not on another: RDNA3 gets only its spill-free tiles
+    rdna3 = [name for name, _, _ in prefill.attention_candidates("triton", "rdna3")]
+    assert rdna3 == [f"triton {m}x{n}" for m, n, _, _ in prefill.ATTENTION_TILES["rdna3"]] and "triton 64x64" not in rdna3
     with pytest.raises(prefill.UserError, match="unknown attention backend 'bogus'"):
-        prefill.attention_candidates("bogus")
+        prefill.attention_candidates("bogus", "nvidia")
 
 
 # ----------------------------------------------------------------------------- protocol (a subprocess, as the harness)
@@ -453,9 +456,10 @@ want = prefill.attention_sdpa(q.float(), k.float(), v.float(), chunk)
 def err(out):
     return ((out.float() - want).abs().max() / want.abs().max()).item()
 report = {}
-for tile in prefill.ATTENTION_TILES:
+tiles = sorted({t for family in prefill.ATTENTION_TILES.values() for t in family})
+for tile in tiles:
     report[str(tile)] = err(prefill.attention_triton(q, k, v, chunk, tile))
-tile = prefill.ATTENTION_TILES[0]
+tile = prefill.ATTENTION_TILES["nvidia"][0]
 swapped = [t.flip(1).contiguous() for t in (k, v)]  # kv head j's values under kv head 1 - j
 report["kv heads swapped"] = err(prefill.attention_triton(q, *swapped, chunk, tile))
 report["one text"] = err(prefill.attention_triton(q, k, v, prefill.Chunk(0, bounds[-1], [0, bounds[-1]],
@@ -471,7 +475,7 @@ def test_triton_attention_matches_sdpa_and_the_check_catches_wrong_heads_or_boun
     assert p.returncode == 0, p.stderr[-2000:]
     report = json.loads(p.stdout)
     limit = 2**-5  # pick_attention's tolerance, relative to the output's scale
-    for tile in prefill.ATTENTION_TILES:
+    for tile in {t for family in prefill.ATTENTION_TILES.values() for t in family}:
         assert report[str(tile)] < limit / 4, report
     # a wrong GQA head map, or texts run together as one, is far outside that tolerance
     assert report["kv heads swapped"] > 4 * limit and report["one text"] > 4 * limit, report
