@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import select
@@ -290,12 +291,14 @@ def parse_runner_log(stderr: str | None) -> dict:
 
 
 def step_runner(args, ckpt: dict, texts_path: Path, ref_path: Path | None, work: Path, deadline: Deadline,
-                log: Log) -> tuple[dict, dict]:
-    """interact.py driving prefill.py; returns (interact's JSON, the runner's --stats JSON).
+                log: Log, extra: str = "", name: str = "runner") -> tuple[dict, dict]:
+    """interact.py driving prefill.py (with the runner arguments `extra` added); returns (interact's JSON, the
+    runner's --stats JSON).
 
     interact.py exits 1 both when the runner fails (no JSON written) and when a loss fails --check (JSON
     written first): the latter still yields the figures, and the report's check fields say it failed."""
-    out, stats = work / "interact.json", work / "runner_stats.json"
+    prefix = "" if name == "runner" else f"{name}-"
+    out, stats = work / f"{prefix}interact.json", work / f"{prefix}runner_stats.json"
     out.unlink(missing_ok=True)
     stats.unlink(missing_ok=True)
     timeout = deadline.left() - RESERVE_S
@@ -308,12 +311,44 @@ def step_runner(args, ckpt: dict, texts_path: Path, ref_path: Path | None, work:
         cmd += ["--gpu-memory", str(args.runner_gpu_memory)]
     if args.device == "cpu":
         cmd += ["--device", "cpu"]
-    cmd += shlex.split(args.runner_args)
-    _, rc = run_child("runner", cmd, timeout, log, ok_codes=(0, 1))
+    cmd += shlex.split(args.runner_args) + shlex.split(extra)
+    _, rc = run_child(name, cmd, timeout, log, ok_codes=(0, 1))
     if not out.is_file():
         print(log.tail(), flush=True)
         raise StepError(f"runner: exit code {rc}, no result (see run.log)")
     return json.loads(out.read_text()), json.loads(stats.read_text()) if stats.is_file() else {}
+
+
+def step_repeats(args, ckpt: dict, texts_path: Path, first: dict, work: Path, deadline: Deadline, log: Log) -> list:
+    """The runner again on the same texts, once per --repeat-args (the first of them usually empty: the same
+    settings), each against the first run's losses: same input, settings and machine must give the same bits."""
+    out = []
+    for i, extra in enumerate(args.repeat_args):
+        result, stats = step_runner(args, ckpt, texts_path, None, work, deadline, log, extra, f"repeat{i + 1}")
+        diffs = [abs(a - b) for a, b in zip(first["losses"], result["losses"])]
+        same_nan = all(math.isnan(a) == math.isnan(b) for a, b in zip(first["losses"], result["losses"]))
+        out.append({"runner_args": extra, "t_seconds": result.get("t_seconds"),
+                    "resident_layers": stats.get("resident_layers"), "attention": stats.get("attention"),
+                    "max_abs_diff": max(d for d in diffs if not math.isnan(d)) if same_nan else None,
+                    "bitwise_identical": result["losses"] == first["losses"] or all(
+                        a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(first["losses"], result["losses"]))})
+        log(f"repeat {i + 1} ({extra or 'same settings'}): T {result.get('t_seconds')}, "
+            f"max |loss difference| {out[-1]['max_abs_diff']}")
+    return out
+
+
+def step_doctor(args, ckpt: dict, work: Path, deadline: Deadline, log: Log) -> dict:
+    """prefill.py --doctor on the checkpoint, under the same cap as the runner; its JSON (with the screen's lines)."""
+    out = work / "doctor.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(REPO / "prefill.py"), "--model", ckpt["path"], "--doctor", "--stats", str(out)]
+    cmd += ["--device", "cpu"] if args.device == "cpu" else []
+    run_child("doctor", cmd, deadline.left() - RESERVE_S, log, ok_codes=(0, 2))
+    if not out.is_file():
+        raise StepError("doctor: no report (see run.log)")
+    report = json.loads(out.read_text())
+    print("\n".join(report.get("lines", [])), flush=True)
+    return report
 
 
 def baseline_estimate_s(cfg: dict, gpu_gib: float, pageable_gbps: float | None) -> tuple[float, float]:
@@ -565,6 +600,11 @@ def parse_args(argv: list[str] | None):
                     help="pass --gpu-memory GIB to the runner (default: not passed, as the contest harness does "
                          "not: the runner sizes itself from the free memory the blocker leaves)")
     ap.add_argument("--runner-args", default="", help="extra runner arguments, one shell-quoted string")
+    ap.add_argument("--repeat-args", action="append", default=[], metavar="ARGS",
+                    help="run the runner again on the same texts with these extra arguments ('' = the same settings) "
+                         "and record the largest loss difference from the first run; may be given several times")
+    ap.add_argument("--doctor", action="store_true",
+                    help="also run prefill.py --doctor under the cap; its report becomes <date>-<machine>-doctor.json")
     ap.add_argument("--baseline-texts", type=int, default=10,
                     help="texts timed with the handout runner, extrapolated to all (default 10; 0 skips)")
     ap.add_argument("--baseline-gpu-gib", type=float,
@@ -689,10 +729,22 @@ def main(argv: list[str] | None = None) -> int:
                         if res.get("check_pass") is False:
                             res["errors"].append(f"runner: {res['check_mismatches']} losses fail the contest's "
                                                  f"check against the reference")
+                        if args.repeat_args:
+                            res["repeats"] = attempt("repeats", step_repeats, args, ckpt, texts_path,
+                                                     figures["runner"], work, deadline, log)
+                            if res["repeats"]:
+                                res["repeat_max_abs_diff"] = res["repeats"][0]["max_abs_diff"]
                         budget = figures["stats"].get("budget_bytes")
                         if blocker and budget and budget > args.cap_gib * GiB:
                             res["errors"].append(f"blocker: the runner planned for {budget / GiB:.1f} GiB, more "
                                                  f"than the {args.cap_gib:g} GiB cap")
+                if args.doctor:
+                    doctor = attempt("doctor", step_doctor, args, ckpt, work, deadline, log)
+                    if doctor:
+                        doctor.update(date=date, machine=machine, commit=res["commit"], command=res["command"],
+                                      gpu_memory_cap_gib=res["gpu_memory_cap_gib"], versions=vers)
+                        write_report(doctor, [Path(args.results_dir) / f"{date}-{machine}-doctor.json",
+                                              out_dir / f"{date}-{machine}-doctor.json"])
                 if args.baseline_texts > 0:
                     pageable = ((figures.get("gemm") or {}).get("h2d") or {}).get("pageable_gbps")
                     figures["baseline"] = attempt("baseline", step_baseline, args, cfg, ckpt, texts_path, work,

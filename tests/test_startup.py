@@ -1,0 +1,220 @@
+"""What prefill decides at start-up: kernel checks against float32 math, the picks kept per machine, and the ROCm
+decisions (loading, pinning, BLAS library, a GPU that torch cannot see), with a HIP build simulated on the CPU.
+"""
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import prefill
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+            head_dim=16, vocab_size=1000, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
+
+
+@pytest.fixture
+def cfg():
+    return prefill.Qwen3Config(**TINY)
+
+
+def stand_in_flash(monkeypatch, attend):
+    # a flash_attn module whose varlen kernel is `attend(q, k, v, bounds)`
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+        return attend(q, k, v, cu_q.tolist())
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
+
+
+def windowed_attention(window):
+    # correct causal attention over the first `window` keys of each text only: a kernel whose key loop goes wrong
+    # after its first few tiles (a miscompiled steady state), exact for short texts
+    def attend(q, k, v, bounds):
+        out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            n = e - s
+            allowed = torch.ones(n, n, dtype=torch.bool).tril() & (torch.arange(n) < window)[None, :]
+            kv = [t[s:e].transpose(0, 1).repeat_interleave(group, dim=0) for t in (k, v)]
+            out[s:e] = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), *kv, attn_mask=allowed).transpose(0, 1)
+        return out
+    return attend
+
+
+# ----------------------------------------------------------------------------- attention checked against float32
+
+def test_attention_reference_is_causal_gqa_attention(cfg):
+    q, k, v, chunk = prefill.attention_inputs(CPU, cfg, [5, 70], seed=3)
+    want = prefill.attention_reference(q, k, v, chunk)
+    assert prefill.check_error(prefill.attention_sdpa(q.float(), k.float(), v.float(), chunk), want) < 1e-5
+    assert prefill.check_error(windowed_attention(10 ** 6)(q.float(), k.float(), v.float(), [0, 5, 75]), want) < 1e-5
+
+
+def test_a_kernel_wrong_only_past_its_first_key_tiles_is_refused(cfg, monkeypatch):
+    stand_in_flash(monkeypatch, windowed_attention(256))  # right for every key below 256: four 64-key tiles
+    picks = prefill.Picks(None, None)
+    with pytest.raises(prefill.UserError, match="flash: differs from float32 attention"):
+        prefill.pick_attention("flash", CPU, cfg, picks)
+    # the texts the check used before (37 and 100 tokens) never reach the fault: the long texts are what catches it
+    monkeypatch.setattr(prefill, "CHECK_LENGTHS", [37, 100])
+    assert prefill.pick_attention("flash", CPU, cfg, picks)[0] == "flash"
+
+
+def test_a_kernel_that_returns_nan_or_inf_is_refused(cfg, monkeypatch):
+    exact = windowed_attention(10 ** 6)
+    for bad in (float("nan"), float("inf")):
+        def attend(q, k, v, bounds, bad=bad):
+            out = exact(q, k, v, bounds)
+            out[-1, 0, 0] = bad  # one value of the last row
+            return out
+        stand_in_flash(monkeypatch, attend)
+        report = prefill.check_attention("flash", CPU, cfg)
+        assert report[0]["attend"] is None and report[0]["error"] == float("inf")
+
+
+# ----------------------------------------------------------------------------- picks kept per machine
+
+def test_picks_are_kept_per_machine_and_model(cfg, tmp_path):
+    path = tmp_path / "sub" / "picks.json"
+    first = prefill.Picks(path, prefill.machine_key(CPU, cfg))
+    assert first.writable() and first.get("attention auto") is None
+    first.put("attention auto", "sdpa")
+    first.put("blas", "cublaslt")
+    again = prefill.Picks(path, prefill.machine_key(CPU, cfg))
+    assert again.get("attention auto") == "sdpa" and again.get("blas") == "cublaslt"
+    other_model = prefill.Picks(path, prefill.machine_key(CPU, prefill.Qwen3Config(**dict(TINY, head_dim=32))))
+    assert other_model.get("attention auto") is None
+    assert not prefill.Picks(None, first.key).writable()
+    path.write_text("not json")  # a damaged file is no pick, and is replaced whole
+    assert again.get("blas") is None
+    again.put("blas", "cublas")
+    assert json.loads(path.read_text())[again.key] == {"blas": "cublas"}
+
+
+def test_attention_pick_follows_the_kept_choice_else_the_fixed_order(cfg, tmp_path, monkeypatch):
+    stand_in_flash(monkeypatch, windowed_attention(10 ** 6))  # a correct flash: flash and sdpa both pass
+    picks = prefill.Picks(tmp_path / "picks.json", prefill.machine_key(CPU, cfg))
+    assert prefill.pick_attention("auto", CPU, cfg, picks)[0] == "flash"  # nothing kept: first in order
+    picks.put("attention auto", "sdpa")
+    name, _, report = prefill.pick_attention("auto", CPU, cfg, picks)
+    assert name == "sdpa" and {e["name"] for e in report if e["attend"]} == {"flash", "sdpa"}
+    picks.put("attention auto", "triton 64x64")  # kept, but refused here: the first usable one instead
+    assert prefill.pick_attention("auto", CPU, cfg, picks)[0] == "flash"
+    assert picks.get("attention flash") is None  # each --attention value keeps its own pick
+
+
+# ----------------------------------------------------------------------------- ROCm decisions, HIP simulated
+
+@pytest.fixture
+def hip(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "7.1.25424")
+    return torch.device("cuda")
+
+
+def test_rocm_copies_instead_of_registering_the_page_cache(hip, monkeypatch):
+    GB = 10 ** 9
+    assert prefill.choose_load("auto", hip, True, 65 * GB, 22 * GB, 100 * GB) == "copy"
+    assert prefill.choose_load("map", hip, True, 65 * GB, 22 * GB, 100 * GB) == "map"  # still there when asked for
+    assert prefill.pin_method("auto") == "alloc" and prefill.pin_method("register") == "register"
+    assert prefill.pinned_bytes(975_000_000, "alloc") == 2 ** 30  # the pinned allocator's power of two
+    monkeypatch.setattr(torch.version, "hip", None)
+    cuda = torch.device("cuda")
+    assert prefill.choose_load("auto", cuda, True, 65 * GB, 22 * GB, 100 * GB) == "map"
+    assert prefill.pin_method("auto") == "register" and prefill.pinned_bytes(975_000_000, "register") == 975_000_000
+
+
+def test_never_locks_more_host_memory_than_can_be_spared():
+    GB, cuda = 10 ** 9, torch.device("cuda")
+    assert prefill.choose_load("auto", cuda, True, 65 * GB, 22 * GB, 40 * GB) == "copy"  # the checkpoint does not fit
+    assert prefill.choose_load("auto", cuda, False, 65 * GB, 22 * GB, 100 * GB) == "copy"  # float32 files
+    with pytest.raises(prefill.UserError, match="need 22.0 GB of page-locked host memory but only 10.0 GB"):
+        prefill.choose_load("auto", cuda, True, 65 * GB, 22 * GB, 10 * GB)
+    with pytest.raises(prefill.UserError, match="--load map would page-lock the whole checkpoint"):
+        prefill.choose_load("map", cuda, True, 65 * GB, 22 * GB, 40 * GB)
+    with pytest.raises(prefill.UserError, match="bf16"):
+        prefill.choose_load("map", cuda, False, 65 * GB, 22 * GB, 100 * GB)
+    assert prefill.choose_load("auto", cuda, True, 65 * GB, 22 * GB, None) == "map"  # unknown: not checked
+    assert prefill.choose_load("auto", CPU, True, 65 * GB, 0, 0) == "map"  # the CPU locks nothing
+
+
+def test_spare_host_memory_from_meminfo_and_the_cgroup(tmp_path):
+    GiB = 2 ** 30
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {128 * GiB // 1024} kB\nMemFree: 1 kB\nMemAvailable: {100 * GiB // 1024} kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert prefill.host_memory_spare(meminfo, cgroup) == 100 * GiB - 128 * GiB // 20  # margin: 5% of MemTotal
+    (cgroup / "memory.max").write_text(f"{64 * GiB}\n")
+    (cgroup / "memory.current").write_text(f"{30 * GiB}\n")
+    (cgroup / "memory.stat").write_text(f"anon {20 * GiB}\nfile {10 * GiB}\n")  # page cache is reclaimable
+    assert prefill.host_memory_spare(meminfo, cgroup) == (64 - 20) * GiB - 128 * GiB // 20
+    (cgroup / "memory.max").write_text("max\n")
+    assert prefill.host_memory_spare(meminfo, cgroup) == 100 * GiB - 128 * GiB // 20
+    assert prefill.host_memory_spare(tmp_path / "absent", cgroup) is None
+
+
+def test_blas_library_is_timed_once_on_rocm_then_kept(hip, cfg, tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCH_BLAS_PREFER_HIPBLASLT", raising=False)
+    state, timed = {"library": "cublas"}, []
+
+    def preferred_blas_library(backend=None):
+        if backend is not None:
+            state["library"] = backend
+        return types.SimpleNamespace(name=state["library"].capitalize())
+
+    def gemm_tflops(device, shapes, weights=None, repeats=5):
+        timed.append(state["library"])
+        return {name: (60.0 if state["library"] == "cublaslt" else 50.0) for name, *_ in shapes}
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred_blas_library)
+    monkeypatch.setattr(prefill, "gemm_tflops", gemm_tflops)
+    picks = prefill.Picks(tmp_path / "picks.json", "machine")
+    library, rates = prefill.pick_blas(hip, cfg, picks)
+    assert library == "cublaslt" and timed == ["cublas", "cublaslt"] and set(rates) == {"cublas", "cublaslt"}
+    state["library"], timed[:] = "cublas", []
+    assert prefill.pick_blas(hip, cfg, picks) == ("cublaslt", {}) and timed == []  # kept: not timed again
+    monkeypatch.setenv("TORCH_BLAS_PREFER_HIPBLASLT", "0")  # the user's choice wins, untimed
+    state["library"] = "cublas"
+    assert prefill.pick_blas(hip, cfg, picks) == ("cublas", {}) and timed == []
+    monkeypatch.setattr(torch.version, "hip", None)  # CUDA: torch's default, untimed
+    monkeypatch.delenv("TORCH_BLAS_PREFER_HIPBLASLT")
+    assert prefill.pick_blas(torch.device("cuda"), cfg, picks) == ("cublas", {}) and timed == []
+
+
+def test_a_gpu_torch_cannot_see_is_an_error_not_the_cpu(tmp_path, monkeypatch):
+    kfd = tmp_path / "kfd"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(prefill, "GPU_DEVICE_FILES", [(str(kfd), "AMD")])
+    assert prefill.choose_device(None) == CPU  # no GPU here at all
+    with pytest.raises(prefill.UserError, match="--device cuda asks for one"):
+        prefill.choose_device("cuda")
+    kfd.touch()  # an AMD GPU, and a torch (CUDA or CPU-only build) that cannot see it
+    with pytest.raises(prefill.UserError, match="sees no GPU, but this machine has an AMD GPU"):
+        prefill.choose_device(None)
+    assert prefill.choose_device("cpu") == CPU
+
+
+# ----------------------------------------------------------------------------- the doctor
+
+def test_doctor_reports_every_decision_and_exits_0(tmp_path):
+    from tests.test_prefill import write_checkpoint
+    from interact import qwen_tokenizer_dir
+    write_checkpoint(tmp_path / "ckpt", qwen_tokenizer_dir())
+    stats = tmp_path / "doctor.json"
+    p = subprocess.run([sys.executable, str(ROOT / "prefill.py"), "--model", str(tmp_path / "ckpt"), "--device", "cpu",
+                        "--doctor", "--stats", str(stats)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache")))
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    for head in ("machine", "memory", "load", "attention", "kernels", "plan", "repeat", "verdict"):
+        assert any(line.startswith(head) for line in lines), head
+    assert lines[-1].endswith("every required path works") and len(lines) <= 30
+    figures = json.loads(stats.read_text())
+    assert figures["repeat_identical"] is True and figures["attention"] == "sdpa"
+    assert [e["name"] for e in figures["attention_candidates"]][-1] == "sdpa"
