@@ -151,6 +151,7 @@ class Checkpoint:
         for name in files:
             self._open(model_dir / name)
         self.nbytes = sum(len(data) for _, data in self.files)
+        self.model_dir = model_dir
 
     def _open(self, path):
         try:
@@ -481,6 +482,27 @@ def host_memory_spare(meminfo="/proc/meminfo", cgroup="/sys/fs/cgroup"):
     except (OSError, ValueError):
         pass
     return max(0, available - max(2 * GiB, total // 20))
+
+
+def filesystem_type(path, mounts="/proc/mounts"):
+    # the type of the filesystem holding path ("ext4", "tmpfs", ...): the longest mount point above it; None if unknown
+    path, best = str(Path(path).resolve()), (-1, None)
+    try:
+        for line in Path(mounts).read_text().splitlines():
+            fields = line.split()
+            point = fields[1].replace("\\040", " ")
+            if len(fields) > 2 and (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > best[0]:
+                best = (len(point), fields[2])
+    except OSError:
+        pass
+    return best[1]
+
+
+def map_lock_bytes(ckpt, model_dir):
+    # host memory that page-locking the checkpoint's pages in place takes from MemAvailable: none for files on tmpfs
+    # (already unreclaimable, and left out of MemAvailable: seen on the H200 machine, where a checkpoint in /dev/shm
+    # left 37 GB "available"), else the files' size (page cache counts as available until it is locked)
+    return 0 if filesystem_type(model_dir) in ("tmpfs", "ramfs") else ckpt.nbytes
 
 
 def choose_load(requested, device, bf16_files, map_bytes, copy_bytes, spare):
@@ -910,9 +932,15 @@ def gpu_family(device):
         return "cpu"
     if torch.version.hip is None:
         return "nvidia"
-    # gcnArchName is e.g. "gfx1100" or "gfx1100:sramecc-:xnack-" on ROCm builds (torch/csrc/cuda/Module.cpp)
-    arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
-    return "rdna3" if arch.startswith("gfx11") else "amd"
+    return "rdna3" if gpu_arch(torch.cuda.get_device_properties(device)).startswith("gfx11") else "amd"
+
+
+def gpu_arch(props):
+    # "gfx1100" (ROCm: gcnArchName, e.g. "gfx1100:sramecc-:xnack-", torch/csrc/cuda/Module.cpp) or "sm_90" (CUDA,
+    # where gcnArchName holds the device's name: seen on the H200)
+    if torch.version.hip:
+        return props.gcnArchName.split(":")[0]
+    return f"sm_{props.major}{props.minor}"
 
 
 def attention_triton(q, k, v, chunk, tile):
@@ -1192,7 +1220,7 @@ def machine_key(device, cfg):
     gpu = []
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        gpu = [props.name, getattr(props, "gcnArchName", f"sm_{props.major}{props.minor}"), props.multi_processor_count]
+        gpu = [props.name, gpu_arch(props), props.multi_processor_count]
     versions = [torch.__version__, torch.version.hip or torch.version.cuda,
                 triton.__version__ if triton is not None else None, package_version("flash_attn")]
     geometry = [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim]
@@ -1398,7 +1426,8 @@ class Runner:
         staging_bytes = 2 * workers * pinned_bytes(STAGING_BYTES, self.pin_method)
         self.host_spare_bytes = host_memory_spare()
         bf16 = ckpt.is_bf16(name for tensors, _ in jobs.values() for name, _, _ in tensors)
-        mode = choose_load(load, self.device, bf16, ckpt.nbytes, streamed_bytes + staging_bytes, self.host_spare_bytes)
+        mode = choose_load(load, self.device, bf16, map_lock_bytes(ckpt, ckpt.model_dir), streamed_bytes + staging_bytes,
+                           self.host_spare_bytes)
         loaded = self._load_mapped(ckpt, jobs) if mode == "map" else None
         if load == "map" and loaded is None:
             raise UserError("--load map: this platform refused to page-lock the checkpoint's pages in place; "
@@ -1629,7 +1658,7 @@ def doctor(runner):
            "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "gpu_family": gpu_family(dev)}
     if cuda:
         props = torch.cuda.get_device_properties(dev)
-        fig["arch"] = getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}"
+        fig["arch"] = gpu_arch(props)
         fig["gpu_free_bytes"], fig["gpu_total_bytes"] = torch.cuda.mem_get_info(dev)
     fig["host_spare_bytes"] = host_memory_spare()
     fig.update(load_mode=runner.load_mode, pin_method=runner.pin_method, locked_bytes=runner.pinned_host_bytes,

@@ -218,3 +218,24 @@ def test_doctor_reports_every_decision_and_exits_0(tmp_path):
     figures = json.loads(stats.read_text())
     assert figures["repeat_identical"] is True and figures["attention"] == "sdpa"
     assert [e["name"] for e in figures["attention_candidates"]][-1] == "sdpa"
+
+
+def test_checkpoint_on_tmpfs_costs_no_host_memory_to_lock_in_place(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/sda1 / ext4 rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\n"
+                      "/dev/sdb1 /data\\040disk xfs rw 0 0\n")
+    assert prefill.filesystem_type("/dev/shm/prefill-bench/qwen3", mounts) == "tmpfs"
+    assert prefill.filesystem_type("/dev/shmx", mounts) == "ext4"  # a prefix of the name is not the mount
+    assert prefill.filesystem_type("/data disk/ckpt", mounts) == "xfs"
+    assert prefill.filesystem_type("/x", tmp_path / "absent") is None
+
+
+def test_gpu_family_from_the_rocm_arch_name(hip, monkeypatch):
+    props = types.SimpleNamespace(gcnArchName="gfx1100:sramecc-:xnack-", major=11, minor=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert prefill.gpu_arch(props) == "gfx1100" and prefill.gpu_family(hip) == "rdna3"
+    props.gcnArchName = "gfx942:sramecc+:xnack-"  # MI300: not RDNA3, the small tiles all the same
+    assert prefill.gpu_family(hip) == "amd" and prefill.ATTENTION_TILES["amd"] == prefill.ATTENTION_TILES["rdna3"]
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert prefill.gpu_arch(types.SimpleNamespace(gcnArchName="NVIDIA H200", major=9, minor=0)) == "sm_90"
+    assert prefill.gpu_family(torch.device("cuda")) == "nvidia" and prefill.gpu_family(CPU) == "cpu"
