@@ -19,7 +19,7 @@ START, END = "<!-- bench-table -->", "<!-- /bench-table -->"
 
 COLUMNS = ("date", "commit", "machine", "workload", "texts", "tokens", "T (s)", "compute floor (s)", "T / floor",
            "T / sustained floor", "transfer floor (s)", "time to ready (s)", "ready / ready floor",
-           "peak GPU (GiB)", "max rel err", "baseline T (s)", "W7800 estimate (s)")
+           "peak GPU (GiB)", "max rel err", "repeat max Δ", "baseline T (s)", "W7800 estimate (s)")
 
 
 def _num(v, fmt: str) -> str:
@@ -41,7 +41,7 @@ def row(r: dict) -> list[str]:
         _num(r.get("t_over_compute_floor"), "{:.2f}×"), _num(r.get("t_over_compute_floor_sustained"), "{:.2f}×"),
         _num(r.get("transfer_floor_s"), "{:.2f}"), _num(r.get("time_to_ready_s"), "{:.1f}"),
         _num(r.get("t_ready_over_floor"), "{:.2f}×"), _num(r.get("peak_gpu_gib"), "{:.1f}"),
-        _num(r.get("max_rel_err"), "{:.1e}"), baseline, w7800,
+        _num(r.get("max_rel_err"), "{:.1e}"), _num(r.get("repeat_max_abs_diff"), "{:.1g}"), baseline, w7800,
     ]
 
 
@@ -59,9 +59,12 @@ def load_reports(folder: Path) -> list[dict]:
     reports = []
     for path in sorted(folder.glob("*.json")):
         try:
-            reports.append(json.loads(path.read_text()))
+            report = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             print(f"table.py: skipping {path}: {e}", file=sys.stderr)
+            continue
+        if "workload" in report:  # not the doctor's reports (<date>-<machine>-doctor.json): no timed run
+            reports.append(report)
     # runs of one day in the order of their commits (commits not in this history last, by hash)
     order = commit_order(folder)
     return sorted(reports, key=lambda r: (r.get("date", ""), r.get("machine", ""), r.get("workload", ""),
