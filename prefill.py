@@ -1376,7 +1376,11 @@ class Runner:
             picked_attention = side.submit(side_task, "attention", pick_attention, attention, self.device, cfg,
                                            self.picks)
             picked_kernels = side.submit(side_task, "kernels", pick_kernels, kernels, self.device, cfg)
-            picked_blas = side.submit(side_task, "blas", pick_blas, self.device, cfg, self.picks)
+
+            def blas_after_attention():
+                picked_attention.exception()  # waits: its timings would otherwise share the GPU with these GEMMs'
+                return pick_blas(self.device, cfg, self.picks)
+            picked_blas = side.submit(side_task, "blas", blas_after_attention)
             on_device, host = self._load_weights(ckpt, fixed, workers or min(16, os.cpu_count() or 1), load)
             lap("weights")
             self.tokenizer = tokenizer.result()
