@@ -1775,14 +1775,16 @@ def parse_args(argv):
     p.add_argument("--gpu-memory", type=float, metavar="GIB",
                    help="GPU memory the runner may plan for (default: what is free, less 1.5 GiB); "
                         "0 streams every layer")
-    p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when a GPU is visible, else cpu")
+    p.add_argument("--device", choices=["cuda", "cpu"],
+                   help="default: cuda when torch sees a GPU, else cpu; a GPU that this torch build cannot see is an "
+                        "error (exit 2), not a silent CPU run")
     p.add_argument("--attention", default="auto", choices=["auto"] + ATTENTION_KINDS,
                    help="attention kernel: flash_attn's varlen kernel, prefill's own Triton kernel, torch's flash "
-                        "kernel, or SDPA per text (default: of those that run here and match SDPA at start-up, the "
-                        "fastest on a GPU, the first on a CPU)")
+                        "kernel, or SDPA per text (default: of those that run here and match float32 attention at "
+                        "start-up, the one kept in --picks; the first run on a GPU times them and keeps the fastest)")
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
                    help="per-token elementwise work (norms, RoPE, SiLU): fused Triton kernels or plain PyTorch "
-                        "(default: Triton on a GPU where it works, else PyTorch)")
+                        "(default: Triton on a GPU where each kernel matches float32 math, else PyTorch)")
     p.add_argument("--chunk-tokens", type=int, default=4096, metavar="N",
                    help="tokens per GEMM step: attention runs on chunks of whole texts of up to N tokens, the MLP "
                         "on slices of N (default 4096)")
@@ -1792,8 +1794,9 @@ def parse_args(argv):
     p.add_argument("--load", default="auto", choices=["auto", "map", "copy"],
                    help="map: page-lock the checkpoint files' page cache in place and copy to the GPU straight from "
                         "it (no host copy; the whole checkpoint stays locked in RAM while prefill runs); copy: pinned "
-                        "copies of the streamed layers only; auto: map where the platform allows it and the files "
-                        "hold bf16, else copy")
+                        "copies of the streamed layers only; auto: map on NVIDIA where the platform allows it, the "
+                        "files hold bf16 and the host can spare the memory, else copy (always copy on ROCm). Nothing "
+                        "locks more than available host memory less a margin")
     p.add_argument("--pin", default="auto", choices=["auto"] + list(PIN_METHODS),
                    help="how --load copy page-locks host buffers: register plain memory in place (exact size) or "
                         "torch's pinned allocator (power-of-two sizes); auto: register on CUDA, alloc on ROCm")
