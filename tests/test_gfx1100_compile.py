@@ -1,0 +1,256 @@
+"""Every Triton kernel prefill can launch, compiled for the W7800 (gfx1100, RDNA3, wave32) without a GPU.
+
+Nobody here runs ROCm, and a compile error or a kernel whose registers spill to scratch memory would first show on
+the contest machine: as a failed start-up check (PyTorch fallback) or as a slow attention kernel. Triton's pip wheel
+ships its AMD backend and an LLVM with the AMDGPU target, so the compile itself runs on any machine (SPEC §8).
+
+The launches are not restated here. prefill's own layer code (attention_block with each attention tile offered for
+gfx1100, mlp_block, sequence_nll) runs on CPU tensors with a real model's dimensions but a few tokens, with F.linear
+answering by shape only and every kernel launch recorded instead of run. Triton's own argument binder then turns each
+recorded launch into what a real launch would compile: argument types, constexprs, num_warps/num_stages and
+specialisations (16-byte divisibility; AMD buffer ops, which apply to tensors under 2 GiB, as all of prefill's are at
+its default chunk and wave sizes). Each distinct launch is compiled to gfx1100 assembly; the final link to an hsaco is
+left out (it checks nothing more and may need a linker), and the register counts are read from the assembly's
+kernel metadata.
+
+    PYTHONPATH=. python tests/test_gfx1100_compile.py OUT.json   # the same compiles and a few more tiles: a table
+"""
+import contextlib
+import json
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+import interact
+import prefill
+from bench.make_checkpoint import QWEN3_32B
+
+# Qwen3-0.6B's geometry (its config.json): the block sizes that follow the hidden size and head count differ
+MODELS = {"Qwen3-32B": QWEN3_32B,
+          "Qwen3-0.6B": {**QWEN3_32B, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                         "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True}}
+KNOWN_SPILLING_TILE = (64, 64, 4, 2)  # spills 205 VGPRs under Triton 3.9, 16 under 3.6 (and SPEC §8 saw 137)
+LDS_BYTES = 65536  # per workgroup on RDNA3
+TOKENS = 3  # no launch parameter depends on the token count
+
+pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # prefill keeps the default
+
+
+def amd_backend():
+    """(triton, GPUTarget for gfx1100), or a pytest skip when Triton or its AMD backend is absent."""
+    triton = pytest.importorskip("triton")
+    from triton.backends import backends
+    if "amd" not in backends:
+        pytest.skip("this Triton has no AMD backend")
+    from triton.backends.compiler import GPUTarget
+    return triton, GPUTarget("hip", "gfx1100", 32)
+
+
+# ----------------------------------------------------------------------------- recording prefill's launches
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str        # the JITFunction's name in prefill
+    model: str
+    signature: tuple   # Triton's (name, type) per argument, as its binder derives them from the call
+    constexprs: tuple  # (argument index path, value)
+    attrs: tuple       # (argument index path, specialisation attributes)
+    options: tuple     # (name, value) of the launch's compile options: num_warps, num_stages
+
+    def named_constexprs(self):
+        names = [name for name, _ in self.signature]
+        return {names[path[0]]: value for path, value in self.constexprs}
+
+    def config(self):
+        return " ".join(f"{k}={v}" for k, v in [*self.named_constexprs().items(), *self.options])
+
+
+def bind(fn, target, args, kwargs):
+    """What Triton's launcher would compile for fn[grid](*args, **kwargs) on target (JITFunction.run's own steps)."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, opts = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, opts)
+    freeze = lambda d: tuple(sorted((k, json.dumps(v) if isinstance(v, list) else v) for k, v in d.items()))
+    passed = {k: v for k, v in kwargs.items() if k in options.__dict__}
+    return tuple(signature.items()), freeze(constexprs), freeze(attrs), tuple(sorted(passed.items()))
+
+
+def model_config(geometry):
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps({**interact.QWEN3_CONFIG_DEFAULTS, **geometry}))
+        return prefill.Qwen3Config.from_dir(d)
+
+
+@contextlib.contextmanager
+def launches_recorded(target, model, into):
+    """prefill's kernels record their launches instead of running, and F.linear answers with an empty output."""
+    kernels = {name: fn for name, fn in vars(prefill).items() if isinstance(fn, prefill.triton.JITFunction)}
+
+    class Recorder:
+        def __init__(self, name, fn):
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: into.append(Launch(self.name, model, *bind(self.fn, target, args, kwargs)))
+
+    linear = lambda x, w: torch.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype)
+    with contextlib.ExitStack() as stack:
+        for name, fn in kernels.items():
+            stack.enter_context(mock.patch.object(prefill, name, Recorder(name, fn)))
+        stack.enter_context(mock.patch.object(prefill, "F", SimpleNamespace(linear=linear)))
+        yield kernels
+
+
+def prefill_launches(target, model, tiles):
+    """The distinct kernel launches of one layer and the loss for this model, with each attention tile in tiles;
+    and the names of prefill's JIT functions."""
+    cfg = model_config(MODELS[model])
+    flat = torch.empty(cfg.layer_numel, dtype=prefill.DTYPE)  # never touched: only its views' shapes and offsets
+    w = prefill.layer_views(flat, cfg)
+    x = torch.zeros(TOKENS, cfg.hidden_size, dtype=prefill.DTYPE)
+    cos, sin = prefill.rope_tables(torch.arange(TOKENS), cfg)
+    chunk = prefill.Chunk(0, TOKENS, [0, TOKENS], torch.tensor([0, TOKENS], dtype=torch.int32), TOKENS)
+    lm_head = torch.empty((), dtype=prefill.DTYPE).expand(cfg.vocab_size, cfg.hidden_size)
+    targets = torch.zeros(TOKENS, dtype=torch.int64)
+    launches = []
+    with launches_recorded(target, model, launches) as kernels:
+        for tile in tiles:
+            attend = prefill.make_attention("triton", tile)
+            prefill.attention_block(x, w, cos, sin, chunk, cfg, attend, prefill.TRITON_KERNELS)
+        prefill.mlp_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS)
+        final_norm = torch.ones(cfg.hidden_size, dtype=prefill.DTYPE)
+        prefill.sequence_nll(x, lm_head, final_norm, targets, torch.zeros(TOKENS, dtype=torch.int64), 1,
+                             cfg.rms_norm_eps, TOKENS, prefill.TRITON_KERNELS)
+    return list(dict.fromkeys(launches)), kernels
+
+
+# ----------------------------------------------------------------------------- compiling and reading the registers
+
+def gfx1100_registers(launch):
+    """Compiles one recorded launch for gfx1100 up to its assembly; returns the kernel's register and LDS use."""
+    triton, target = amd_backend()
+    from triton.compiler import ASTSource
+
+    def without_link(*args):  # Triton's pipeline-stages hook: called bare for a cache key, then with the stages
+        if not args:
+            return "gfx1100-unlinked", "gfx1100-unlinked"
+        args[1]["hsaco"] = lambda src, metadata: b""  # CompiledKernel wants a binary; nothing loads this one
+
+    fn = getattr(prefill, launch.kernel)
+    signature = dict(launch.signature)
+    attrs = {k: json.loads(v) for k, v in launch.attrs}
+    with mock.patch.object(triton.knobs.runtime, "add_stages_inspection_hook", without_link):
+        compiled = triton.compile(ASTSource(fn, signature, dict(launch.constexprs), attrs), target=target,
+                                  options=dict(launch.options))
+    asm = compiled.asm["amdgcn"]
+
+    def field(name):
+        found = re.findall(rf"^\s*\.{name}:\s*(\d+)\s*$", asm, re.M)
+        assert len(found) == 1, f"{launch.kernel}: {len(found)} .{name} fields in its gfx1100 assembly"
+        return int(found[0])
+
+    lds = field("group_segment_fixed_size") + compiled.metadata.shared  # static + Triton's dynamic allocation
+    return {"vgprs": field("vgpr_count"), "vgpr_spills": field("vgpr_spill_count"), "sgprs": field("sgpr_count"),
+            "sgpr_spills": field("sgpr_spill_count"), "scratch_bytes": field("private_segment_fixed_size"),
+            "lds_bytes": lds}
+
+
+def attention_tile(launch):
+    c, o = launch.named_constexprs(), dict(launch.options)
+    return c["BLOCK_M"], c["BLOCK_N"], o["num_warps"], o["num_stages"]
+
+
+def problems(launch, regs):
+    """What would make this compiled launch run badly or not at all on gfx1100, one line each, naming the launch."""
+    found = []
+    if regs["vgpr_spills"] or regs["sgpr_spills"]:
+        found.append(f"spills {regs['vgpr_spills']} VGPRs and {regs['sgpr_spills']} SGPRs "
+                     f"({regs['scratch_bytes']} B scratch)")
+    if regs["lds_bytes"] > LDS_BYTES:
+        found.append(f"needs {regs['lds_bytes']} B of LDS (gfx1100 has {LDS_BYTES})")
+    return [f"{launch.kernel} [{launch.model}: {launch.config()}] {p}" for p in found]
+
+
+@pytest.fixture(scope="module")
+def fresh_triton_cache(tmp_path_factory):
+    """A Triton cache of this module's own, so that every compile runs as on a clean machine."""
+    with mock.patch.dict(os.environ, {"TRITON_CACHE_DIR": str(tmp_path_factory.mktemp("triton-cache"))}):
+        yield
+
+
+# ----------------------------------------------------------------------------- tests
+
+def offered_launches(target):
+    """Every distinct launch of prefill's kernels for both models, with the attention tiles offered on RDNA3."""
+    launches = []
+    for model in MODELS:
+        found, kernels = prefill_launches(target, model, prefill.ATTENTION_TILES["rdna3"])
+        launches += found
+    return launches, kernels
+
+
+def test_every_kernel_prefill_launches_compiles_for_gfx1100_without_spills(fresh_triton_cache):
+    triton, target = amd_backend()
+    launches, kernels = offered_launches(target)
+    launched = {launch.kernel for launch in launches}
+    # each JIT function is launched, or is a helper that a launched kernel calls: a new kernel cannot go unchecked
+    called = {name for name in kernels for k in launched if re.search(rf"\b{name}\(", getattr(prefill, k).src)}
+    assert set(kernels) == launched | called, f"never launched by prefill's layers: {set(kernels) - launched - called}"
+    tiles = {(launch.model, attention_tile(launch)) for launch in launches if launch.kernel == "_attention_kernel"}
+    assert tiles == {(model, tile) for model in MODELS for tile in prefill.ATTENTION_TILES["rdna3"]}
+    failures = [p for launch in launches for p in problems(launch, gfx1100_registers(launch))]
+    assert not failures, f"gfx1100, Triton {triton.__version__}:\n" + "\n".join(failures)
+
+
+def test_gfx1100_spill_check_sees_a_known_spilling_tile(fresh_triton_cache):
+    _, target = amd_backend()
+    [launch] = [l for l in prefill_launches(target, "Qwen3-32B", [KNOWN_SPILLING_TILE])[0]
+                if l.kernel == "_attention_kernel"]
+    regs = gfx1100_registers(launch)
+    assert regs["vgpr_spills"] > 0 and problems(launch, regs), regs
+
+
+# ----------------------------------------------------------------------------- the record
+
+REFERENCE_TILES = [(64, 32, 4, 1), (64, 16, 4, 1), (128, 32, 8, 1), (128, 16, 8, 1), (32, 32, 8, 1)]
+
+
+def record(out):
+    """Writes (or adds this Triton's entry to) a JSON table of every launch above, plus attention tiles that are
+    not offered on RDNA3 (the NVIDIA ones, and others that were or might be), for reference."""
+    triton, target = amd_backend()
+    offered, _ = offered_launches(target)
+    others = [tile for tile in prefill.ATTENTION_TILES["nvidia"] + REFERENCE_TILES
+              if tile not in prefill.ATTENTION_TILES["rdna3"]]
+    for model in MODELS:
+        offered += [launch for launch in prefill_launches(target, model, others)[0]
+                    if launch.kernel == "_attention_kernel" and attention_tile(launch) in others]
+    rows = [{"kernel": launch.kernel, "model": launch.model, "config": launch.config(),
+             "offered on gfx1100": attention_tile(launch) in prefill.ATTENTION_TILES["rdna3"]
+             if launch.kernel == "_attention_kernel" else True, **gfx1100_registers(launch)} for launch in offered]
+    table = json.loads(out.read_text()) if out.exists() else {}
+    table["what"] = ("A static compile, no GPU: each kernel launch prefill makes (recorded from its layer code with "
+                     "Qwen3-32B's and Qwen3-0.6B's dimensions) compiled by Triton's AMD backend for "
+                     "GPUTarget('hip', 'gfx1100', 32) to assembly; registers, spills and scratch from the "
+                     "assembly's kernel metadata, LDS = static + Triton's dynamic shared memory. Nothing ran. "
+                     "Each 'triton X' entry is one run of tests/test_gfx1100_compile.py as a script, "
+                     "with that Triton's pip wheel first on the path.")
+    table[f"triton {triton.__version__}"] = rows
+    rows_text = lambda v: json.dumps(v) if isinstance(v, str) else "[\n  " + ",\n  ".join(map(json.dumps, v)) + "\n ]"
+    out.write_text("{\n" + ",\n".join(f" {json.dumps(k)}: {rows_text(v)}" for k, v in table.items()) + "\n}\n")
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, {"TRITON_CACHE_DIR": cache}):
+        record(Path(sys.argv[1]))
