@@ -480,22 +480,113 @@ def dtype_kwarg() -> str:
     return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
 
-def load_reference_model(model_dir: str | Path, device: str | None = None):
+# What --make-reference leaves free on the GPU by default, beyond the weights: one text's activations (its logits
+# alone, in bf16 and float32, take ~1.5 MB per token at Qwen3's vocabulary) and the allocator's slack.
+REFERENCE_GPU_MARGIN_GIB = 4.0
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def checkpoint_bytes(model_dir: str | Path) -> int:
+    """The weight files' size: the model's size in memory in bf16 (an overestimate for float32 files, cast on load)."""
+    model_dir = Path(model_dir)
+    files = list(model_dir.glob("*.safetensors")) or list(model_dir.glob("*.bin"))
+    return sum(f.stat().st_size for f in files)
+
+
+def host_memory_available() -> int:
+    """Host memory available for the layers accelerate keeps off the GPU (what accelerate itself counts)."""
+    import psutil  # a dependency of accelerate, so present wherever that path runs
+
+    return psutil.virtual_memory().available
+
+
+@dataclass
+class Placement:
+    kwargs: dict  # from_pretrained's placement keywords
+    move_to: str | None  # where to move the loaded model; None: from_pretrained placed it
+    summary: str  # one line for the log
+
+
+def reference_placement(model_dir: str | Path, device: str | None = None, gpu_gib: float | None = None) -> Placement:
+    """Where the reference model goes: the CPU when torch sees no GPU (or device="cpu"); else the whole model
+    on the GPU when its weights fit in gpu_gib (default: free memory less REFERENCE_GPU_MARGIN_GIB); else as
+    much as fits on the GPU and the rest in host memory, placed by accelerate (device_map="auto", max_memory).
+    Only that last case needs accelerate; without it, it is a UserError."""
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        why = "" if torch.cuda.is_available() else f" (torch {torch.__version__} sees no GPU)"
+        return Placement({}, "cpu", f"reference: transformers on the CPU{why}")
+
+    index = torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    if gpu_gib is None:
+        free, _ = torch.cuda.mem_get_info(index)
+        budget = max(0, free - int(REFERENCE_GPU_MARGIN_GIB * 2**30))
+    else:
+        budget = int(gpu_gib * 2**30)
+    need = checkpoint_bytes(model_dir)
+    have_accelerate = importlib.util.find_spec("accelerate") is not None
+    if need <= budget:
+        summary = f"reference: transformers on {device}, the whole model ({_gib(need)} of {_gib(budget)})"
+        if have_accelerate:
+            # straight onto the device: a host copy of a 65 GB model first may not fit beside its checkpoint
+            return Placement({"device_map": device}, None, summary)
+        return Placement({}, device, summary)
+    if not have_accelerate:
+        raise UserError(
+            f"--make-reference: the model ({_gib(need)}) does not fit in {_gib(budget)} of GPU memory, and "
+            "spreading it over GPU and host memory needs accelerate: uv sync --extra reference "
+            "(on AMD: the README's Install on AMD)"
+        )
+    max_memory = {index: budget, "cpu": host_memory_available()}
+    return Placement(
+        {"device_map": "auto", "max_memory": max_memory},
+        None,
+        f"reference: transformers on {device} ({_gib(budget)} of the model's {_gib(need)}) and the CPU "
+        "(the rest, through accelerate)",
+    )
+
+
+def load_reference_model(model_dir: str | Path, device: str | None = None, gpu_gib: float | None = None):
+    placement = reference_placement(model_dir, device, gpu_gib)  # a UserError comes before transformers' import
+    print(placement.summary, flush=True)
     import torch
     from transformers import AutoModelForCausalLM
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    kwargs = {dtype_kwarg(): torch.bfloat16}
-    if device != "cpu" and importlib.util.find_spec("accelerate"):
-        # straight onto the device: a host copy of a 65 GB model first may not fit beside its checkpoint
-        return AutoModelForCausalLM.from_pretrained(str(model_dir), device_map=device, **kwargs).eval()
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs).to(device).eval()
+    kwargs = {dtype_kwarg(): torch.bfloat16, **placement.kwargs}
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+    if placement.move_to is not None:
+        model = model.to(placement.move_to)
+    where = {}  # accelerate's placement, module -> device (absent when the model was not spread)
+    for d in (getattr(model, "hf_device_map", None) or {}).values():
+        name = f"cuda:{d}" if isinstance(d, int) else str(d)
+        where[name] = where.get(name, 0) + 1
+    if len(where) > 1:
+        print("reference: modules per device: " + ", ".join(f"{d}: {n}" for d, n in where.items()), flush=True)
+    return model.eval()
+
+
+def input_device(model):
+    """Where a forward's input ids go: the embedding's device. An embedding that accelerate offloaded has its
+    weight on the meta device; its hook moves the ids to where it runs, so they start on the host."""
+    import torch
+
+    device = model.get_input_embeddings().weight.device
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 def reference_losses(model, tokenizer, texts: list[str]) -> list[float]:
     """The simple way: one forward per text with labels=input_ids (nan below 2 tokens)."""
     import torch
 
+    device = input_device(model)
     losses = []
     with torch.inference_mode():
         for text in texts:
@@ -503,7 +594,7 @@ def reference_losses(model, tokenizer, texts: list[str]) -> list[float]:
             if len(ids) < 2:
                 losses.append(float("nan"))
                 continue
-            t = torch.tensor([ids], device=model.device)
+            t = torch.tensor([ids], device=device)
             losses.append(model(input_ids=t, labels=t).loss.item())
     return losses
 
@@ -652,8 +743,17 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--make-reference",
         metavar="FILE",
-        help="instead of running the runner, compute the losses with plain transformers "
-        "(bf16, one forward per text, cuda if available) and write {texts_sha256, losses} to FILE",
+        help="instead of running the runner, compute the losses with plain transformers (bf16, one forward per "
+        "text) and write {texts_sha256, losses} to FILE; on the GPU when torch sees one, the whole model if it "
+        "fits in --reference-gpu-memory, else as much as fits and the rest in host memory (needs accelerate: "
+        "uv sync --extra reference); else on the CPU",
+    )
+    p.add_argument(
+        "--reference-gpu-memory",
+        metavar="GIB",
+        type=float,
+        help="GPU memory the reference model's weights may take (default: free memory less "
+        f"{REFERENCE_GPU_MARGIN_GIB:g} GiB for activations)",
     )
     p.add_argument(
         "--check",
@@ -687,6 +787,8 @@ def choose_texts(args, model_dir: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args, runner_args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if args.reference_gpu_memory is not None and args.reference_gpu_memory < 0:
+            raise UserError(f"--reference-gpu-memory {args.reference_gpu_memory:g}: must be >= 0")
         model_dir = Path(args.model) if args.model else demo_model_dir()
         if not (model_dir / "config.json").is_file():
             raise UserError(f"--model {model_dir}: no config.json there")
@@ -696,7 +798,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {model_dir}\ntexts: {len(texts)}", flush=True)
 
         if args.make_reference:
-            losses = reference_losses(load_reference_model(model_dir), load_tokenizer(model_dir), texts)
+            model = load_reference_model(model_dir, gpu_gib=args.reference_gpu_memory)
+            losses = reference_losses(model, load_tokenizer(model_dir), texts)
             record = {"texts_sha256": texts_sha256(texts), "losses": losses}
             Path(args.make_reference).write_text(json.dumps(record) + "\n")
             print(f"wrote {len(losses)} reference losses to {args.make_reference}")

@@ -1,9 +1,11 @@
 # Tests of the harness interact.py: contest rules, texts, random checkpoints, the protocol.
 
+import importlib.machinery
 import json
 import math
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -146,6 +148,156 @@ def test_demo_model_is_built_once_in_the_cache(tmp_path, monkeypatch):
     assert (path / "model.safetensors").stat().st_size < 100e6
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert interact.demo_model_dir() == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+# ---------------------------------------------------------------------------
+# Reference model placement (--make-reference): CPU, whole on the GPU, or spread by accelerate
+# ---------------------------------------------------------------------------
+
+GIB = 2**30
+
+
+def fake_accelerate(monkeypatch, present: bool):
+    """accelerate installed or not, as importlib.util.find_spec sees it (None in sys.modules: not importable)."""
+    if present:
+        module = types.ModuleType("accelerate")
+        module.__spec__ = importlib.machinery.ModuleSpec("accelerate", None)
+        monkeypatch.setitem(sys.modules, "accelerate", module)
+    else:
+        monkeypatch.setitem(sys.modules, "accelerate", None)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """A GPU with 47 GiB free on each device, as torch.cuda reports it; returns a model dir of `size` bytes."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=None: asked.append(i) or (47 * GIB, 48 * GIB))
+    monkeypatch.setattr(interact, "host_memory_available", lambda: 100 * GIB)
+
+    def model_dir(size: int):
+        out = tmp_path / "model"
+        out.mkdir(exist_ok=True)
+        (out / "config.json").write_text("{}")
+        with open(out / "model.safetensors", "wb") as f:
+            f.truncate(size)  # sparse: only its size is read
+        return out
+
+    model_dir.asked = asked
+    return model_dir
+
+
+def test_reference_placement_cpu(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    p = interact.reference_placement(tmp_path)
+    assert (p.kwargs, p.move_to) == ({}, "cpu")
+    assert "sees no GPU" in p.summary and torch.__version__ in p.summary
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the CPU asked for, beside a GPU
+    p = interact.reference_placement(tmp_path, "cpu")
+    assert (p.kwargs, p.move_to, p.summary) == ({}, "cpu", "reference: transformers on the CPU")
+
+
+@pytest.mark.parametrize("present", [True, False])
+def test_reference_placement_whole_model_on_the_gpu(fake_gpu, monkeypatch, present):
+    fake_accelerate(monkeypatch, present)
+    model = fake_gpu(40 * GIB)  # fits in 47 GiB free less the 4 GiB margin
+    p = interact.reference_placement(model)
+    if present:  # straight onto the GPU, no host copy of the whole model first
+        assert (p.kwargs, p.move_to) == ({"device_map": "cuda"}, None)
+    else:
+        assert (p.kwargs, p.move_to) == ({}, "cuda")
+    assert "the whole model" in p.summary
+
+
+def test_reference_placement_spreads_a_larger_model_with_accelerate(fake_gpu, monkeypatch):
+    fake_accelerate(monkeypatch, True)
+    model = fake_gpu(int(65.5 * GIB))
+    p = interact.reference_placement(model)
+    budget = 47 * GIB - int(interact.REFERENCE_GPU_MARGIN_GIB * GIB)
+    assert p.kwargs == {"device_map": "auto", "max_memory": {0: budget, "cpu": 100 * GIB}}
+    assert p.move_to is None and "accelerate" in p.summary
+    # an explicit budget replaces free memory less the margin; cuda:1 is asked about, and filled, itself
+    p = interact.reference_placement(model, "cuda:1", gpu_gib=20)
+    assert p.kwargs["max_memory"] == {1: 20 * GIB, "cpu": 100 * GIB}
+    assert fake_gpu.asked == [0]  # mem_get_info only where no budget was given
+    assert interact.reference_placement(model, gpu_gib=70).kwargs == {"device_map": "cuda"}
+
+
+def test_make_reference_without_accelerate_on_a_small_gpu_is_one_line(fake_gpu, monkeypatch, tmp_path, capsys):
+    fake_accelerate(monkeypatch, False)
+    model = fake_gpu(int(65.5 * GIB))
+    (tmp_path / "texts.json").write_text(json.dumps(["some text"]))
+    out = tmp_path / "ref.json"
+    rc = interact.main(["--model", str(model), "--texts", str(tmp_path / "texts.json"), "--make-reference", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1 and not out.exists()
+    assert err.count("\n") == 1 and "interact.py: error: --make-reference: the model (65.5 GiB)" in err
+    assert "needs accelerate: uv sync --extra reference" in err
+    assert interact.main(["--model", str(model), "--reference-gpu-memory", "-1", "--make-reference", str(out)]) == 1
+    assert "--reference-gpu-memory -1: must be >= 0" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, qwen_tokenizer_dir, qwen_tokenizer):
+    out = interact.write_random_checkpoint(
+        tmp_path_factory.mktemp("tiny"), TINY, seed=2, tokenizer_dir=qwen_tokenizer_dir
+    )
+    texts = interact.demo_texts(qwen_tokenizer, 3, seed=1) + ["x"]  # one text of a single token: nan
+    return out, texts
+
+
+def plain_losses(model_dir, texts):
+    """The reference as interact computed it before placements: from_pretrained in bf16 on the CPU, one forward."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **{interact.dtype_kwarg(): torch.bfloat16}).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    losses = []
+    with torch.inference_mode():
+        for text in texts:
+            ids = torch.tensor([tok(text)["input_ids"]])
+            losses.append(model(input_ids=ids, labels=ids).loss.item() if ids.shape[1] > 1 else float("nan"))
+    return losses
+
+
+def test_reference_losses_on_the_cpu_are_the_plain_forward(tiny_checkpoint, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model_dir, texts = tiny_checkpoint
+    model = interact.load_reference_model(model_dir)
+    assert "reference: transformers on the CPU" in capsys.readouterr().out
+    got = interact.reference_losses(model, interact.load_tokenizer(model_dir), texts)
+    want = plain_losses(model_dir, texts)
+    assert got[:-1] == want[:-1] and math.isnan(got[-1]) and math.isnan(want[-1])
+
+
+# accelerate's own placement at 2 MiB of "host" memory: everything offloaded, the embedding too; and a given map
+# that keeps all but lm_head (with its largest layer reserved, "auto" cannot split this tiny model that way)
+SPREADS = {
+    "auto": {"device_map": "auto", "max_memory": {"cpu": 2 * 2**20}},
+    "lm_head-offloaded": {"device_map": {"model": "cpu", "lm_head": "disk"}},
+}
+
+
+@pytest.mark.parametrize("spread", list(SPREADS))
+def test_reference_losses_of_a_model_accelerate_spread(tiny_checkpoint, tmp_path, monkeypatch, capsys, spread):
+    """load_reference_model with accelerate's placement, as on a small GPU: the losses are the plain forward's.
+    The CPU stands in for the GPU and disk for host memory; an offloaded embedding's weight is on the meta
+    device, so the inputs start on the host. Skipped where the `reference` extra is not installed."""
+    pytest.importorskip("accelerate")
+    model_dir, texts = tiny_checkpoint
+    kwargs = {**SPREADS[spread], "offload_folder": str(tmp_path / "offload")}
+    monkeypatch.setattr(interact, "reference_placement", lambda *a: interact.Placement(kwargs, None, "spread"))
+    model = interact.load_reference_model(model_dir)
+    out = capsys.readouterr().out
+    if spread == "auto":
+        assert set(model.hf_device_map.values()) == {"disk"}
+        assert model.get_input_embeddings().weight.device.type == "meta"
+    else:
+        assert "reference: modules per device: cpu: 1, disk: 1" in out
+    got = interact.reference_losses(model, interact.load_tokenizer(model_dir), texts)
+    want = plain_losses(model_dir, texts)
+    assert got[:-1] == pytest.approx(want[:-1], rel=1e-6) and math.isnan(got[-1])
 
 
 # ---------------------------------------------------------------------------
