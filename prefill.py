@@ -41,6 +41,30 @@ def log(msg, end="\n"):
     print(f"prefill: {msg}", end=end, file=sys.stderr, flush=True)
 
 
+def parse_json(data, source):
+    # JSON from outside (request, --input, config, index, safetensors header): whatever is wrong with it, however
+    # deep its nesting (json raises RecursionError), it ends as one UserError naming where it came from
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise UserError(f"{source}: JSON nested too deeply") from None
+    except ValueError as e:
+        raise UserError(f"{source}: not JSON ({e})") from None
+
+
+def read_bytes(path):
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+
+
+def shown(value):
+    # a value from an untrusted file inside an error message: short, on one line
+    text = repr(value) if isinstance(value, (str, int, float)) else type(value).__name__
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
 # ----------------------------------------------------------------------------- config
 
 @dataclass
@@ -62,6 +86,8 @@ class Qwen3Config:
         self.kv_size = self.num_key_value_heads * D
         if self.num_attention_heads % self.num_key_value_heads:
             raise UserError("num_attention_heads must be a multiple of num_key_value_heads")
+        if D < 2 or D % 2:
+            raise UserError(f"head_dim is {D}; RoPE rotates pairs of a head's channels: it must be even and positive")
         # One layer's tensors in their order inside the layer's flat buffer. q,k,v and gate,up sit in adjacent rows,
         # so the fused qkv and gate_up matrices are plain views; only group starts are aligned (128 B).
         shapes = [
@@ -84,36 +110,87 @@ class Qwen3Config:
     @classmethod
     def from_dir(cls, model_dir):
         path = Path(model_dir) / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"{model_dir} has no config.json") from None
-        except (OSError, ValueError) as e:
-            raise UserError(f"cannot read {path}: {e}") from None
+        if not path.exists():
+            raise UserError(f"{model_dir} has no config.json")
+        raw = parse_json(read_bytes(path), path)
+        if not isinstance(raw, dict):
+            raise UserError(f"{path}: expected a JSON object, got {shown(raw)}")
         if raw.get("model_type") != "qwen3":
-            raise UserError(f"{path}: model_type is {raw.get('model_type')!r}; prefill runs dense Qwen3 ('qwen3') only")
+            raise UserError(f"{path}: model_type is {shown(raw.get('model_type'))}; prefill runs dense Qwen3 ('qwen3') "
+                            "only")
         # transformers >= 5 writes rope_parameters instead of the top-level rope_theta.
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise UserError(f"{path}: rope_parameters (or rope_scaling) is {shown(rope)}, not a JSON object")
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise UserError(f"{path}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
-        try:
-            heads = raw["num_attention_heads"]
-            return cls(
-                hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
-                num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
-                num_key_value_heads=raw.get("num_key_value_heads", heads),
-                head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, vocab_size=raw["vocab_size"],
-                rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-                rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
-                tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            )
-        except KeyError as e:
-            raise UserError(f"{path} lacks {e.args[0]}") from None
+            raise UserError(f"{path}: rope scaling {shown(rope.get('rope_type', rope.get('type')))} is not supported")
+
+        def field(key, default, valid, expected):  # one message per bad field, naming it; null means absent
+            value = raw.get(key)
+            if value is None:
+                if default is None:
+                    raise UserError(f"{path} lacks {key}")
+                value = default
+            if not valid(value):
+                raise UserError(f"{path}: {key} is {shown(value)}; expected {expected}")
+            return value
+
+        def count(key, default=None):  # bool is an int to Python, not to JSON
+            return field(key, default, lambda v: type(v) is int and v > 0, "a positive integer")
+
+        def positive(key, default):
+            return field(key, default, lambda v: type(v) in (int, float) and 0 < v < math.inf, "a positive number")
+
+        hidden, heads = count("hidden_size"), count("num_attention_heads")
+        return cls(
+            hidden_size=hidden, intermediate_size=count("intermediate_size"),
+            num_hidden_layers=count("num_hidden_layers"), num_attention_heads=heads,
+            num_key_value_heads=count("num_key_value_heads", heads),
+            head_dim=count("head_dim", hidden // heads), vocab_size=count("vocab_size"),
+            rms_norm_eps=positive("rms_norm_eps", 1e-6),
+            rope_theta=positive("rope_theta", rope.get("rope_theta", 10000.0)),
+            tie_word_embeddings=field("tie_word_embeddings", False, lambda v: type(v) is bool, "true or false"),
+        )
 
 
 # ----------------------------------------------------------------------------- checkpoint loading
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers too
+
+
+def header_tensors(path, header, data_bytes):
+    """name -> (dtype, shape, start, byte count) within the data section, from a safetensors header: every field is
+    checked, since the file may be corrupt or not safetensors at all."""
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: the safetensors header is {shown(header)}, not a JSON object")
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {shown(name)}"
+        if not isinstance(info, dict):
+            raise UserError(f"{where} is described by {shown(info)}, not a JSON object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+            raise UserError(f"{where} has dtype {shown(dtype)}; expected BF16, F16 or F32")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise UserError(f"{where}: shape must be a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise UserError(f"{where}: data_offsets must be two integers, 0 <= begin <= end")
+        start, end = offsets
+        if end > data_bytes:
+            raise UserError(f"{path} is truncated ({shown(name)} lies past its end)")
+        nbytes = SAFETENSORS_DTYPES[dtype].itemsize
+        for n in shape:  # capped: a shape of a million huge numbers must not become one giant product
+            nbytes = min(nbytes * n, data_bytes + 1)
+        if nbytes != end - start:
+            raise UserError(f"{where}: its shape and dtype do not fill the {end - start} bytes its data_offsets span")
+        tensors[name] = (SAFETENSORS_DTYPES[dtype], tuple(shape), start, nbytes)
+    return tensors
 
 
 HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (hipHostRegisterReadOnly): the device only reads the pages
@@ -128,10 +205,13 @@ class Checkpoint:
         model_dir = Path(model_dir)
         index = model_dir / "model.safetensors.index.json"
         if index.exists():
-            try:
-                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError) as e:
-                raise UserError(f"cannot read {index}: {e}") from None
+            weight_map = parse_json(read_bytes(index), index)
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            # plain file names only: an index must not send the loader outside the folder
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f == Path(f).name and f
+                                                           for f in weight_map.values()):
+                raise UserError(f"{index}: weight_map must map tensor names to file names in {model_dir}")
+            files = sorted(set(weight_map.values()))
         elif (model_dir / "model.safetensors").exists():
             files = ["model.safetensors"]
         else:
@@ -152,23 +232,22 @@ class Checkpoint:
     def _open(self, path):
         try:
             with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
                 header_len = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(header_len))
+                # bounded by the file before reading: a corrupt length field may ask for up to 2^64 bytes
+                if size < 8 or 8 + header_len > size:
+                    raise UserError(f"{path} is not a safetensors file: its header length {header_len} runs past "
+                                    f"the end of the file ({size} bytes)")
+                if header_len > SAFETENSORS_MAX_HEADER:
+                    raise UserError(f"{path}: a {header_len}-byte header exceeds safetensors' 100 MB limit")
+                tensors = header_tensors(path, parse_json(f.read(header_len), path), size - 8 - header_len)
                 data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writable view, never written
             fd = os.open(path, os.O_RDONLY)
         except (OSError, ValueError) as e:
             raise UserError(f"cannot read safetensors file {path}: {e}") from None
         self.files.append((fd, data))
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if info["dtype"] not in SAFETENSORS_DTYPES:
-                raise UserError(f"{path.name}: {name} has dtype {info['dtype']}; expected BF16, F16 or F32")
-            start, end = info["data_offsets"]
-            if 8 + header_len + end > len(data):
-                raise UserError(f"{path.name} is truncated ({name} lies past its end)")
-            self.tensors[name] = (len(self.files) - 1, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]),
-                                  8 + header_len + start, end - start)
+        for name, (dtype, shape, start, nbytes) in tensors.items():
+            self.tensors[name] = (len(self.files) - 1, dtype, shape, 8 + header_len + start, nbytes)
 
     def get(self, name, shape):
         if name not in self.tensors:
