@@ -1344,10 +1344,14 @@ def load_tokenizer(model_dir):
     named = [getattr(transformers, n, None) for n in (name + "Fast", name) if n.isidentifier()]
     cls = next((c for c in named if c is not None), None) or transformers.AutoTokenizer  # touched only if needed
     try:
-        return cls.from_pretrained(str(model_dir), trust_remote_code=False)
+        tokenizer = cls.from_pretrained(str(model_dir), trust_remote_code=False)
+        probe = tokenizer("Hello, world.")["input_ids"]
     except Exception as e:
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"cannot load the tokenizer from {model_dir}: {first_line[:300]}") from None
+    if not probe:  # a folder without tokenizer files gets an empty tokenizer: 0 tokens, a nan loss for every text
+        raise UserError(f"no usable tokenizer in {model_dir} (tokenizer.json, or vocab.json and merges.txt)")
+    return tokenizer
 
 
 # ----------------------------------------------------------------------------- protocol / CLI
