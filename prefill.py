@@ -1278,8 +1278,6 @@ class Runner:
         for wave_no, wave in enumerate(waves):
             timer.mark("layers")
             T = wave.ids.numel()
-            if T > plan.wave_tokens:
-                log(f"warning: a text of {max(wave.lengths)} tokens exceeds the plan's {plan.wave_tokens}-token wave")
             ids = wave.ids.to(dev)
             x = self.embed.index_select(0, ids)  # [tokens, hidden]
             lengths = torch.tensor(wave.lengths)
@@ -1311,6 +1309,7 @@ class Runner:
             print(file=sys.stderr)
         self.stats = {
             "texts": len(token_lists), "tokens": sum(len(t) for t in token_lists), "waves": len(waves),
+            "texts_over_wave": sum(w.ids.numel() > plan.wave_tokens for w in waves),  # a wave each, beyond the plan
             "streamed_bytes": self.streamer.streamed_bytes - streamed_before, "phases": timer.totals(),
         }
         return result
@@ -1472,6 +1471,19 @@ def serve(args, protocol):
     if args.stats:
         Path(args.stats).write_text(json.dumps(stats, indent=1))
     return 0
+
+
+def one_line(message):  # an error line stays one short line, whatever a path or a library put in it
+    message = " ".join(message.splitlines())
+    return message if len(message) <= 1000 else message[:1000] + "..."
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as SIGINT raises KeyboardInterrupt: no `except Exception` swallows it."""
+
+
+def on_sigterm(signum, frame):
+    raise Terminated
 
 
 def main(argv=None):
