@@ -16,6 +16,7 @@ import json
 import math
 import mmap
 import os
+import signal
 import sys
 import threading
 import time
@@ -1355,24 +1356,41 @@ def load_tokenizer(model_dir):
 
 # ----------------------------------------------------------------------------- protocol / CLI
 
-def parse_texts(text, source):
-    """A JSON array of strings, or (from a file) JSON lines each holding one string."""
+JSON_SPACE = " \t\r\n"
+
+
+def text_of(value, where):
+    if not isinstance(value, str):
+        raise UserError(f"{where} is {type(value).__name__}, not a string")
     try:
-        texts = json.loads(text)
-    except ValueError as e:
-        lines = [line for line in text.splitlines() if line.strip()]
-        try:
-            texts = [json.loads(line) for line in lines] if source != "stdin" and len(lines) > 1 else None
-        except ValueError:
-            texts = None
-        if texts is None:
-            raise UserError(f"{source}: not JSON ({e})") from None
+        value.encode("utf-8")  # fails on a lone surrogate: an escaped one in the JSON, or a byte that was not UTF-8
+    except UnicodeEncodeError as e:
+        raise UserError(f"{where} is not valid UTF-8 text (lone surrogate or bad byte at character {e.start})") from None
+    return value
+
+
+def decoded(data):
+    # bytes that are not UTF-8 survive as lone surrogates (surrogateescape), so text_of names the string they are in
+    return data.decode("utf-8", "surrogateescape") if isinstance(data, bytes) else data
+
+
+def parse_request(data, source="stdin"):
+    """The protocol's request: one JSON array of strings (bytes or str)."""
+    texts = parse_json(decoded(data), source)
     if not isinstance(texts, list):
         raise UserError(f"{source}: expected a JSON array of strings, got {type(texts).__name__}")
-    for i, t in enumerate(texts):
-        if not isinstance(t, str):
-            raise UserError(f"{source}: element {i} is {type(t).__name__}, not a string")
-    return texts
+    return [text_of(t, f"{source}: element {i}") for i, t in enumerate(texts)]
+
+
+def read_texts(path):
+    """--input FILE ('-': stdin): a JSON array of strings, or JSON lines holding one string each (blank lines
+    skipped). A problem names the element, or the line (1-based, as editors count)."""
+    data = decoded(sys.stdin.buffer.read() if path == "-" else read_bytes(path))
+    if data.lstrip(JSON_SPACE).startswith("["):
+        return parse_request(data, path)
+    lines = enumerate(data.split("\n"), 1)  # not splitlines(): a JSON string may hold a raw U+2028
+    return [text_of(parse_json(line, f"{path} line {n}"), f"{path} line {n}") for n, line in lines
+            if line.strip(JSON_SPACE)]
 
 
 def take_stdout():
@@ -1385,16 +1403,40 @@ def take_stdout():
     return protocol
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as for every other fault (argparse would add the usage lines)
+        log(f"error: {message} (--help lists the options)")
+        sys.exit(2)
+
+
+def bounded(kind, low, high):
+    """An argparse type: a number of `kind` in [low, high] (so never nan or inf)."""
+    def parse(text):
+        value = kind(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is not in [{low}, {high}]")
+        return value
+    parse.__name__ = kind.__name__  # argparse names it in "invalid float value"
+    return parse
+
+
+MAX_TOKENS = 2**31 - 1  # cu_seqlens are int32
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Per-text loss of a dense Qwen3 checkpoint (safetensors), streaming the layers that do not fit "
                     "in GPU memory. Without --input: prints `ready`, reads one JSON array of strings on stdin, "
-                    "prints one loss per text (nan for texts of < 2 tokens) and exits.")
+                    "prints one loss per text (nan for texts of < 2 tokens) and exits.",
+        epilog="Exit codes: 0 done; 1 stdin closed before the request, stdout closed before the last loss, or an "
+               "unexpected error; 2 a bad option, input, request or checkpoint (one line on stderr names it); "
+               "130 SIGINT; 143 SIGTERM.")
     p.add_argument("--model", "--model_path", dest="model", required=True, metavar="DIR",
                    help="folder with config.json, *.safetensors (+ index) and the tokenizer files")
     p.add_argument("--input", metavar="FILE",
-                   help="read texts from FILE (JSON array or JSON lines; '-' for stdin) without the ready handshake")
-    p.add_argument("--gpu-memory", type=float, metavar="GIB",
+                   help="read texts from FILE (a JSON array of strings, or JSON lines of one string each; '-' for "
+                        "stdin) without the ready handshake; read and checked before the model loads")
+    p.add_argument("--gpu-memory", type=bounded(float, 0, 2**20), metavar="GIB",
                    help="GPU memory the runner may plan for (default: what is free, less 1.5 GiB); "
                         "0 streams every layer")
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when a GPU is visible, else cpu")
@@ -1405,10 +1447,10 @@ def parse_args(argv):
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
                    help="per-token elementwise work (norms, RoPE, SiLU): fused Triton kernels or plain PyTorch "
                         "(default: Triton on a GPU where it works, else PyTorch)")
-    p.add_argument("--chunk-tokens", type=int, default=4096, metavar="N",
+    p.add_argument("--chunk-tokens", type=bounded(int, 1, MAX_TOKENS), default=4096, metavar="N",
                    help="tokens per GEMM step: attention runs on chunks of whole texts of up to N tokens, the MLP "
                         "on slices of N (default 4096)")
-    p.add_argument("--wave-tokens", type=int, default=65536, metavar="N",
+    p.add_argument("--wave-tokens", type=bounded(int, 1, MAX_TOKENS), default=65536, metavar="N",
                    help="tokens kept on the GPU across all layers; larger requests run in several waves, "
                         "each streaming the layers again (default 65536)")
     p.add_argument("--load", default="auto", choices=["auto", "map", "copy"],
@@ -1417,37 +1459,42 @@ def parse_args(argv):
                         "copies of the streamed layers only; auto: map where the platform allows it and the files "
                         "hold bf16, else copy")
     p.add_argument("--stats", metavar="FILE", help="write the run's figures (tokens, bytes streamed, memory, "
-                                                   "per-phase times) as JSON to FILE")
-    args = p.parse_args(argv)
-    if args.chunk_tokens < 1 or args.wave_tokens < 1:
-        p.error("--chunk-tokens and --wave-tokens must be positive")
-    if args.gpu_memory is not None and args.gpu_memory < 0:
-        p.error("--gpu-memory must be >= 0")
-    return args
+                                                   "per-phase times) as JSON to FILE (checked writable before the "
+                                                   "model loads)")
+    return p.parse_args(argv)
+
+
+def check_writable(path):
+    # --stats is written after the losses: a path that cannot be written must fail now, before the model loads.
+    # An existing file is opened without truncating it; a file made for the probe is removed again.
+    existed = os.path.lexists(path)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT))
+    except OSError as e:
+        raise UserError(f"--stats {path} cannot be written: {e.strerror}") from None
+    if not existed:
+        os.unlink(path)
 
 
 def serve(args, protocol):
+    texts = read_texts(args.input) if args.input else None  # a bad --input fails before the model loads
+    if args.stats:
+        check_writable(args.stats)
     runner = Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
                     kernels=args.kernels, chunk_tokens=args.chunk_tokens, wave_tokens=args.wave_tokens,
                     load=args.load)
     t0 = time.perf_counter()
     runner.warm_up()
     warm_up_s = time.perf_counter() - t0
-    if args.input:
-        try:
-            source = sys.stdin.read() if args.input == "-" else Path(args.input).read_text()
-        except OSError as e:
-            raise UserError(f"cannot read {args.input}: {e.strerror}") from None
-        texts = parse_texts(source, args.input)
-    else:
+    if texts is None:
         log(f"ready (warm-up {warm_up_s:.1f} s)")
         protocol.write("ready\n")
         protocol.flush()
-        line = sys.stdin.readline()
+        line = sys.stdin.buffer.readline()
         if not line:
             log("stdin closed before a request arrived")
             return 1
-        texts = parse_texts(line, "stdin")
+        texts = parse_request(line)
     t_start = time.perf_counter()
     t_tok = time.perf_counter()
     token_lists = runner.tokenize(texts)
@@ -1466,10 +1513,16 @@ def serve(args, protocol):
     if runner.device.type == "cuda":
         stats["peak_gpu_bytes"] = torch.cuda.max_memory_reserved(runner.device)
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in stats["phases"].items())
+    if stats["texts_over_wave"]:  # counted, one line: the harness reads stderr only after the run
+        log(f"warning: {stats['texts_over_wave']} text(s) longer than --wave-tokens {args.wave_tokens} ran as waves "
+            "of their own")
     log(f"{len(texts)} texts, {stats['tokens']} tokens in {elapsed:.2f} s ({phases}); "
         f"streamed {stats['streamed_bytes'] / 1e9:.1f} GB")
     if args.stats:
-        Path(args.stats).write_text(json.dumps(stats, indent=1))
+        try:
+            Path(args.stats).write_text(json.dumps(stats, indent=1))
+        except OSError as e:
+            raise UserError(f"--stats {args.stats} cannot be written: {e.strerror}") from None
     return 0
 
 
@@ -1492,19 +1545,28 @@ def main(argv=None):
     try:
         return serve(args, protocol)
     except UserError as e:
-        log(f"error: {e}")
+        log(f"error: {one_line(str(e))}")
         return 2
     except torch.cuda.OutOfMemoryError:
         log("error: out of GPU memory; give a smaller --gpu-memory or --chunk-tokens")
         return 1
+    except BrokenPipeError:  # the reader of the losses is gone; keep the exit's flush of stdout from failing again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), protocol.fileno())
+        log("stdout closed before every loss was written")
+        return 1
     except KeyboardInterrupt:
+        log("interrupted (SIGINT)")
         return 130
+    except Terminated:
+        log("terminated (SIGTERM)")
+        return 143
     except Exception as e:
         if os.environ.get("PREFILL_DEBUG"):
             traceback.print_exc()
-        log(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (PREFILL_DEBUG=1 shows where)")
+        log(f"error: {type(e).__name__}: {one_line(str(e))} (PREFILL_DEBUG=1 shows where)")
         return 1
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, on_sigterm)  # 143 with one line, as SIGINT gives 130
     sys.exit(main())
