@@ -143,7 +143,7 @@ class Qwen3Config:
             return field(key, default, lambda v: type(v) in (int, float) and 0 < v < math.inf, "a positive number")
 
         hidden, heads = count("hidden_size"), count("num_attention_heads")
-        return cls(
+        fields = dict(
             hidden_size=hidden, intermediate_size=count("intermediate_size"),
             num_hidden_layers=count("num_hidden_layers"), num_attention_heads=heads,
             num_key_value_heads=count("num_key_value_heads", heads),
@@ -152,6 +152,10 @@ class Qwen3Config:
             rope_theta=positive("rope_theta", rope.get("rope_theta", 10000.0)),
             tie_word_embeddings=field("tie_word_embeddings", False, lambda v: type(v) is bool, "true or false"),
         )
+        try:
+            return cls(**fields)
+        except UserError as e:  # the checks across fields (head counts, head_dim) name the file too
+            raise UserError(f"{path}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- checkpoint loading
@@ -1466,10 +1470,11 @@ def parse_args(argv):
 
 def check_writable(path):
     # --stats is written after the losses: a path that cannot be written must fail now, before the model loads.
-    # An existing file is opened without truncating it; a file made for the probe is removed again.
+    # An existing file is opened without truncating it (nor waiting, if it is a FIFO); a file made for the probe is
+    # removed again.
     existed = os.path.lexists(path)
     try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT))
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK))
     except OSError as e:
         raise UserError(f"--stats {path} cannot be written: {e.strerror}") from None
     if not existed:
