@@ -779,6 +779,16 @@ def test_fault_table(case, gqa_checkpoint, tmp_path, monkeypatch, capsys):
         fault.protocol.close()
 
 
+def test_stats_path_is_probed_without_clobbering_or_leaving_a_file(gqa_checkpoint, tmp_path, monkeypatch, capsys):
+    # the run fails after the probe (a bad request): an existing file keeps its content, a new path stays absent
+    existing, new = tmp_path / "existing.json", tmp_path / "new.json"
+    existing.write_text("keep")
+    for path in (existing, new):
+        rc, _, err = main_in_process(monkeypatch, capsys, gqa_checkpoint[0], Fault("", ("--stats", path), b"[1]\n"))
+        assert rc == 2 and "element 0 is int" in err
+    assert existing.read_text() == "keep" and not new.exists()
+
+
 # monkeypatch and capsys are per test, not per example: each example patches in a context of its own and
 # main_in_process drains the captured output before it starts
 @settings(max_examples=6, deadline=None, derandomize=True, database=None,
