@@ -1369,7 +1369,7 @@ def text_of(value, where):
     try:
         value.encode("utf-8")  # fails on a lone surrogate: an escaped one in the JSON, or a byte that was not UTF-8
     except UnicodeEncodeError as e:
-        raise UserError(f"{where} is not valid UTF-8 text (lone surrogate or bad byte at character {e.start})") from None
+        raise UserError(f"{where} is not valid UTF-8 (a lone surrogate or bad byte at character {e.start})") from None
     return value
 
 

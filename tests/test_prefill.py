@@ -740,8 +740,8 @@ FAULTS = {
         Fault("element 1 is int", stdin=b'["a", 3]\n'),
         Fault("nested too deeply", stdin=b"[" * 100_000 + b"\n")],
     "unicode": lambda path, tmp_path: [
-        Fault("element 1 is not valid UTF-8 text", stdin=b'["ok", "lone \\ud800"]\n'),
-        Fault("element 1 is not valid UTF-8 text", stdin=b'["ok", "bad \xff byte"]\n')],
+        Fault("element 1 is not valid UTF-8", stdin=b'["ok", "lone \\ud800"]\n'),
+        Fault("element 1 is not valid UTF-8", stdin=b'["ok", "bad \xff byte"]\n')],
     "empty": lambda path, tmp_path: [Fault("", stdin=b"[]\n")],
     "long-texts": lambda path, tmp_path: [
         Fault("warning: 5 text(s) longer than --wave-tokens 3", ("--wave-tokens", 3),
