@@ -468,7 +468,11 @@ def demo_model_dir() -> Path:
 def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    # a folder without tokenizer files gets an empty tokenizer: every text 0 tokens, every reference loss nan
+    if not tokenizer("Hello, world.")["input_ids"]:
+        raise UserError(f"no usable tokenizer in {model_dir}")
+    return tokenizer
 
 
 def dtype_kwarg() -> str:
@@ -798,8 +802,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {model_dir}\ntexts: {len(texts)}", flush=True)
 
         if args.make_reference:
+            tokenizer = load_tokenizer(model_dir)  # first: without tokenizer files, fail before loading the model
             model = load_reference_model(model_dir, gpu_gib=args.reference_gpu_memory)
-            losses = reference_losses(model, load_tokenizer(model_dir), texts)
+            losses = reference_losses(model, tokenizer, texts)
             record = {"texts_sha256": texts_sha256(texts), "losses": losses}
             Path(args.make_reference).write_text(json.dumps(record) + "\n")
             print(f"wrote {len(losses)} reference losses to {args.make_reference}")

@@ -18,6 +18,7 @@ import json
 import math
 import mmap
 import os
+import signal
 import sys
 import threading
 import time
@@ -43,6 +44,30 @@ def log(msg, end="\n"):
     print(f"prefill: {msg}", end=end, file=sys.stderr, flush=True)
 
 
+def parse_json(data, source):
+    # JSON from outside (request, --input, config, index, safetensors header): whatever is wrong with it, however
+    # deep its nesting (json raises RecursionError), it ends as one UserError naming where it came from
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise UserError(f"{source}: JSON nested too deeply") from None
+    except ValueError as e:
+        raise UserError(f"{source}: not JSON ({e})") from None
+
+
+def read_bytes(path):
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+
+
+def shown(value):
+    # a value from an untrusted file inside an error message: short, on one line
+    text = repr(value) if isinstance(value, (str, int, float)) else type(value).__name__
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
 # ----------------------------------------------------------------------------- config
 
 @dataclass
@@ -64,6 +89,8 @@ class Qwen3Config:
         self.kv_size = self.num_key_value_heads * D
         if self.num_attention_heads % self.num_key_value_heads:
             raise UserError("num_attention_heads must be a multiple of num_key_value_heads")
+        if D < 2 or D % 2:
+            raise UserError(f"head_dim is {D}; RoPE rotates pairs of a head's channels: it must be even and positive")
         # One layer's tensors in their order inside the layer's flat buffer. q,k,v and gate,up sit in adjacent rows,
         # so the fused qkv and gate_up matrices are plain views; only group starts are aligned (128 B).
         shapes = [
@@ -86,36 +113,91 @@ class Qwen3Config:
     @classmethod
     def from_dir(cls, model_dir):
         path = Path(model_dir) / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"{model_dir} has no config.json") from None
-        except (OSError, ValueError) as e:
-            raise UserError(f"cannot read {path}: {e}") from None
+        if not path.exists():
+            raise UserError(f"{model_dir} has no config.json")
+        raw = parse_json(read_bytes(path), path)
+        if not isinstance(raw, dict):
+            raise UserError(f"{path}: expected a JSON object, got {shown(raw)}")
         if raw.get("model_type") != "qwen3":
-            raise UserError(f"{path}: model_type is {raw.get('model_type')!r}; prefill runs dense Qwen3 ('qwen3') only")
+            raise UserError(f"{path}: model_type is {shown(raw.get('model_type'))}; prefill runs dense Qwen3 ('qwen3') "
+                            "only")
         # transformers >= 5 writes rope_parameters instead of the top-level rope_theta.
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise UserError(f"{path}: rope_parameters (or rope_scaling) is {shown(rope)}, not a JSON object")
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise UserError(f"{path}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
+            raise UserError(f"{path}: rope scaling {shown(rope.get('rope_type', rope.get('type')))} is not supported")
+
+        def field(key, default, valid, expected):  # one message per bad field, naming it; null means absent
+            value = raw.get(key)
+            if value is None:
+                if default is None:
+                    raise UserError(f"{path} lacks {key}")
+                value = default
+            if not valid(value):
+                raise UserError(f"{path}: {key} is {shown(value)}; expected {expected}")
+            return value
+
+        def count(key, default=None):  # bool is an int to Python, not to JSON
+            return field(key, default, lambda v: type(v) is int and v > 0, "a positive integer")
+
+        def positive(key, default):
+            return field(key, default, lambda v: type(v) in (int, float) and 0 < v < math.inf, "a positive number")
+
+        hidden, heads = count("hidden_size"), count("num_attention_heads")
+        fields = dict(
+            hidden_size=hidden, intermediate_size=count("intermediate_size"),
+            num_hidden_layers=count("num_hidden_layers"), num_attention_heads=heads,
+            num_key_value_heads=count("num_key_value_heads", heads),
+            head_dim=count("head_dim", hidden // heads), vocab_size=count("vocab_size"),
+            rms_norm_eps=positive("rms_norm_eps", 1e-6),
+            rope_theta=positive("rope_theta", rope.get("rope_theta", 10000.0)),
+            tie_word_embeddings=field("tie_word_embeddings", False, lambda v: type(v) is bool, "true or false"),
+        )
         try:
-            heads = raw["num_attention_heads"]
-            return cls(
-                hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
-                num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
-                num_key_value_heads=raw.get("num_key_value_heads", heads),
-                head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, vocab_size=raw["vocab_size"],
-                rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-                rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
-                tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            )
-        except KeyError as e:
-            raise UserError(f"{path} lacks {e.args[0]}") from None
+            return cls(**fields)
+        except UserError as e:  # the checks across fields (head counts, head_dim) name the file too
+            raise UserError(f"{path}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- checkpoint loading
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers too
+
+
+def header_tensors(path, header, data_bytes):
+    """name -> (dtype, shape, start, byte count) within the data section, from a safetensors header: every field is
+    checked, since the file may be corrupt or not safetensors at all."""
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: the safetensors header is {shown(header)}, not a JSON object")
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {shown(name)}"
+        if not isinstance(info, dict):
+            raise UserError(f"{where} is described by {shown(info)}, not a JSON object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+            raise UserError(f"{where} has dtype {shown(dtype)}; expected BF16, F16 or F32")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise UserError(f"{where}: shape must be a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise UserError(f"{where}: data_offsets must be two integers, 0 <= begin <= end")
+        start, end = offsets
+        if end > data_bytes:
+            raise UserError(f"{path} is truncated ({shown(name)} lies past its end)")
+        nbytes = SAFETENSORS_DTYPES[dtype].itemsize
+        for n in shape:  # capped: a shape of a million huge numbers must not become one giant product
+            nbytes = min(nbytes * n, data_bytes + 1)
+        if nbytes != end - start:
+            raise UserError(f"{where}: its shape and dtype do not fill the {end - start} bytes its data_offsets span")
+        tensors[name] = (SAFETENSORS_DTYPES[dtype], tuple(shape), start, nbytes)
+    return tensors
 
 
 HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (hipHostRegisterReadOnly): the device only reads the pages
@@ -130,10 +212,13 @@ class Checkpoint:
         model_dir = Path(model_dir)
         index = model_dir / "model.safetensors.index.json"
         if index.exists():
-            try:
-                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError) as e:
-                raise UserError(f"cannot read {index}: {e}") from None
+            weight_map = parse_json(read_bytes(index), index)
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            # plain file names only: an index must not send the loader outside the folder
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f == Path(f).name and f
+                                                           for f in weight_map.values()):
+                raise UserError(f"{index}: weight_map must map tensor names to file names in {model_dir}")
+            files = sorted(set(weight_map.values()))
         elif (model_dir / "model.safetensors").exists():
             files = ["model.safetensors"]
         else:
@@ -156,23 +241,22 @@ class Checkpoint:
     def _open(self, path):
         try:
             with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
                 header_len = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(header_len))
+                # bounded by the file before reading: a corrupt length field may ask for up to 2^64 bytes
+                if size < 8 or 8 + header_len > size:
+                    raise UserError(f"{path} is not a safetensors file: its header length {header_len} runs past "
+                                    f"the end of the file ({size} bytes)")
+                if header_len > SAFETENSORS_MAX_HEADER:
+                    raise UserError(f"{path}: a {header_len}-byte header exceeds safetensors' 100 MB limit")
+                tensors = header_tensors(path, parse_json(f.read(header_len), path), size - 8 - header_len)
                 data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writable view, never written
             fd = os.open(path, os.O_RDONLY)
         except (OSError, ValueError) as e:
             raise UserError(f"cannot read safetensors file {path}: {e}") from None
         self.files.append((fd, data))
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if info["dtype"] not in SAFETENSORS_DTYPES:
-                raise UserError(f"{path.name}: {name} has dtype {info['dtype']}; expected BF16, F16 or F32")
-            start, end = info["data_offsets"]
-            if 8 + header_len + end > len(data):
-                raise UserError(f"{path.name} is truncated ({name} lies past its end)")
-            self.tensors[name] = (len(self.files) - 1, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]),
-                                  8 + header_len + start, end - start)
+        for name, (dtype, shape, start, nbytes) in tensors.items():
+            self.tensors[name] = (len(self.files) - 1, dtype, shape, 8 + header_len + start, nbytes)
 
     def get(self, name, shape):
         if name not in self.tensors:
@@ -1558,8 +1642,6 @@ class Runner:
         for wave_no, wave in enumerate(waves):
             timer.mark("layers")
             T = wave.ids.numel()
-            if T > plan.wave_tokens:
-                log(f"warning: a text of {max(wave.lengths)} tokens exceeds the plan's {plan.wave_tokens}-token wave")
             ids = wave.ids.to(dev)
             x = self.embed.index_select(0, ids)  # [tokens, hidden]
             lengths = torch.tensor(wave.lengths)
@@ -1591,6 +1673,7 @@ class Runner:
             print(file=sys.stderr)
         self.stats = {
             "texts": len(token_lists), "tokens": sum(len(t) for t in token_lists), "waves": len(waves),
+            "texts_over_wave": sum(w.ids.numel() > plan.wave_tokens for w in waves),  # a wave each, beyond the plan
             "streamed_bytes": self.streamer.streamed_bytes - streamed_before, "phases": timer.totals(),
         }
         return result
@@ -1624,10 +1707,14 @@ def load_tokenizer(model_dir):
     named = [getattr(transformers, n, None) for n in (name + "Fast", name) if n.isidentifier()]
     cls = next((c for c in named if c is not None), None) or transformers.AutoTokenizer  # touched only if needed
     try:
-        return cls.from_pretrained(str(model_dir), trust_remote_code=False)
+        tokenizer = cls.from_pretrained(str(model_dir), trust_remote_code=False)
+        probe = tokenizer("Hello, world.")["input_ids"]
     except Exception as e:
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"cannot load the tokenizer from {model_dir}: {first_line[:300]}") from None
+    if not probe:  # a folder without tokenizer files gets an empty tokenizer: 0 tokens, a nan loss for every text
+        raise UserError(f"no usable tokenizer in {model_dir} (tokenizer.json, or vocab.json and merges.txt)")
+    return tokenizer
 
 
 # ----------------------------------------------------------------------------- doctor
@@ -1735,24 +1822,41 @@ def doctor(runner):
 
 # ----------------------------------------------------------------------------- protocol / CLI
 
-def parse_texts(text, source):
-    """A JSON array of strings, or (from a file) JSON lines each holding one string."""
+JSON_SPACE = " \t\r\n"
+
+
+def text_of(value, where):
+    if not isinstance(value, str):
+        raise UserError(f"{where} is {type(value).__name__}, not a string")
     try:
-        texts = json.loads(text)
-    except ValueError as e:
-        lines = [line for line in text.splitlines() if line.strip()]
-        try:
-            texts = [json.loads(line) for line in lines] if source != "stdin" and len(lines) > 1 else None
-        except ValueError:
-            texts = None
-        if texts is None:
-            raise UserError(f"{source}: not JSON ({e})") from None
+        value.encode("utf-8")  # fails on a lone surrogate: an escaped one in the JSON, or a byte that was not UTF-8
+    except UnicodeEncodeError as e:
+        raise UserError(f"{where} is not valid UTF-8 (a lone surrogate or bad byte at character {e.start})") from None
+    return value
+
+
+def decoded(data):
+    # bytes that are not UTF-8 survive as lone surrogates (surrogateescape), so text_of names the string they are in
+    return data.decode("utf-8", "surrogateescape") if isinstance(data, bytes) else data
+
+
+def parse_request(data, source="stdin"):
+    """The protocol's request: one JSON array of strings (bytes or str)."""
+    texts = parse_json(decoded(data), source)
     if not isinstance(texts, list):
         raise UserError(f"{source}: expected a JSON array of strings, got {type(texts).__name__}")
-    for i, t in enumerate(texts):
-        if not isinstance(t, str):
-            raise UserError(f"{source}: element {i} is {type(t).__name__}, not a string")
-    return texts
+    return [text_of(t, f"{source}: element {i}") for i, t in enumerate(texts)]
+
+
+def read_texts(path):
+    """--input FILE ('-': stdin): a JSON array of strings, or JSON lines holding one string each (blank lines
+    skipped). A problem names the element, or the line (1-based, as editors count)."""
+    data = decoded(sys.stdin.buffer.read() if path == "-" else read_bytes(path))
+    if data.lstrip(JSON_SPACE).startswith("["):
+        return parse_request(data, path)
+    lines = enumerate(data.split("\n"), 1)  # not splitlines(): a JSON string may hold a raw U+2028
+    return [text_of(parse_json(line, f"{path} line {n}"), f"{path} line {n}") for n, line in lines
+            if line.strip(JSON_SPACE)]
 
 
 def take_stdout():
@@ -1765,16 +1869,40 @@ def take_stdout():
     return protocol
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as for every other fault (argparse would add the usage lines)
+        log(f"error: {message} (--help lists the options)")
+        sys.exit(2)
+
+
+def bounded(kind, low, high):
+    """An argparse type: a number of `kind` in [low, high] (so never nan or inf)."""
+    def parse(text):
+        value = kind(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is not in [{low}, {high}]")
+        return value
+    parse.__name__ = kind.__name__  # argparse names it in "invalid float value"
+    return parse
+
+
+MAX_TOKENS = 2**31 - 1  # cu_seqlens are int32
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Per-text loss of a dense Qwen3 checkpoint (safetensors), streaming the layers that do not fit "
                     "in GPU memory. Without --input: prints `ready`, reads one JSON array of strings on stdin, "
-                    "prints one loss per text (nan for texts of < 2 tokens) and exits.")
+                    "prints one loss per text (nan for texts of < 2 tokens) and exits.",
+        epilog="Exit codes: 0 done; 1 stdin closed before the request, stdout closed before the last loss, or an "
+               "unexpected error; 2 a bad option, input, request or checkpoint (one line on stderr names it); "
+               "130 SIGINT; 143 SIGTERM.")
     p.add_argument("--model", "--model_path", dest="model", required=True, metavar="DIR",
                    help="folder with config.json, *.safetensors (+ index) and the tokenizer files")
     p.add_argument("--input", metavar="FILE",
-                   help="read texts from FILE (JSON array or JSON lines; '-' for stdin) without the ready handshake")
-    p.add_argument("--gpu-memory", type=float, metavar="GIB",
+                   help="read texts from FILE (a JSON array of strings, or JSON lines of one string each; '-' for "
+                        "stdin) without the ready handshake; read and checked before the model loads")
+    p.add_argument("--gpu-memory", type=bounded(float, 0, 2**20), metavar="GIB",
                    help="GPU memory the runner may plan for (default: what is free, less 1.5 GiB); "
                         "0 streams every layer")
     p.add_argument("--device", choices=["cuda", "cpu"],
@@ -1787,10 +1915,10 @@ def parse_args(argv):
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
                    help="per-token elementwise work (norms, RoPE, SiLU): fused Triton kernels or plain PyTorch "
                         "(default: Triton on a GPU where each kernel matches float32 math, else PyTorch)")
-    p.add_argument("--chunk-tokens", type=int, default=4096, metavar="N",
+    p.add_argument("--chunk-tokens", type=bounded(int, 1, MAX_TOKENS), default=4096, metavar="N",
                    help="tokens per GEMM step: attention runs on chunks of whole texts of up to N tokens, the MLP "
                         "on slices of N (default 4096)")
-    p.add_argument("--wave-tokens", type=int, default=65536, metavar="N",
+    p.add_argument("--wave-tokens", type=bounded(int, 1, MAX_TOKENS), default=65536, metavar="N",
                    help="tokens kept on the GPU across all layers; larger requests run in several waves, "
                         "each streaming the layers again (default 65536)")
     p.add_argument("--load", default="auto", choices=["auto", "map", "copy"],
@@ -1811,16 +1939,28 @@ def parse_args(argv):
                    help="load, check and measure, then print every decision made on this machine and why (one "
                         "screen; --stats FILE gets it as JSON); exit 0 when every required path works")
     p.add_argument("--stats", metavar="FILE", help="write the run's figures (tokens, bytes streamed, memory, "
-                                                   "per-phase times) as JSON to FILE")
-    args = p.parse_args(argv)
-    if args.chunk_tokens < 1 or args.wave_tokens < 1:
-        p.error("--chunk-tokens and --wave-tokens must be positive")
-    if args.gpu_memory is not None and args.gpu_memory < 0:
-        p.error("--gpu-memory must be >= 0")
-    return args
+                                                   "per-phase times) as JSON to FILE (checked writable before the "
+                                                   "model loads)")
+    return p.parse_args(argv)
+
+
+def check_writable(path):
+    # --stats is written after the losses: a path that cannot be written must fail now, before the model loads.
+    # An existing file is opened without truncating it (nor waiting, if it is a FIFO); a file made for the probe is
+    # removed again.
+    existed = os.path.lexists(path)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK))
+    except OSError as e:
+        raise UserError(f"--stats {path} cannot be written: {e.strerror}") from None
+    if not existed:
+        os.unlink(path)
 
 
 def serve(args, protocol):
+    texts = read_texts(args.input) if args.input else None  # a bad --input fails before the model loads
+    if args.stats:
+        check_writable(args.stats)
     runner = Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
                     kernels=args.kernels, chunk_tokens=args.chunk_tokens, wave_tokens=args.wave_tokens,
                     load=args.load, pin=args.pin, picks=args.picks)
@@ -1834,21 +1974,15 @@ def serve(args, protocol):
         if args.stats:
             Path(args.stats).write_text(json.dumps(dict(figures, lines=lines), indent=1))
         return 2 if problems else 0
-    if args.input:
-        try:
-            source = sys.stdin.read() if args.input == "-" else Path(args.input).read_text()
-        except OSError as e:
-            raise UserError(f"cannot read {args.input}: {e.strerror}") from None
-        texts = parse_texts(source, args.input)
-    else:
+    if texts is None:
         log(f"ready (warm-up {warm_up_s:.1f} s)")
         protocol.write("ready\n")
         protocol.flush()
-        line = sys.stdin.readline()
+        line = sys.stdin.buffer.readline()
         if not line:
             log("stdin closed before a request arrived")
             return 1
-        texts = parse_texts(line, "stdin")
+        texts = parse_request(line)
     t_start = time.perf_counter()
     t_tok = time.perf_counter()
     token_lists = runner.tokenize(texts)
@@ -1867,11 +2001,30 @@ def serve(args, protocol):
     if runner.device.type == "cuda":
         stats["peak_gpu_bytes"] = torch.cuda.max_memory_reserved(runner.device)
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in stats["phases"].items())
+    if stats["texts_over_wave"]:  # counted, one line: the harness reads stderr only after the run
+        log(f"warning: {stats['texts_over_wave']} text(s) longer than --wave-tokens {args.wave_tokens} ran as waves "
+            "of their own")
     log(f"{len(texts)} texts, {stats['tokens']} tokens in {elapsed:.2f} s ({phases}); "
         f"streamed {stats['streamed_bytes'] / 1e9:.1f} GB")
     if args.stats:
-        Path(args.stats).write_text(json.dumps(stats, indent=1))
+        try:
+            Path(args.stats).write_text(json.dumps(stats, indent=1))
+        except OSError as e:
+            raise UserError(f"--stats {args.stats} cannot be written: {e.strerror}") from None
     return 0
+
+
+def one_line(message):  # an error line stays one short line, whatever a path or a library put in it
+    message = " ".join(message.splitlines())
+    return message if len(message) <= 1000 else message[:1000] + "..."
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as SIGINT raises KeyboardInterrupt: no `except Exception` swallows it."""
+
+
+def on_sigterm(signum, frame):
+    raise Terminated
 
 
 def main(argv=None):
@@ -1880,19 +2033,28 @@ def main(argv=None):
     try:
         return serve(args, protocol)
     except UserError as e:
-        log(f"error: {e}")
+        log(f"error: {one_line(str(e))}")
         return 2
     except torch.cuda.OutOfMemoryError:
         log("error: out of GPU memory; give a smaller --gpu-memory or --chunk-tokens")
         return 1
+    except BrokenPipeError:  # the reader of the losses is gone; keep the exit's flush of stdout from failing again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), protocol.fileno())
+        log("stdout closed before every loss was written")
+        return 1
     except KeyboardInterrupt:
+        log("interrupted (SIGINT)")
         return 130
+    except Terminated:
+        log("terminated (SIGTERM)")
+        return 143
     except Exception as e:
         if os.environ.get("PREFILL_DEBUG"):
             traceback.print_exc()
-        log(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (PREFILL_DEBUG=1 shows where)")
+        log(f"error: {type(e).__name__}: {one_line(str(e))} (PREFILL_DEBUG=1 shows where)")
         return 1
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, on_sigterm)  # 143 with one line, as SIGINT gives 130
     sys.exit(main())

@@ -364,3 +364,11 @@ def test_harness_runner_dies_before_ready(harness, capsys):
     err = capsys.readouterr().err
     assert "flag TRUE" in err  # the runner's stderr is shown
     assert "exited before `ready`" in err and "exit code 3" in err
+
+
+def test_make_reference_refuses_a_folder_without_tokenizer_files(harness, capsys):
+    # transformers gives such a folder an empty tokenizer: every reference loss would be nan, and --check pass
+    tmp_path, _, base = harness
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    assert interact.main([*base, "--make-reference", str(tmp_path / "ref.json")]) == 1
+    assert "no usable tokenizer in" in capsys.readouterr().err and not (tmp_path / "ref.json").exists()

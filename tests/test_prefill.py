@@ -3,20 +3,25 @@
 The weights are scaled so that attention decides the loss: a wrong RoPE base, a dropped q/k norm or a wrong GQA head
 mapping moves some text's loss by several times the 1% tolerance (test_realistic_bug_falls_outside_tolerance).
 """
+import dataclasses
 import gc
+import io
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import prefill
 from interact import reference_losses
+from test_fuzz import requests as fuzzed_requests
 
 TOLERANCE = 0.01  # relative, per text
 ROOT = Path(__file__).resolve().parents[1]
@@ -552,3 +557,289 @@ def test_gpu_streaming_matches_and_nothing_compiles_after_warm_up(gqa_checkpoint
         assert max_rel_err(again.losses(ids), losses) < 1e-5
         del again
         gc.collect()
+
+
+# ----------------------------------------------------------------------------- faults: the README's table, row by row
+# prefill.main() in this process (a subprocess costs seconds each): stdin and the protocol's stdout are stand-ins,
+# stderr is captured. A fault is injected through a file, an option, the request or a raising stand-in.
+
+def readme_fault_table():
+    """case -> exit code, as the README's fault table gives them."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("<!-- fault-table -->"):text.index("<!-- /fault-table -->")]
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| `")]
+    return {cells[0].strip().strip("`"): int(cells[-1]) for cells in rows}
+
+
+@dataclasses.dataclass
+class Fault:
+    expect: str               # in the one line that reports it
+    args: tuple = ()
+    stdin: bytes = b""
+    model: Path = None        # default: the gqa checkpoint
+    protocol: object = None   # default: a StringIO
+    raises: BaseException = None  # raised by a stand-in Runner
+
+
+REAL_RUNNER = prefill.Runner
+RUNNERS = {}
+
+
+def shared_runner(model, chunk_tokens, wave_tokens, **kw):
+    # one load per checkpoint and options for all the in-process runs; chunk and wave sizes only change the plan
+    key = repr((model, sorted(kw.items())))
+    if key not in RUNNERS:
+        RUNNERS[key] = REAL_RUNNER(model, **kw)
+    r = RUNNERS[key]
+    r.plan = dataclasses.replace(r.plan, chunk_tokens=chunk_tokens, wave_tokens=wave_tokens)
+    return r
+
+
+def main_in_process(monkeypatch, capsys, model, fault):
+    protocol = fault.protocol or io.StringIO()
+    monkeypatch.setattr(prefill, "take_stdout", lambda: protocol)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(fault.stdin)))
+
+    def raising(*args, **kw):
+        raise fault.raises
+
+    monkeypatch.setattr(prefill, "Runner", raising if fault.raises else shared_runner)
+    capsys.readouterr()
+    try:
+        rc = prefill.main(["--model", str(fault.model or model), "--device", "cpu", "--attention", "sdpa",
+                           *map(str, fault.args)])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    return rc, protocol.getvalue() if fault.protocol is None else None, capsys.readouterr().err
+
+
+def write_safetensors(folder, header, data=b"", header_len=None):
+    raw = json.dumps(header).encode()
+    header_len = len(raw) if header_len is None else header_len
+    (folder / "model.safetensors").write_bytes(header_len.to_bytes(8, "little") + raw + data)
+
+
+def folder_with(tmp_path, name, config=None, files=()):
+    # a checkpoint folder: the gqa config.json, or `config` (a dict, or raw text), and links to the given files
+    folder = tmp_path / name
+    folder.mkdir()
+    if config is not None:
+        (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    for f in files:
+        (folder / f.name).symlink_to(f)
+    return folder
+
+
+def config_faults(path, tmp_path):
+    good = json.loads((path / "config.json").read_text())
+    bad = {"array": "[1, 2]", "hidden-str": dict(good, hidden_size="64"), "eps-zero": dict(good, rms_norm_eps=0),
+           "odd-head-dim": dict(good, head_dim=15), "heads": dict(good, num_key_value_heads=3)}
+    expect = {"array": "expected a JSON object", "hidden-str": "hidden_size is '64'", "eps-zero": "rms_norm_eps is 0",
+              "odd-head-dim": "head_dim is 15", "heads": "multiple of num_key_value_heads"}
+    return [Fault("no config.json", model=tmp_path)] + [
+        Fault(expect[name], model=folder_with(tmp_path, name, config)) for name, config in bad.items()]
+
+
+def checkpoint_file_faults(path, tmp_path):
+    config = (path / "config.json").read_text()
+    cases = []
+
+    def case(expect, header, data=b"", header_len=None):
+        folder = folder_with(tmp_path, f"st{len(cases)}", config)
+        write_safetensors(folder, header, data, header_len)
+        cases.append(Fault(expect, model=folder))
+
+    entry = {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]}
+    case("header length 1099511627776 runs past", {"t": entry}, bytes(12), header_len=2**40)
+    case("header length 18446744073709551615 runs past", {"t": entry}, bytes(12), header_len=2**64 - 1)
+    case("header is list", [entry])
+    case("tensor 't' has dtype 'I64'", {"t": dict(entry, dtype="I64")}, bytes(12))
+    case("shape must be a list", {"t": dict(entry, shape="2x3")}, bytes(12))
+    case("data_offsets must be two integers", {"t": dict(entry, data_offsets=[12, 0])}, bytes(12))
+    case("do not fill the 12 bytes", {"t": dict(entry, shape=[3, 3])}, bytes(12))
+    case("is truncated", {"t": entry}, bytes(6))
+    return cases
+
+
+def tokenizer_faults(path, tmp_path):
+    weights = [f for f in path.iterdir() if "safetensors" in f.name]
+    folder = folder_with(tmp_path, "weights-only", (path / "config.json").read_text(), weights)
+    return [Fault("no usable tokenizer in", model=folder)]
+
+
+def input_faults(path, tmp_path):
+    def file(name, text):
+        (tmp_path / name).write_text(text)
+        return tmp_path / name
+
+    return [Fault("cannot read", ("--input", tmp_path / "missing.json")),
+            Fault("cannot read", ("--input", tmp_path)),
+            Fault("bad.jsonl line 3: not JSON", ("--input", file("bad.jsonl", '"a"\n\n{"b"\n"c"\n'))),
+            Fault("int.jsonl line 2 is int", ("--input", file("int.jsonl", '"a"\n7\n'))),
+            Fault("arr.json: element 1 is int", ("--input", file("arr.json", '["a", 7]'))),
+            Fault("arr2.json: not JSON", ("--input", file("arr2.json", '["a",\n"b"\n')))]
+
+
+def stats_faults(path, tmp_path):
+    return [Fault("cannot be written", ("--stats", tmp_path / "no-such-dir" / "stats.json")),
+            Fault("cannot be written", ("--stats", tmp_path))]
+
+
+def model_faults(path, tmp_path):
+    good = json.loads((path / "config.json").read_text())
+    return [Fault("qwen3_moe", model=folder_with(tmp_path, "moe", dict(good, model_type="qwen3_moe"))),
+            Fault("rope scaling 'yarn'",
+                  model=folder_with(tmp_path, "yarn", dict(good, rope_parameters={"rope_type": "yarn"})))]
+
+
+def weight_faults(path, tmp_path):
+    config = (path / "config.json").read_text()
+    pickle = folder_with(tmp_path, "pickle", config)
+    (pickle / "pytorch_model.bin").write_bytes(b"never loaded")
+    return [Fault("holds no *.safetensors", model=folder_with(tmp_path, "none", config)),
+            Fault("holds only pickle weights", model=pickle)]
+
+
+def tensor_faults(path, tmp_path):
+    from safetensors.torch import save_file
+    config = (path / "config.json").read_text()
+    cases = []
+    for name, tensors, expect in [
+            ("misshapen", {"model.layers.0.input_layernorm.weight": torch.ones(3, dtype=torch.bfloat16)},
+             "model.layers.0.input_layernorm.weight has shape [3], config implies [64]"),
+            ("missing", {"model.norm.weight": torch.ones(64, dtype=torch.bfloat16)},
+             "lacks tensor model.layers.0.input_layernorm.weight")]:
+        folder = folder_with(tmp_path, name, config)
+        save_file(tensors, folder / "model.safetensors")
+        cases.append(Fault(expect, model=folder))
+    return cases
+
+
+def closed_pipe():  # stdout of a harness that has gone away
+    read, write = os.pipe()
+    os.close(read)
+    return os.fdopen(write, "w")
+
+
+FAULTS = {
+    "config": config_faults,
+    "model-type": model_faults,
+    "no-weights": weight_faults,
+    "safetensors": checkpoint_file_faults,
+    "tensor": tensor_faults,
+    "tokenizer": tokenizer_faults,
+    "option": lambda path, tmp_path: [
+        Fault("--gpu-memory: nan is not in", ("--gpu-memory", "nan")),
+        Fault("--gpu-memory: inf is not in", ("--gpu-memory", "inf")),
+        Fault("--gpu-memory: -1 is not in", ("--gpu-memory", "-1")),
+        Fault("--chunk-tokens: 0 is not in", ("--chunk-tokens", "0")),
+        Fault("--wave-tokens: invalid int value", ("--wave-tokens", "1e3")),
+        Fault("unrecognized arguments: --bogus", ("--bogus",))],
+    "input": input_faults,
+    "stats": stats_faults,
+    "request": lambda path, tmp_path: [
+        Fault("stdin: not JSON", stdin=b"not json\n"),
+        Fault("expected a JSON array of strings, got dict", stdin=b'{"texts": ["a"]}\n'),
+        Fault("element 1 is int", stdin=b'["a", 3]\n'),
+        Fault("nested too deeply", stdin=b"[" * 100_000 + b"\n")],
+    "unicode": lambda path, tmp_path: [
+        Fault("element 1 is not valid UTF-8", stdin=b'["ok", "lone \\ud800"]\n'),
+        Fault("element 1 is not valid UTF-8", stdin=b'["ok", "bad \xff byte"]\n')],
+    "empty": lambda path, tmp_path: [Fault("", stdin=b"[]\n")],
+    "long-texts": lambda path, tmp_path: [
+        Fault("warning: 5 text(s) longer than --wave-tokens 3", ("--wave-tokens", 3),
+              stdin=json.dumps(TEXTS[:5]).encode() + b"\n")],
+    "stdin-closed": lambda path, tmp_path: [Fault("stdin closed")],
+    "stdout-closed": lambda path, tmp_path: [Fault("stdout closed", stdin=b'["a b"]\n', protocol=closed_pipe())],
+    "oom": lambda path, tmp_path: [Fault("out of GPU memory", raises=torch.cuda.OutOfMemoryError("CUDA OOM"))],
+    "unexpected": lambda path, tmp_path: [Fault("error: RuntimeError: boom", raises=RuntimeError("boom\nsecond"))],
+    "sigint": lambda path, tmp_path: [Fault("interrupted", raises=KeyboardInterrupt())],
+    "sigterm": lambda path, tmp_path: [Fault("terminated", raises=prefill.Terminated())],
+}
+NORMAL_LINES = ("prefill: loaded ", "prefill: plan ", "prefill: ready ")
+
+
+def test_fault_table_and_its_tests_name_the_same_cases():
+    assert sorted(FAULTS) == sorted(readme_fault_table())
+
+
+@pytest.mark.parametrize("case", list(FAULTS))
+def test_fault_table(case, gqa_checkpoint, tmp_path, monkeypatch, capsys):
+    exit_code = readme_fault_table()[case]
+    for fault in FAULTS[case](gqa_checkpoint[0], tmp_path):
+        rc, out, err = main_in_process(monkeypatch, capsys, gqa_checkpoint[0], fault)
+        assert rc == exit_code and "Traceback" not in err, (fault, err)
+        # besides the start-up lines (and the summary), one line on stderr names the fault
+        lines = [line for line in err.splitlines() if not line.startswith(NORMAL_LINES) and " texts, " not in line]
+        assert len(lines) == (1 if fault.expect else 0) and fault.expect in "".join(lines), (fault, err)
+        if exit_code == 0:
+            assert out.splitlines()[0] == "ready" and len(out.splitlines()) == 1 + len(json.loads(fault.stdin))
+            continue
+        assert out in (None, "", "ready\n"), out  # no loss after a refusal
+        if case in ("option", "input", "stats"):
+            assert "loaded" not in err  # refused before the model loads
+    if case == "stdout-closed":
+        fault.protocol.close()
+
+
+def test_stats_path_is_probed_without_clobbering_or_leaving_a_file(gqa_checkpoint, tmp_path, monkeypatch, capsys):
+    # the run fails after the probe (a bad request): an existing file keeps its content, a new path stays absent
+    existing, new = tmp_path / "existing.json", tmp_path / "new.json"
+    existing.write_text("keep")
+    for path in (existing, new):
+        rc, _, err = main_in_process(monkeypatch, capsys, gqa_checkpoint[0], Fault("", ("--stats", path), b"[1]\n"))
+        assert rc == 2 and "element 0 is int" in err
+    assert existing.read_text() == "keep" and not new.exists()
+
+
+# monkeypatch and capsys are per test, not per example: each example patches in a context of its own and
+# main_in_process drains the captured output before it starts
+@settings(max_examples=6, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(st.text(max_size=80), max_size=8), chunk=st.integers(1, 40), wave=st.integers(1, 40),
+       streamed=st.booleans())
+def test_stderr_stays_a_few_lines_whatever_the_request_and_settings(gqa_checkpoint, monkeypatch, capsys, texts,
+                                                                     chunk, wave, streamed):
+    # the harness reads stderr only after the run and a pipe holds 64 KB: nothing may grow with texts or waves
+    args = ("--chunk-tokens", chunk, "--wave-tokens", wave) + (("--gpu-memory", 0) if streamed else ())
+    with monkeypatch.context() as patch:
+        rc, out, err = main_in_process(patch, capsys, gqa_checkpoint[0], Fault("", args, json.dumps(texts).encode()))
+    assert rc == 0 and len(out.splitlines()) == 1 + len(texts)
+    assert len(err.splitlines()) <= 5 and len(err.encode()) < 16384, err
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=fuzzed_requests)
+def test_any_request_ends_in_losses_or_one_line_and_exit_2(gqa_checkpoint, monkeypatch, capsys, data):
+    # test_fuzz.py's requests through main() and the model: losses, or one line and exit 2 with no loss printed
+    with monkeypatch.context() as patch:
+        rc, out, err = main_in_process(patch, capsys, gqa_checkpoint[0], Fault("", stdin=data + b"\n"))
+    lines = [line for line in err.splitlines() if not line.startswith(NORMAL_LINES)]
+    assert "Traceback" not in err and out.startswith("ready\n")
+    if rc == 0:
+        losses = [float(x) for x in out.splitlines()[1:]]
+        assert len(losses) == len(json.loads(data)) and len(lines) == 1 and " texts, " in lines[0], err
+    else:
+        assert rc == 2 and out == "ready\n" and len(lines) == 1 and lines[0].startswith("prefill: error: stdin"), err
+
+
+def test_stderr_stays_short_through_a_real_pipe_with_a_wave_per_text(gqa_checkpoint):
+    # a subprocess, so that whatever torch or transformers print per wave would show too
+    texts = [f"text number {i} " * (1 + i % 3) for i in range(24)]
+    p = run(gqa_checkpoint[0], json.dumps(texts) + "\n", "--wave-tokens", "1", "--chunk-tokens", "1",
+            "--gpu-memory", "0")
+    assert p.returncode == 0 and len(p.stdout.splitlines()) == 1 + len(texts), p.stderr
+    assert len(p.stderr.splitlines()) <= 5 and len(p.stderr.encode()) < 16384, p.stderr
+    assert "24 text(s) longer than --wave-tokens 1" in p.stderr
+
+
+def test_sigterm_after_ready_is_one_line_and_exit_143(gqa_checkpoint):
+    p = subprocess.Popen([sys.executable, str(ROOT / "prefill.py"), "--model", str(gqa_checkpoint[0]), "--device",
+                          "cpu", "--attention", "sdpa"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "ready\n"
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 143 and out == "", err
+    assert err.splitlines()[-1] == "prefill: terminated (SIGTERM)" and "Traceback" not in err
