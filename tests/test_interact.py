@@ -3,6 +3,7 @@
 import importlib.machinery
 import json
 import math
+import shutil
 import sys
 import textwrap
 import types
@@ -224,9 +225,12 @@ def test_reference_placement_spreads_a_larger_model_with_accelerate(fake_gpu, mo
     assert interact.reference_placement(model, gpu_gib=70).kwargs == {"device_map": "cuda"}
 
 
-def test_make_reference_without_accelerate_on_a_small_gpu_is_one_line(fake_gpu, monkeypatch, tmp_path, capsys):
+def test_make_reference_without_accelerate_on_a_small_gpu_is_one_line(fake_gpu, monkeypatch, tmp_path, capsys,
+                                                                     qwen_tokenizer_dir):
     fake_accelerate(monkeypatch, False)
     model = fake_gpu(int(65.5 * GIB))
+    for f in qwen_tokenizer_dir.iterdir():  # the tokenizer is loaded (and probed) before the model
+        shutil.copy(f, model)
     (tmp_path / "texts.json").write_text(json.dumps(["some text"]))
     out = tmp_path / "ref.json"
     rc = interact.main(["--model", str(model), "--texts", str(tmp_path / "texts.json"), "--make-reference", str(out)])
