@@ -51,6 +51,10 @@ def refusal(call, *args):
         return None, message
 
 
+def input_texts(path, **fields):
+    return [record.text for record in prefill.read_records(path, **fields)]
+
+
 @pytest.fixture(scope="session")
 def tokenizer(qwen_tokenizer_dir):
     return prefill.load_tokenizer(qwen_tokenizer_dir)
@@ -118,7 +122,7 @@ def test_input_file(tmp_path_factory, lines, newline_at_end, array):
     else:
         data = b"\n".join(lines) + (b"\n" if newline_at_end else b"")
     path.write_bytes(data)
-    texts, message = refusal(prefill.read_texts, str(path))
+    texts, message = refusal(input_texts, str(path))
     if message is not None:
         assert message.startswith(str(path))
     if array or data.lstrip(b" \t\r\n").startswith(b"["):
@@ -132,7 +136,7 @@ def test_input_file(tmp_path_factory, lines, newline_at_end, array):
 
 
 def test_input_file_that_cannot_be_read_is_named(tmp_path):
-    _, message = refusal(prefill.read_texts, str(tmp_path / "missing.jsonl"))
+    _, message = refusal(input_texts, str(tmp_path / "missing.jsonl"))
     assert message.startswith(f"cannot read {tmp_path / 'missing.jsonl'}")
 
 

@@ -212,17 +212,21 @@ def test_waves_and_chunks_equal_one_pass(gqa_checkpoint):
     assert max_rel_err(losses, reference) < TOLERANCE
 
 
-def test_pack_keeps_sequences_whole_and_bounded():
-    lengths = [5, 1, 0, 7, 30, 3, 3, 12]
-    waves = prefill.pack([[1] * n for n in lengths], chunk_tokens=10, wave_tokens=20)
+def test_batches_keep_sequences_whole_and_bounded():
+    lengths = [5, 1, 0, 7, 30, 3, 3, 12, 1, 0, 2]
+    cut = list(prefill.batches([(i, [1] * n, None) for i, n in enumerate(lengths)], wave_tokens=20, max_texts=4))
+    assert [i for b in cut for i, _, _ in b] == list(range(len(lengths)))  # every text once, in order
+    assert [[len(ids) for _, ids, _ in b] for b in cut] == [[5, 1, 0, 7], [30], [3, 3, 12, 1], [0, 2]]
     seen = []
-    for wave in waves:
+    for batch in cut:
+        wave = prefill.wave_of([ids for _, ids, _ in batch], chunk_tokens=10)
         assert wave.ids.numel() == sum(wave.lengths) and (wave.ids.numel() <= 20 or len(wave.seqs) == 1)
         for c in wave.chunks:
             assert c.seq_bounds[0] == 0 and c.seq_bounds[-1] == c.end - c.start
             assert c.end - c.start <= 10 or len(c.seq_bounds) == 2  # only a lone long text exceeds a chunk
-        seen += wave.seqs
+        seen += [batch[j][0] for j in wave.seqs]
     assert seen == [i for i, n in enumerate(lengths) if n >= 2]
+    assert prefill.wave_of([[1], []], chunk_tokens=10) is None
 
 
 QWEN3_32B = dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
