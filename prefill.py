@@ -1683,11 +1683,19 @@ class Runner:
         ahead, stop, end = queue.Queue(AHEAD_BATCHES), threading.Event(), object()
 
         def tokenized():
-            items_left, index = iter(items), 0
-            while group := list(itertools.islice(items_left, TOKENIZE_GROUP)):
+            items_left, index, error = iter(items), 0, None
+            while not error:
+                group = []
+                try:
+                    group.extend(itertools.islice(items_left, TOKENIZE_GROUP))  # keeps what came before a failure
+                except Exception as e:  # a bad record: the batches whole before it are still scored
+                    error = e
                 for item, ids in zip(group, self.tokenize([text(item) for item in group])):
                     yield index, ids, item
                     index += 1
+                if not group and not error:
+                    return
+            raise error
 
         def put(thing):  # gives up once the consumer has gone
             while not stop.is_set():
