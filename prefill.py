@@ -2048,13 +2048,11 @@ class CorpusOutput:
             os.ftruncate(self.fd, 0)
 
     def holds(self, batch):
-        """The batch's records as OUT holds them (dicts), or None where it does not hold the whole batch."""
+        """The batch's records as OUT holds them (dicts), or None where it does not hold the whole batch. Whole lines
+        are checked against the input even then: a wrong input must not pass for a cut batch."""
         if self.old is None:
             return None
-        lines = [self.old.readline() for _ in batch]
-        if not all(line.endswith(b"\n") for line in lines):  # the end of what an interrupted run wrote
-            self._cut()
-            return None
+        lines = list(itertools.takewhile(lambda line: line.endswith(b"\n"), (self.old.readline() for _ in batch)))
         records = []
         for line_no, line, (index, ids, record) in zip(itertools.count(self.records + 1), lines, batch):
             want = {"index": index, "tokens": len(ids)} | ({} if record.id is NO_ID else {"id": record.id})
@@ -2064,9 +2062,12 @@ class CorpusOutput:
                 got = None
             if not (isinstance(got, dict) and isinstance(got.get("nll_sum"), float) and ("id" in got) == ("id" in want)
                     and json.dumps({k: got.get(k) for k in want}) == json.dumps(want)):
-                raise UserError(f"{self.path} line {line_no} does not match the input, which gives {shown(str(want))} "
-                                "there: another input, tokenizer or --id-field?")
+                raise UserError(f"{self.path} line {line_no} does not match the input, which gives "
+                                f"{json.dumps(want)[:200]} there: another input, tokenizer or --id-field?")
             records.append(got)
+        if len(records) < len(batch):  # the end of what an interrupted run wrote: whole records, maybe a cut line
+            self._cut()
+            return None
         self.records += len(batch)
         self.size += sum(map(len, lines))
         return records

@@ -685,6 +685,25 @@ def input_faults(path, tmp_path):
             Fault("arr2.json: not JSON", ("--input", file("arr2.json", '["a",\n"b"\n')))]
 
 
+def output_faults(path, tmp_path):
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text('"a b c"\n"d e"\n')
+    settings = {"model": str(path.resolve()), "text_field": "text", "id_field": "id", "chunk_tokens": 4096,
+                "wave_tokens": 65536, "attention": "sdpa", "kernels": "auto", "device": "cpu"}
+    outputs = {}
+    for name, wave in (("same", 65536), ("other", 1)):
+        outputs[name] = tmp_path / f"{name}.jsonl"
+        outputs[name].write_text('{"index": 0, "tokens": 1, "loss": null, "nll_sum": 0.0}\n')
+        (tmp_path / f"{name}.jsonl.settings.json").write_text(json.dumps(dict(settings, wave_tokens=wave)))
+    return [Fault("same.jsonl exists (", ("--input", texts, "--output", outputs["same"])),
+            Fault("made with other settings (wave_tokens 1, now 65536)",
+                  ("--input", texts, "--output", outputs["other"], "--resume")),
+            Fault("same.jsonl line 1 does not match the input", ("--input", texts, "--output", outputs["same"],
+                                                                 "--resume")),
+            Fault("--output needs --input", ("--output", outputs["same"])),
+            Fault("--resume needs --output", ("--resume",))]
+
+
 def stats_faults(path, tmp_path):
     return [Fault("cannot be written", ("--stats", tmp_path / "no-such-dir" / "stats.json")),
             Fault("cannot be written", ("--stats", tmp_path))]
@@ -741,6 +760,7 @@ FAULTS = {
         Fault("--wave-tokens: invalid int value", ("--wave-tokens", "1e3")),
         Fault("unrecognized arguments: --bogus", ("--bogus",))],
     "input": input_faults,
+    "output": output_faults,
     "stats": stats_faults,
     "request": lambda path, tmp_path: [
         Fault("stdin: not JSON", stdin=b"not json\n"),
@@ -1009,6 +1029,7 @@ def test_sigkill_then_sigint_then_resume_is_byte_identical(gqa_checkpoint, tmp_p
                              text=True)
         while (out.stat().st_size if out.exists() else 0) <= past and p.poll() is None:
             time.sleep(0.002)
+        assert p.poll() is None, p.communicate()
         p.send_signal(signum)
         stdout, stderr = p.communicate(timeout=60)
         assert out.stat().st_size < len(want) and stdout == "", stderr
