@@ -3,6 +3,8 @@
 
     python prefill.py --model DIR      prints `ready`, reads one JSON array of texts from stdin,
                                        prints one loss per text (in order) and exits.
+    python prefill.py --model DIR --input corpus.jsonl --output scores.jsonl [--resume]
+                                       scores a corpus, one JSON line per text (README: Score a corpus).
 
 The decoder runs layer by layer over every token of the request at once (texts packed without padding): the layers
 that fit stay on the GPU, the rest stream from pinned host memory through two device slots on a copy stream while
@@ -1449,6 +1451,8 @@ def choose_device(requested):
 
 
 class Runner:
+    """The model, loaded once: score() scores texts (the Python API), losses() token lists."""
+
     def __init__(self, model_dir, device=None, gpu_memory_gib=None, attention="auto", kernels="auto",
                  chunk_tokens=4096, wave_tokens=65536, workers=None, load="auto", pin="auto", picks=None):
         t0 = time.perf_counter()
@@ -2166,10 +2170,13 @@ def parse_args(argv):
     p = ArgumentParser(
         description="Per-text loss of a dense Qwen3 checkpoint (safetensors), streaming the layers that do not fit "
                     "in GPU memory. Without --input: prints `ready`, reads one JSON array of strings on stdin, "
-                    "prints one loss per text (nan for texts of < 2 tokens) and exits.",
+                    "prints one loss per text (nan for texts of < 2 tokens) and exits. With --input FILE: the same "
+                    "losses for FILE's texts, without the handshake. With --input FILE --output OUT.jsonl: scores a "
+                    "corpus of any size into OUT, one JSON line per text, resumable with --resume.",
         epilog="Exit codes: 0 done; 1 stdin closed before the request, stdout closed before the last loss, or an "
-               "unexpected error; 2 a bad option, input, request or checkpoint (one line on stderr names it); "
-               "130 SIGINT; 143 SIGTERM.")
+               "unexpected error; 2 a bad option, input, request, output or checkpoint (one line on stderr names "
+               "it); 130 SIGINT; 143 SIGTERM (with --output: after the batch being written, saying how many texts "
+               "are done and the command that resumes).")
     p.add_argument("--model", "--model_path", dest="model", required=True, metavar="DIR",
                    help="folder with config.json, *.safetensors (+ index) and the tokenizer files")
     p.add_argument("--input", metavar="FILE",
@@ -2285,8 +2292,9 @@ def serve(args, protocol):
     if args.input:  # the input opens and its first records (all of them without --output) parse before the load
         records = read_records(args.input, args.text_field, args.id_field)
         head = list(itertools.islice(records, CHECKED_RECORDS if args.output else None))
-        total = len(head) if len(head) < CHECKED_RECORDS or args.input == "-" else None
-        if args.output and total is None:
+        if len(head) < CHECKED_RECORDS or not args.output:
+            total = len(head)
+        elif args.input != "-":  # counted while the model loads, for the progress bar's ETA
             counter = ThreadPoolExecutor(1)
             total = counter.submit(count_records, args.input)
             counter.shutdown(wait=False)
