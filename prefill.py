@@ -1710,6 +1710,8 @@ class Runner:
             try:
                 for batch in batches(tokenized(), self.plan.wave_tokens):
                     put(batch)
+                    if stop.is_set():  # the consumer has gone: read no further
+                        return
                 put(end)
             except BaseException as e:  # noqa: B036 (handed to the consumer, which raises it)
                 put(e)
