@@ -2,6 +2,8 @@
 
     python bench/run.py --tokenizer .cache/tokenizer                          # contest workload, Qwen3-32B
     python bench/run.py --tokenizer .cache/tokenizer --layers 4 --texts 10 --cap-gib 6 --baseline-texts 3
+    python bench/run.py --texts 2000 --workload corpus-2000 --corpus-waves 65536,16384 --skip-reference \
+        --baseline-texts 0                                                    # corpus mode against the protocol
 
 Steps (each heavy one in a subprocess of its own, so that its memory is freed before the next):
   a. gemm       bf16 GEMM rate at the model's projection shapes; pinned and pageable host->device bandwidth
@@ -11,6 +13,8 @@ Steps (each heavy one in a subprocess of its own, so that its memory is freed be
                 runner's time to ready.  /dev/shm is tmpfs (host memory): there it is a memory-read bandwidth
   d. runner     a blocker process leaves only --cap-gib GiB of the GPU free (the W7800's 48); then
                 interact.py runs prefill.py as the contest harness does, checked against the reference
+  d'. corpus    with --corpus-waves: prefill.py --input texts.jsonl --output OUT under the same cap, once per wave
+                size: its time against the runner's T and its losses against the runner's (same waves, same bits)
   e. baseline   the contest handout's runner (transformers + accelerate device_map="auto") under the same cap,
                 on the first --baseline-texts texts, extrapolated to all
   f. report     bench/results/<date>-<machine>-<workload>.json (and a copy in $OUT), a table printed last
@@ -351,6 +355,40 @@ def step_doctor(args, ckpt: dict, work: Path, deadline: Deadline, log: Log) -> d
     return report
 
 
+def step_corpus(args, ckpt: dict, texts_path: Path, protocol: dict, work: Path, deadline: Deadline,
+                log: Log) -> list:
+    """prefill.py --input texts.jsonl --output OUT under the same cap, once per --corpus-waves value: the corpus
+    mode's throughput against the protocol run's on the same texts (tokenizing and writing must hide behind the
+    GPU), and what re-streaming the layers once per wave costs as the waves shrink."""
+    jsonl = work / "texts.jsonl"
+    texts = json.loads(texts_path.read_text())
+    jsonl.write_text("".join(json.dumps({"text": t, "id": i}, ensure_ascii=False) + "\n" for i, t in enumerate(texts)))
+    runs = []
+    for wave in args.corpus_waves:
+        out, stats = work / f"corpus-{wave}.jsonl", work / f"corpus-{wave}-stats.json"
+        for stale in (out, stats, Path(f"{out}.settings.json")):
+            stale.unlink(missing_ok=True)
+        cmd = [sys.executable, str(REPO / "prefill.py"), "--model", ckpt["path"], "--input", str(jsonl),
+               "--output", str(out), "--wave-tokens", str(wave), "--stats", str(stats)]
+        if args.runner_gpu_memory is not None:
+            cmd += ["--gpu-memory", str(args.runner_gpu_memory)]
+        cmd += (["--device", "cpu"] if args.device == "cpu" else []) + shlex.split(args.runner_args)
+        seconds, _ = run_child(f"corpus-{wave}", cmd, deadline.left() - RESERVE_S, log)
+        s = json.loads(stats.read_text())
+        losses = [math.nan if r["loss"] is None else r["loss"] for r in map(json.loads, out.read_text().splitlines())]
+        same = [a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(losses, protocol.get("losses") or [])]
+        diffs = [abs(a - b) for a, b in zip(losses, protocol.get("losses") or []) if not (math.isnan(a) or math.isnan(b))]
+        runs.append({"wave_tokens": wave, "texts": len(losses), "tokens": s.get("tokens"),
+                     "elapsed_s": s.get("elapsed_s"), "tokens_per_s": s.get("tokens_per_s"), "waves": s.get("waves"),
+                     "streamed_bytes": s.get("streamed_bytes"), "tokenizer_wait_s": s["phases"].get("tokenizer_wait"),
+                     "mean_nll": s.get("mean_nll"), "process_s": round(seconds, 2),
+                     "identical_to_protocol": len(same) == len(texts) and all(same),
+                     "max_abs_diff_vs_protocol": max(diffs) if diffs else None})
+        log(f"corpus, waves of {wave} tokens: {s.get('elapsed_s'):.2f} s, {s.get('tokens_per_s'):.0f} tokens/s, "
+            f"{s.get('waves')} waves, identical to the protocol run: {runs[-1]['identical_to_protocol']}")
+    return runs
+
+
 def baseline_estimate_s(cfg: dict, gpu_gib: float, pageable_gbps: float | None) -> tuple[float, float]:
     """(load seconds, seconds per text) expected for the handout runner, from the checkpoint's size and the
     share of it that accelerate offloads to the CPU (moved across PCIe, pageable, at every forward)."""
@@ -514,6 +552,14 @@ def fill_report(res: dict, cfg: dict, figures: dict) -> None:
     else:
         res.update(baseline_t_seconds=None, baseline_texts=0, baseline_extrapolated=None)
 
+    # The corpus mode (--corpus-waves) against the protocol run on the same texts: time from the end of warm-up to
+    # the last record fsynced, over T (ready to the last loss); the first wave size is the protocol's.
+    corpus = figures.get("corpus") or []
+    res["corpus"] = corpus or None
+    res["corpus_over_protocol"] = _div(corpus[0]["elapsed_s"], t) if corpus else None
+    for run in corpus:
+        run["over_protocol"] = _div(run["elapsed_s"], t)
+
     res["w7800_estimate"] = {
         "label": "estimate",
         "basis": (f"SPEC §4 figures, not a measurement: {W7800_GEMM_TFLOPS:g} TFLOP/s achievable bf16 GEMM, "
@@ -576,6 +622,10 @@ def print_table(res: dict) -> None:
         ("baseline T", f("baseline_t_seconds", "{:.1f}", " s") + extrapolated),
         ("W7800 estimate (SPEC)", f"compute {f(est.get('t_compute_s'), '{:.1f}', ' s')}, "
                                   f"transfer {f(est.get('t_transfer_s'), '{:.1f}', ' s')}"),
+        ("corpus / protocol time", "; ".join(f"waves of {r['wave_tokens']}: {f(r.get('over_protocol'), '{:.3f}', 'x')}"
+                                              f" ({f(r.get('tokens_per_s'), '{:.0f}')} tokens/s, {r.get('waves')} "
+                                              f"waves, identical {r.get('identical_to_protocol')})"
+                                              for r in res.get("corpus") or []) or "-"),
         ("errors", "; ".join(res["errors"]) or "none"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -603,6 +653,10 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--repeat-args", action="append", default=[], metavar="ARGS",
                     help="run the runner again on the same texts with these extra arguments ('' = the same settings) "
                          "and record the largest loss difference from the first run; may be given several times")
+    ap.add_argument("--corpus-waves", type=lambda s: [int(x) for x in s.split(",")], default=[], metavar="N,N",
+                    help="after the runner, score the same texts as a corpus (prefill.py --input JSONL --output OUT) "
+                         "once per --wave-tokens value given, against the protocol run's time and losses; the first "
+                         "should be the runner's own (65536 by default)")
     ap.add_argument("--doctor", action="store_true",
                     help="also run prefill.py --doctor under the cap; its report becomes <date>-<machine>-doctor.json")
     ap.add_argument("--baseline-texts", type=int, default=10,
@@ -738,6 +792,9 @@ def main(argv: list[str] | None = None) -> int:
                         if blocker and budget and budget > args.cap_gib * GiB:
                             res["errors"].append(f"blocker: the runner planned for {budget / GiB:.1f} GiB, more "
                                                  f"than the {args.cap_gib:g} GiB cap")
+                if args.corpus_waves and figures.get("runner"):
+                    figures["corpus"] = attempt("corpus", step_corpus, args, ckpt, texts_path, figures["runner"],
+                                                work, deadline, log)
                 if args.doctor:
                     doctor = attempt("doctor", step_doctor, args, ckpt, work, deadline, log)
                     if doctor:

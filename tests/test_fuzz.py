@@ -79,60 +79,80 @@ def test_request(data, tokenizer):
 
 # ----------------------------------------------------------------------------- --input files
 
-def expected_lines(data):
-    """What a JSON-lines file holds, by the spec: (texts, None) or (None, 1-based number of the first bad line)."""
-    texts = []
+def expected_lines(data, text_field="text"):
+    """What a JSON-lines file holds, by the spec: ([(text, id or NO_ID)], None) or (None, 1-based number of the first
+    bad line)."""
+    records = []
     for number, line in enumerate(data.split(b"\n"), 1):
         if not line.strip(b" \t\r"):
             continue
         try:
             value = json.loads(line.decode("utf-8"))
-            if not isinstance(value, str):
+            record = (value.get(text_field), value.get("id", prefill.NO_ID)) if isinstance(value, dict) else \
+                (value, prefill.NO_ID)
+            if not isinstance(record[0], str):
                 return None, number
-            value.encode("utf-8")  # an escaped lone surrogate
+            record[0].encode("utf-8")  # an escaped lone surrogate
         except ValueError:  # not UTF-8, not JSON, or a surrogate (UnicodeError is a ValueError)
             return None, number
-        texts.append(value)
-    return texts, None
+        records.append(record)
+    return records, None
 
 
+objects = st.fixed_dictionaries({}, optional={"text": any_text | json_values, "body": any_text, "id": json_values,
+                                              "other": json_values})
 line_kinds = st.one_of(
     any_text.map(lambda t: json.dumps(t).encode()),   # a good line, or an escaped lone surrogate
     any_text.map(raw_json),                           # raw: U+2028 inside a string, or bytes that are not UTF-8
+    objects.map(lambda o: json.dumps(o).encode()),    # a record object, with the text field or not
+    objects.map(raw_json),
     st.sampled_from([b"", b"  ", b"\r", b"\t "]),      # blank
     json_values.map(lambda v: json.dumps(v).encode()),  # another JSON value
     st.binary(max_size=8).filter(lambda b: b"\n" not in b),
 )
 
 
+def records_of(path, text_field):
+    return [(r.text, r.id) for r in prefill.read_records(path, text_field=text_field)]
+
+
+def id_key(value):  # ids compared as JSON text (a NaN id equals itself)
+    return "absent" if value is prefill.NO_ID else json.dumps(value)
+
+
 @FUZZ
-@given(lines=st.lists(line_kinds, max_size=6), newline_at_end=st.booleans(), array=st.booleans())
-@example(lines=[b'"only one"'], newline_at_end=True, array=False)  # a one-line file was refused as "got str"
-@example(lines=[b'"a"', b"", b"{x", b'"b"'], newline_at_end=True, array=False)  # bad line 3, reported wrongly
-@example(lines=[b'"a"', b"", b"7"], newline_at_end=False, array=False)
-@example(lines=[b'"x\xe2\x80\xa8y"'], newline_at_end=True, array=False)  # a raw U+2028 is no line break
-def test_input_file(tmp_path_factory, lines, newline_at_end, array):
+@given(lines=st.lists(line_kinds, max_size=6), newline_at_end=st.booleans(), array=st.booleans(),
+       text_field=st.sampled_from(["text", "body"]))
+@example(lines=[b'"only one"'], newline_at_end=True, array=False, text_field="text")  # one line was "got str"
+@example(lines=[b'"a"', b"", b"{x", b'"b"'], newline_at_end=True, array=False, text_field="text")  # bad line 3
+@example(lines=[b'"a"', b"", b"7"], newline_at_end=False, array=False, text_field="text")
+@example(lines=[b'"x\xe2\x80\xa8y"'], newline_at_end=True, array=False, text_field="text")  # a raw U+2028: no break
+@example(lines=[b'{"text": "a", "id": null}', b'{"body": "b", "text": 1}'], newline_at_end=True, array=False,
+         text_field="body")  # the first has no body: line 1
+def test_input_file(tmp_path_factory, lines, newline_at_end, array, text_field):
     path = tmp_path_factory.getbasetemp() / "input.txt"
     if array:  # the same content as one JSON array, over several lines
         data = b"[\n" + b",\n".join(line for line in lines if line.strip()) + b"\n]"
     else:
         data = b"\n".join(lines) + (b"\n" if newline_at_end else b"")
     path.write_bytes(data)
-    texts, message = refusal(prefill.read_texts, str(path))
+    records, message = refusal(records_of, str(path), text_field)
     if message is not None:
         assert message.startswith(str(path))
     if array or data.lstrip(b" \t\r\n").startswith(b"["):
-        if texts is not None:
-            assert texts == json.loads(data.decode("utf-8"))
+        if records is not None:
+            values = json.loads(data.decode("utf-8"))
+            assert [text for text, _ in records] == [v[text_field] if isinstance(v, dict) else v for v in values]
         return
-    want, bad_line = expected_lines(data)
-    assert texts == want
+    want, bad_line = expected_lines(data, text_field)
+    assert [(text, id_key(i)) for text, i in records or []] == [(text, id_key(i)) for text, i in want or []]
     if bad_line is not None:
-        assert message.startswith(f"{path} line {bad_line}:") or message.startswith(f"{path} line {bad_line} is")
+        where = f"{path} line {bad_line}"
+        assert message.startswith(where) and not message[len(where)].isdigit(), message
 
 
 def test_input_file_that_cannot_be_read_is_named(tmp_path):
-    _, message = refusal(prefill.read_texts, str(tmp_path / "missing.jsonl"))
+    _, message = refusal(records_of, str(tmp_path / "missing.jsonl"), "text")
     assert message.startswith(f"cannot read {tmp_path / 'missing.jsonl'}")
 
 

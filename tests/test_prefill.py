@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -212,17 +213,21 @@ def test_waves_and_chunks_equal_one_pass(gqa_checkpoint):
     assert max_rel_err(losses, reference) < TOLERANCE
 
 
-def test_pack_keeps_sequences_whole_and_bounded():
-    lengths = [5, 1, 0, 7, 30, 3, 3, 12]
-    waves = prefill.pack([[1] * n for n in lengths], chunk_tokens=10, wave_tokens=20)
+def test_batches_keep_sequences_whole_and_bounded():
+    lengths = [5, 1, 0, 7, 30, 3, 3, 12, 1, 0, 2]
+    cut = list(prefill.batches([(i, [1] * n, None) for i, n in enumerate(lengths)], wave_tokens=20, max_texts=4))
+    assert [i for b in cut for i, _, _ in b] == list(range(len(lengths)))  # every text once, in order
+    assert [[len(ids) for _, ids, _ in b] for b in cut] == [[5, 1, 0, 7], [30], [3, 3, 12, 1], [0, 2]]
     seen = []
-    for wave in waves:
+    for batch in cut:
+        wave = prefill.wave_of([ids for _, ids, _ in batch], chunk_tokens=10)
         assert wave.ids.numel() == sum(wave.lengths) and (wave.ids.numel() <= 20 or len(wave.seqs) == 1)
         for c in wave.chunks:
             assert c.seq_bounds[0] == 0 and c.seq_bounds[-1] == c.end - c.start
             assert c.end - c.start <= 10 or len(c.seq_bounds) == 2  # only a lone long text exceeds a chunk
-        seen += wave.seqs
+        seen += [batch[j][0] for j in wave.seqs]
     assert seen == [i for i, n in enumerate(lengths) if n >= 2]
+    assert prefill.wave_of([[1], []], chunk_tokens=10) is None
 
 
 QWEN3_32B = dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
@@ -680,6 +685,25 @@ def input_faults(path, tmp_path):
             Fault("arr2.json: not JSON", ("--input", file("arr2.json", '["a",\n"b"\n')))]
 
 
+def output_faults(path, tmp_path):
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text('"a b c"\n"d e"\n')
+    settings = {"model": str(path.resolve()), "text_field": "text", "id_field": "id", "chunk_tokens": 4096,
+                "wave_tokens": 65536, "attention": "sdpa", "kernels": "auto", "device": "cpu"}
+    outputs = {}
+    for name, wave in (("same", 65536), ("other", 1)):
+        outputs[name] = tmp_path / f"{name}.jsonl"
+        outputs[name].write_text('{"index": 0, "tokens": 1, "loss": null, "nll_sum": 0.0}\n')
+        (tmp_path / f"{name}.jsonl.settings.json").write_text(json.dumps(dict(settings, wave_tokens=wave)))
+    return [Fault("same.jsonl exists (", ("--input", texts, "--output", outputs["same"])),
+            Fault("made with other settings (wave_tokens 1, now 65536)",
+                  ("--input", texts, "--output", outputs["other"], "--resume")),
+            Fault("same.jsonl line 1 does not match the input", ("--input", texts, "--output", outputs["same"],
+                                                                 "--resume")),
+            Fault("--output needs --input", ("--output", outputs["same"])),
+            Fault("--resume needs --output", ("--resume",))]
+
+
 def stats_faults(path, tmp_path):
     return [Fault("cannot be written", ("--stats", tmp_path / "no-such-dir" / "stats.json")),
             Fault("cannot be written", ("--stats", tmp_path))]
@@ -736,6 +760,7 @@ FAULTS = {
         Fault("--wave-tokens: invalid int value", ("--wave-tokens", "1e3")),
         Fault("unrecognized arguments: --bogus", ("--bogus",))],
     "input": input_faults,
+    "output": output_faults,
     "stats": stats_faults,
     "request": lambda path, tmp_path: [
         Fault("stdin: not JSON", stdin=b"not json\n"),
@@ -843,3 +868,185 @@ def test_sigterm_after_ready_is_one_line_and_exit_143(gqa_checkpoint):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 143 and out == "", err
     assert err.splitlines()[-1] == "prefill: terminated (SIGTERM)" and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- corpus: --input --output, --resume
+
+def corpus_file(path, n, bad_line=None):
+    # JSON lines: strings and objects (with and without an id, with other fields), a blank line, short texts
+    lines = []
+    for i in range(n):
+        text = f"text {i}: " + "lorem ipsum dolor " * (i % 6)
+        lines.append(json.dumps(text) if i % 3 == 0 else
+                     json.dumps({"text": text, "id": [i, "x"] if i % 3 == 1 else None, "other": {"a": i}}) if i % 4
+                     else json.dumps({"text": text if i % 8 else "x"}))
+    lines.insert(5, "")
+    if bad_line is not None:
+        lines.insert(bad_line - 1, '{"text": 7}')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+CORPUS_ARGS = ("--chunk-tokens", 40, "--wave-tokens", 64)
+NEWLINE = b"\n"
+
+
+def corpus_in_process(monkeypatch, capsys, model, *args):
+    with monkeypatch.context() as patch:
+        rc, out, err = main_in_process(patch, capsys, model, Fault("", tuple(args) + CORPUS_ARGS))
+    assert out == ""  # stdout carries nothing in corpus mode
+    return rc, err
+
+
+def batch_ends(output):
+    """Byte offsets at which the batches of an --output file end, by the batching rule applied to its tokens."""
+    lines = output.read_bytes().splitlines(keepends=True)
+    items = [(i, [0] * json.loads(line)["tokens"], len(line)) for i, line in enumerate(lines)]
+    ends, size = [], 0
+    for batch in prefill.batches(items, wave_tokens=64):
+        size += sum(n for _, _, n in batch)
+        ends.append(size)
+    return ends
+
+
+def test_corpus_output_records_and_resume_from_any_cut(gqa_checkpoint, tmp_path, monkeypatch, capsys):
+    # in-process (one shared runner): the records, then a resumption from every kind of cut a kill can leave
+    path, reference = gqa_checkpoint
+    texts = corpus_file(tmp_path / "in.jsonl", 60)
+    full = tmp_path / "full.jsonl"
+    rc, corpus_err = corpus_in_process(monkeypatch, capsys, path, "--input", texts, "--output", full)
+    assert rc == 0, corpus_err
+    records = [json.loads(line) for line in full.read_text().splitlines()]
+    inputs = [json.loads(line) for line in texts.read_text().splitlines() if line]
+    assert [r["index"] for r in records] == list(range(60))
+    for r, given in zip(records, inputs):
+        assert list(r) == ["index"] + (["id"] if isinstance(given, dict) and "id" in given else []) + \
+            ["tokens", "loss", "nll_sum"]
+        assert r.get("id", "absent") == (given.get("id", "absent") if isinstance(given, dict) else "absent")
+        assert (r["loss"] is None and r["nll_sum"] == 0.0) if r["tokens"] < 2 else r["loss"] == r["nll_sum"] / (
+            r["tokens"] - 1)
+    assert sum(r["tokens"] < 2 for r in records) >= 1
+    # the numbers are the protocol's: same batches, same bits
+    request = json.dumps([g if isinstance(g, str) else g["text"] for g in inputs]).encode() + b"\n"
+    with monkeypatch.context() as patch:
+        rc, out, err = main_in_process(patch, capsys, path, Fault("", CORPUS_ARGS, request))
+    assert rc == 0 and out.splitlines()[1:] == [repr(math.nan if x["loss"] is None else x["loss"]) for x in records]
+    summary = corpus_err.splitlines()[-1]
+    predicted = sum(max(0, x["tokens"] - 1) for x in records)
+    assert f"60 texts, {sum(x['tokens'] for x in records)} tokens: mean NLL " in summary
+    assert f"perplexity {math.exp(math.fsum(x['nll_sum'] for x in records) / predicted):.4g}" in summary
+
+    data, ends = full.read_bytes(), batch_ends(full)
+    assert len(ends) >= 6
+    line_ends = [i + 1 for i, b in enumerate(data) if b == ord("\n")]
+    inside = next(e for e in line_ends if e not in ends and e > ends[1])  # whole records of a cut batch
+    cuts = {"empty": 0, "mid-line": ends[1] + 7, "batch end": ends[2], "records of a cut batch": inside,
+            "whole": len(data)}
+    for name, cut in cuts.items():
+        out = tmp_path / f"{name}.jsonl"
+        out.write_bytes(data[:cut])
+        shutil.copy(tmp_path / "full.jsonl.settings.json", tmp_path / f"{name}.jsonl.settings.json")
+        rc, err = corpus_in_process(monkeypatch, capsys, path, "--input", texts, "--output", out, "--resume")
+        assert rc == 0 and out.read_bytes() == data, (name, err)
+        kept = max([e for e in ends if e <= cut], default=0)
+        assert kept == 0 or f"({data[:kept].count(NEWLINE)} texts were in" in err, (name, err)
+
+
+def test_corpus_refusals_leave_the_output_as_it_was(gqa_checkpoint, tmp_path, monkeypatch, capsys):
+    path, _ = gqa_checkpoint
+    texts = corpus_file(tmp_path / "in.jsonl", 30)
+    out = tmp_path / "out.jsonl"
+    assert corpus_in_process(monkeypatch, capsys, path, "--input", texts, "--output", out)[0] == 0
+    data = out.read_bytes()
+    other = corpus_file(tmp_path / "other.jsonl", 31)
+    other.write_text(other.read_text().replace("text 20:", "text 20: longer"))
+    cases = [((), "exists (", "pass --resume"),
+             (("--resume", "--text-field", "body"), "made with other settings (text_field 'text', now 'body')", ""),
+             (("--resume", "--id-field", "key"), "made with other settings", ""),
+             (("--resume",), "line 21 does not match the input", "other")]
+    for args, expect, also in cases:
+        source = other if also == "other" else texts
+        rc, err = corpus_in_process(monkeypatch, capsys, path, "--input", source, "--output", out, *args)
+        errors = [line for line in err.splitlines() if "error" in line]
+        assert rc == 2 and len(errors) == 1 and expect in errors[0], (args, err)
+        assert out.read_bytes() == data
+    rc, err = corpus_in_process(monkeypatch, capsys, path, "--input", texts, "--output", tmp_path / "x.jsonl",
+                                "--wave-tokens", 100, "--resume")  # a missing output starts afresh
+    assert rc == 0 and (tmp_path / "x.jsonl").read_text().count("\n") == 30, err
+
+
+def test_bad_record_past_the_checked_ones_stops_with_whole_batches(gqa_checkpoint, tmp_path, monkeypatch, capsys):
+    path, _ = gqa_checkpoint
+    monkeypatch.setattr(prefill, "CHECKED_RECORDS", 10)
+    texts = corpus_file(tmp_path / "in.jsonl", 40, bad_line=35)
+    out = tmp_path / "out.jsonl"
+    rc, err = corpus_in_process(monkeypatch, capsys, path, "--input", texts, "--output", out)
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert rc == 2 and len(errors) == 1 and "in.jsonl line 35 field 'text' is int" in errors[0], err
+    data = out.read_bytes()  # found after the load, past the records checked before it: batches were scored
+    assert data and data.endswith(b"\n") and len(data) in batch_ends(out) and data.count(b"\n") < 33
+    texts.write_text(texts.read_text().replace('{"text": 7}', '"fixed"'))
+    full = tmp_path / "full.jsonl"
+    assert corpus_in_process(monkeypatch, capsys, path, "--input", texts, "--output", full)[0] == 0
+    assert full.read_bytes().startswith(data)
+
+
+def test_corpus_memory_stays_flat_as_the_corpus_grows(gqa_checkpoint, tmp_path, monkeypatch, capsys):
+    # 2,000 and 20,000 texts through the corpus path (reader, tokenizer thread, batches, waves, writer) with the
+    # per-text attention and the logits left out (on a CPU they would take minutes): Python's peak allocation must
+    # not grow with the corpus. Every text has the same tokens, so that the batches are alike.
+    import tracemalloc
+    path, _ = gqa_checkpoint
+    monkeypatch.setattr(prefill, "attention_block", lambda *args: None)
+    monkeypatch.setattr(prefill, "sequence_nll", lambda h, head, norm, targets, seq_index, n, *rest:
+                        torch.zeros(n, dtype=torch.float64))
+    peaks = {}
+    for n in (2000, 20000):
+        texts, out = tmp_path / f"{n}.jsonl", tmp_path / f"{n}.out.jsonl"
+        texts.write_text("".join(json.dumps({"text": "a b c d", "id": i}) + "\n" for i in range(n)))
+        tracemalloc.start()
+        with monkeypatch.context() as patch:
+            rc, _, err = main_in_process(patch, capsys, path, Fault("", ("--input", texts, "--output", out,
+                                                                         "--wave-tokens", 1024)))
+        peaks[n] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert rc == 0 and out.read_text().count("\n") == n, err
+    assert peaks[20000] < 1.1 * peaks[2000], peaks
+
+
+def test_sigkill_then_sigint_then_resume_is_byte_identical(gqa_checkpoint, tmp_path, monkeypatch, capsys):
+    path, _ = gqa_checkpoint
+    texts = corpus_file(tmp_path / "in.jsonl", 300)
+    full, out = tmp_path / "full.jsonl", tmp_path / "out.jsonl"
+    assert corpus_in_process(monkeypatch, capsys, path, "--input", texts, "--output", full)[0] == 0
+    want, ends = full.read_bytes(), batch_ends(full)
+    args = ["--input", str(texts), "--output", str(out), "--attention", "sdpa", *map(str, CORPUS_ARGS)]
+    cmd = [sys.executable, str(ROOT / "prefill.py"), "--model", str(path), "--device", "cpu", *args]
+
+    def interrupted(command, signum, past):
+        # kills the run once its output has grown past `past` bytes (>= 1 batch more), long before its end
+        p = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        while (out.stat().st_size if out.exists() else 0) <= past and p.poll() is None:
+            time.sleep(0.002)
+        assert p.poll() is None, p.communicate()
+        p.send_signal(signum)
+        stdout, stderr = p.communicate(timeout=60)
+        assert out.stat().st_size < len(want) and stdout == "", stderr
+        return p.returncode, stderr
+
+    rc, err = interrupted(cmd, signal.SIGKILL, 0)
+    assert rc == -signal.SIGKILL
+    size = out.stat().st_size
+    assert size in ends and want.startswith(out.read_bytes())  # whole batches
+    cut = ends[ends.index(size) + 1]  # as if killed amid the next batch's write: whole records, then a cut line
+    out.write_bytes(want[:want.rindex(b"\n", 0, cut - 1) + 9])
+    rc, err = interrupted(cmd + ["--resume"], signal.SIGINT, cut)
+    done = out.read_bytes().count(b"\n")
+    assert rc == 130 and err.splitlines()[-1] == (
+        f"prefill: interrupted (SIGINT); {done} of 300 texts done in {out}; resume with: "
+        f"prefill.py --model {path} --device cpu {' '.join(args)} --resume"), err
+    p = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout == "", p.stderr
+    assert out.read_bytes() == want
+    assert "300 texts, " in p.stderr.splitlines()[-1] and f"({done} texts were in {out} already)" in p.stderr
