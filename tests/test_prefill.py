@@ -165,6 +165,47 @@ def test_every_layer_streamed_equals_every_layer_resident(gqa_checkpoint, load):
     assert resident.stats["streamed_bytes"] == 0
 
 
+def test_layers_read_from_storage_every_wave_equal_layers_held(gqa_checkpoint, monkeypatch):
+    # --host-memory holds no streamed layer: each is read from storage into a ring of two every wave; the ring wraps
+    # across waves and requests, and the losses are those of layers held in memory, bit for bit
+    path, _ = gqa_checkpoint
+    held = runner(path, gpu_memory_gib=0, load="copy")
+    ids = held.tokenize(TEXTS)
+    layer = held.cfg.layer_bytes / prefill.GiB
+    ring = runner(path, gpu_memory_gib=0, load="copy", host_memory_gib=2.5 * layer)
+    plan = ring.host_plan
+    assert (plan.storage_layers, plan.pinned_layers, plan.ring_slots) == ((0, 1, 2, 3), (), 2)
+    expected = held.losses(ids)
+    for _ in range(2):
+        assert ring.losses(ids) == expected
+        assert ring.stats["storage_bytes"] == ring.stats["streamed_bytes"] == 4 * weight_bytes(ring.cfg)
+    for r in (held, ring):  # waves of a few texts each: every wave reads every layer again
+        r.plan = dataclasses.replace(r.plan, wave_tokens=max(len(t) for t in ids) + 5)
+    expected = held.losses(ids)
+    assert ring.losses(ids) == expected and ring.stats["waves"] >= 3
+    assert ring.stats["storage_bytes"] == ring.stats["waves"] * 4 * weight_bytes(ring.cfg)
+    # a ring of two beside one pinned layer: held and storage layers take turns through the slots
+    monkeypatch.setattr(prefill, "RING_SLOTS", 2)
+    mixed = runner(path, gpu_memory_gib=0, load="copy", host_memory_gib=3.5 * layer, wave_tokens=held.plan.wave_tokens)
+    assert (mixed.host_plan.pinned_layers, mixed.host_plan.storage_layers) == ((2,), (0, 1, 3))
+    assert mixed.losses(ids) == expected and mixed.stats["storage_bytes"] == mixed.stats["waves"] * 3 * weight_bytes(
+        mixed.cfg)
+
+
+def layer_gib(path):
+    return prefill.Qwen3Config.from_dir(path).layer_bytes / prefill.GiB
+
+
+def test_a_failed_storage_read_fails_the_request(gqa_checkpoint, tmp_path, monkeypatch):
+    # a read error on a reader thread reaches the compute thread (an error line and exit 1), never a hang
+    path, _ = gqa_checkpoint
+    r = runner(path, gpu_memory_gib=0, load="copy", host_memory_gib=2 * layer_gib(path))
+    assert len(r.host_plan.storage_layers) == 4
+    monkeypatch.setattr(prefill.Checkpoint, "read", lambda *args: (_ for _ in ()).throw(OSError("I/O error")))
+    with pytest.raises(OSError, match="I/O error"):
+        r.losses(r.tokenize(TEXTS))
+
+
 def test_both_loading_paths_put_every_weight_in_place(checkpoint, monkeypatch):
     # copy: resident weights go through small staging buffers; with 999-element pieces every large tensor is split
     # mid-row and the pieces alternate between the two buffers. auto: copied straight out of the file's pages where
@@ -548,6 +589,14 @@ def test_gpu_streaming_matches_and_nothing_compiles_after_warm_up(gqa_checkpoint
     # a race on a slot would show as a different loss, not as rounding
     assert max_rel_err(losses, resident.losses(ids)) < 1e-5
     assert copied.load_mode == "copied" and max_rel_err(losses, copied.losses(ids)) < 1e-5
+    # every layer read from storage into a ring of two pinned buffers, every request: the same slots and kernels as
+    # the copies, so the same bits; a buffer read into before its copy out had completed would change a loss
+    staging = 2 * min(16, os.cpu_count()) * prefill.STAGING_BYTES / prefill.GiB
+    ring = prefill.Runner(path, device="cuda", gpu_memory_gib=0, load="copy", attention=same,
+                          host_memory_gib=staging + 2.5 * layer_gib(path))
+    assert len(ring.host_plan.storage_layers) == 4 and ring.host_plan.ring_slots == 2
+    assert ring.losses(ids) == ring.losses(ids) == copied.losses(ids)
+    del ring
     # a Runner unlocks its host memory as it goes; memory freed while still registered left stale registrations
     # that failed a later Runner's copies ("invalid argument")
     del streamed, copied, resident
@@ -745,6 +794,8 @@ FAULTS = {
     "unicode": lambda path, tmp_path: [
         Fault("element 1 is not valid UTF-8", stdin=b'["ok", "lone \\ud800"]\n'),
         Fault("element 1 is not valid UTF-8", stdin=b'["ok", "bad \xff byte"]\n')],
+    "host-memory": lambda path, tmp_path: [
+        Fault("the smallest plan needs", ("--host-memory", 0, "--gpu-memory", 0, "--load", "copy"))],
     "empty": lambda path, tmp_path: [Fault("", stdin=b"[]\n")],
     "long-texts": lambda path, tmp_path: [
         Fault("warning: 5 text(s) longer than --wave-tokens 3", ("--wave-tokens", 3),
