@@ -315,6 +315,19 @@ def test_refused_locking_leaves_nothing_locked(gqa_checkpoint, monkeypatch):
     assert sorted(unregistered) == locked_ptrs and ckpt.locked == []
 
 
+def test_prefetch_reads_the_pages_not_in_the_page_cache_and_only_those(gqa_checkpoint, tmp_path):
+    # before page-locking, reader threads bring the files into the page cache: all of a dropped file, none of a cached
+    # one (mincore), so a warm load copies nothing. A copy of the checkpoint: no other Runner maps its pages.
+    shutil.copytree(gqa_checkpoint[0], tmp_path / "ckpt")
+    ckpt = prefill.Checkpoint(tmp_path / "ckpt")
+    for fd, _ in ckpt.files:
+        os.fsync(fd)  # dirty pages cannot be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages of a disk file go; tmpfs keeps its own
+    cold = [sum(r.result() for r in reads) for reads in ckpt.prefetch(3)]
+    assert cold == [len(data) for _, data in ckpt.files] or cold == [0] * len(ckpt.files)
+    assert [sum(r.result() for r in reads) for reads in ckpt.prefetch(3)] == [0] * len(ckpt.files)
+
+
 def test_tokenizer_is_autotokenizers_without_its_imports(qwen_tokenizer_dir, tmp_path):
     # prefill names the tokenizer class itself (AutoTokenizer's imports cost seconds): same ids as AutoTokenizer,
     # also through the AutoTokenizer fallback when tokenizer_config.json names no class
