@@ -1777,7 +1777,7 @@ class Runner:
         else:
             self.lock_s = ckpt.lock_seconds
             self.load_seconds = (f"in place: lock {ckpt.lock_seconds:.1f}, total {time.perf_counter() - t:.1f} s; "
-                                 f"{ckpt.read_ahead_bytes / 1e9:.1f} GB read ahead by {workers} threads")
+                                 f"{ckpt.read_ahead_bytes / 1e9:.1f} GB of it read ahead")
             self.locked_host += [ckpt.shared[file] for file in ckpt.locked]
         on_device, pieces = loaded
         host, plan = HeldLayers(pieces), self.host_plan
