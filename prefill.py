@@ -204,32 +204,44 @@ def header_tensors(path, header, data_bytes):
 class Workers:
     """n daemon threads running submitted calls in order, each call's outcome in a Future. Not ThreadPoolExecutor:
     the interpreter joins its threads at exit after they have run everything queued, and read-ahead queued for a
-    next request would hold the exit up for seconds of storage reads."""
+    next request would hold the exit up for seconds of storage reads. stop() cancels what is queued and waits for
+    the calls under way (a piece's read, a copy's launch): no thread is inside CUDA when the process tears it down."""
 
     def __init__(self, n, name):
-        self.queue, self.stopped = queue.SimpleQueue(), threading.Event()
-        for i in range(n):
-            threading.Thread(target=Workers._run, args=(self.queue, self.stopped), name=f"{name}-{i}",
-                             daemon=True).start()
+        self.queue, self.stopped, self.lock = queue.SimpleQueue(), threading.Event(), threading.Lock()
+        self.threads = [threading.Thread(target=Workers._run, args=(self.queue, self.stopped), name=f"{name}-{i}",
+                                         daemon=True) for i in range(n)]
+        for t in self.threads:
+            t.start()
 
     def submit(self, fn, *args):
         future = Future()
-        self.queue.put((future, fn, args))
+        with self.lock:  # nothing is queued behind the threads' end, where no thread would take it
+            if self.stopped.is_set():
+                future.cancel()
+            else:
+                self.queue.put((future, fn, args))
         return future
 
     def close(self):  # the threads end once they have run what is queued
         self.queue.put(None)
 
-    def stop(self):
-        self.stopped.set()
-        self.close()
+    def stop(self, timeout=10.0):
+        with self.lock:
+            self.stopped.set()
+            self.close()
+        for t in self.threads:
+            if t is not threading.current_thread():
+                t.join(timeout)
 
     @staticmethod
     def _run(work, stopped):  # static, and each call dropped once run: a waiting thread keeps nothing alive
-        while (item := work.get()) is not None and not stopped.is_set():
+        while (item := work.get()) is not None:
             future, fn, args = item
             del item
-            if future.set_running_or_notify_cancel():
+            if stopped.is_set():
+                future.cancel()  # whoever waits on it gets CancelledError, never a hang
+            elif future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args))
                 except BaseException as e:
@@ -905,10 +917,10 @@ class WeightStreamer:
         self.next_use += 1
         self._copy_next()
 
-    def stop(self):
+    def stop(self):  # the reads first: a copy waiting for one gets its cancellation and ends
+        self.host.stop()
         if self.copier:
             self.copier.stop()
-        self.host.stop()
 
 
 # ----------------------------------------------------------------------------- Qwen3 math
@@ -1719,7 +1731,7 @@ class Runner:
         self.lm_head = on_device.get("lm_head.weight", self.embed)
         self.streamer = WeightStreamer(cfg, {i: on_device[i] for i in plan.resident_layers}, host,
                                        plan.streamed_layers, self.device)
-        weakref.finalize(self, self.streamer.stop).atexit = False  # its threads (storage reads) end with this Runner
+        weakref.finalize(self, self.streamer.stop)  # its threads end with this Runner, or before the process exits
         self.stats = {}
         log(f"loaded {cfg.num_hidden_layers}-layer Qwen3 ({self._model_bytes() / 1e9:.1f} GB) from {model_dir} "
             f"in {time.perf_counter() - t0:.1f} s on {self.device}, {self.load_mode} ({self.load_seconds}); "
@@ -2038,7 +2050,7 @@ def doctor(runner):
         fig["contest100_compute_s"] = CONTEST_TOKENS * (per_token + 2 * cfg.vocab_size * cfg.hidden_size
                                                         / (rate["lm_head"] * 1e12))
         fig["contest100_transfer_s"] = len(plan.streamed_layers) * cfg.layer_bytes / (fig["h2d_gbps"] * 1e9)
-    fig["plan"] = plan.describe()
+    fig["plan"] = f"{plan.describe()}; {runner.host_plan.describe()}"
     # required paths: the warm-up ran every kernel; the same request twice gives the same bits
     gen = torch.Generator().manual_seed(2)
     probe = [torch.randint(cfg.vocab_size, (n,), generator=gen).tolist() for n in (300, 650, 41)]

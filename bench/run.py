@@ -565,7 +565,12 @@ def fill_load_figures(res: dict, figures: dict, storage_gbps: float | None) -> N
     run's T against reading its storage layers once a wave at that bandwidth, and its accuracy."""
     stats, repeats = figures.get("stats") or {}, res.get("repeats") or []
     weights_s = (stats.get("load_wall_s") or {}).get("weights")
-    if figures.get("dropped"):
+    left = (figures.get("dropped") or {}).get("resident_after")
+    if figures.get("dropped") and (left is None or left > 0.05):
+        msg = f"cold: {'?' if left is None else f'{left:.0%}'} of the checkpoint stayed in the page cache (tmpfs?)"
+        if msg not in res["errors"]:
+            res["errors"].append(msg)
+    elif figures.get("dropped"):
         res.update(cold_dropped=figures["dropped"], cold_time_to_ready_s=res.get("time_to_ready_s"),
                    cold_load_s=weights_s, cold_load_gbps=_div(res.get("checkpoint_bytes"), weights_s and weights_s * 1e9))
         res["cold_load_over_storage"] = _div(res["cold_load_gbps"], storage_gbps)

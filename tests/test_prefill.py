@@ -3,6 +3,7 @@
 The weights are scaled so that attention decides the loss: a wrong RoPE base, a dropped q/k norm or a wrong GQA head
 mapping moves some text's loss by several times the 1% tolerance (test_realistic_bug_falls_outside_tolerance).
 """
+import concurrent.futures
 import dataclasses
 import gc
 import io
@@ -197,13 +198,20 @@ def layer_gib(path):
 
 
 def test_a_failed_storage_read_fails_the_request(gqa_checkpoint, tmp_path, monkeypatch):
-    # a read error on a reader thread reaches the compute thread (an error line and exit 1), never a hang
+    # a read error on a reader thread reaches the compute thread (an error line and exit 1), never a hang; so does a
+    # ring stopped under a waiting copy
     path, _ = gqa_checkpoint
     r = runner(path, gpu_memory_gib=0, load="copy", host_memory_gib=2 * layer_gib(path))
     assert len(r.host_plan.storage_layers) == 4
-    monkeypatch.setattr(prefill.Checkpoint, "read", lambda *args: (_ for _ in ()).throw(OSError("I/O error")))
-    with pytest.raises(OSError, match="I/O error"):
-        r.losses(r.tokenize(TEXTS))
+    ids = r.tokenize(TEXTS)
+    with monkeypatch.context() as patch:
+        patch.setattr(prefill.Checkpoint, "read", lambda *args: (_ for _ in ()).throw(OSError("I/O error")))
+        with pytest.raises(OSError, match="I/O error"):
+            r.losses(ids)
+    r = runner(path, gpu_memory_gib=0, load="copy", host_memory_gib=2 * layer_gib(path))
+    r.streamer.stop()
+    with pytest.raises(concurrent.futures.CancelledError):
+        r.losses(ids)
 
 
 def test_both_loading_paths_put_every_weight_in_place(checkpoint, monkeypatch):
@@ -437,6 +445,16 @@ def test_protocol_ready_then_one_loss_per_text(gqa_checkpoint):
     assert lines[0] == "ready" and len(lines) == 1 + len(TEXTS)
     assert max_rel_err([float(x) for x in lines[1:]], reference) < TOLERANCE
     assert len(p.stderr.splitlines()) <= 6  # the harness reads stderr only after the run
+
+
+def test_layers_from_storage_through_the_protocol_and_a_clean_exit(gqa_checkpoint):
+    # the plan line names what is read from storage; the exit stops the reader threads with read-ahead still queued
+    path, _ = gqa_checkpoint
+    p = run(path, json.dumps(TEXTS) + "\n", "--gpu-memory", "0", "--load", "copy",
+            "--host-memory", str(2.5 * layer_gib(path)))
+    assert p.returncode == 0 and "read from storage per wave (4 layers)" in p.stderr, p.stderr
+    held = runner(path, gpu_memory_gib=0, load="copy")
+    assert p.stdout.splitlines()[1:] == [repr(x) for x in held.losses(held.tokenize(TEXTS))]  # nan == nan too
 
 
 def test_input_file_without_handshake_and_model_path_spelling(gqa_checkpoint, tmp_path):
