@@ -30,7 +30,7 @@ import time
 import traceback
 import warnings
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,6 +205,74 @@ def header_tensors(path, header, data_bytes):
     return tensors
 
 
+class Workers:
+    """n daemon threads running submitted calls in order, each call's outcome in a Future. Not ThreadPoolExecutor:
+    the interpreter joins its threads at exit after they have run everything queued, and read-ahead queued for a
+    next request would hold the exit up for seconds of storage reads. stop() cancels what is queued and waits for
+    the calls under way (a piece's read, a copy's launch): no thread is inside CUDA when the process tears it down."""
+
+    def __init__(self, n, name):
+        self.queue, self.stopped, self.lock = queue.SimpleQueue(), threading.Event(), threading.Lock()
+        self.threads = [threading.Thread(target=Workers._run, args=(self.queue, self.stopped), name=f"{name}-{i}",
+                                         daemon=True) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def submit(self, fn, *args):
+        future = Future()
+        with self.lock:  # nothing is queued behind the threads' end, where no thread would take it
+            if self.stopped.is_set():
+                future.cancel()
+            else:
+                self.queue.put((future, fn, args))
+        return future
+
+    def close(self):  # the threads end once they have run what is queued
+        self.queue.put(None)
+
+    def stop(self, timeout=10.0):
+        with self.lock:
+            self.stopped.set()
+            self.close()
+        for t in self.threads:
+            if t is not threading.current_thread():
+                t.join(timeout)
+
+    @staticmethod
+    def _run(work, stopped):  # static, and each call dropped once run: a waiting thread keeps nothing alive
+        while (item := work.get()) is not None:
+            future, fn, args = item
+            del item
+            if stopped.is_set():
+                future.cancel()  # whoever waits on it gets CancelledError, never a hang
+            elif future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:
+                    future.set_exception(e)
+            del future, fn, args
+        work.put(None)  # the next thread stops too
+
+
+PREFETCH_PIECE = 16 * 2**20  # one read of Checkpoint.prefetch
+PAGE = mmap.PAGESIZE
+LOW_BIT = bytes(b & 1 for b in range(256))
+
+
+def resident(addr, nbytes):
+    # whether every page of [addr, addr + nbytes) (page-aligned) of a file mapping is in the page cache, by mincore(2);
+    # False where it cannot tell. Since Linux 5.0 mincore reports the page cache only for files the caller owns or may
+    # write (else only the pages mapped into this process): then this says False, and the caller reads pages that
+    # were there already, which costs a memory copy, not a disk read.
+    vec = (ctypes.c_ubyte * (-(-nbytes // PAGE)))()
+    try:
+        if ctypes.CDLL(None, use_errno=True).mincore(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), vec):
+            return False
+    except (AttributeError, OSError):
+        return False
+    return b"\0" not in bytes(vec).translate(LOW_BIT)
+
+
 HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (hipHostRegisterReadOnly): the device only reads the pages
 
 
@@ -237,6 +305,7 @@ class Checkpoint:
         self.shared = {}   # file index -> uint8 tensor over a shared read-only map of the whole file
         self.locked = []   # file indices whose shared map is page-locked
         self.lock_seconds = 0.0  # spent page-locking
+        self.read_ahead_bytes = 0  # read into the page cache by prefetch() before locking
         self.tensors = {}  # name -> (file index, dtype, shape, byte offset, byte count)
         for name in files:
             self._open(model_dir / name)
@@ -313,13 +382,39 @@ class Checkpoint:
         file, _, _, offset, nbytes = self.tensors[name]
         return self._shared_map(file)[offset:offset + nbytes]
 
-    def lock(self, on_locked):
+    def prefetch(self, workers):
+        """Reads the files' pages that are not in the page cache yet, from `workers` threads in file order; returns per
+        file the Futures of its reads (each gives the bytes it read). Page-locking faults a file's missing pages in
+        from one thread: 1.6 GB/s from the H200 machine's local disk (SPEC §9), where a disk's bandwidth takes
+        several reads in flight. Pages already cached (mincore) are not read again: a warm load costs no copy."""
+        pool, local = Workers(workers, "prefill-prefetch"), threading.local()
+        bases = [self._shared_map(file).data_ptr() for file in range(len(self.files))]  # maps made here, not racing
+
+        def read(file, offset, n):
+            if resident(bases[file] + offset, n):
+                return 0
+            if not hasattr(local, "buf"):
+                local.buf = memoryview(bytearray(PREFETCH_PIECE))
+            done = 0
+            while done < n and (got := os.preadv(self.files[file][0], [local.buf[:n - done]], offset + done)) > 0:
+                done += got
+            return done
+
+        reads = [[pool.submit(read, file, offset, min(PREFETCH_PIECE, len(data) - offset))
+                  for offset in range(0, len(data), PREFETCH_PIECE)] for file, (_, data) in enumerate(self.files)]
+        pool.close()
+        return reads
+
+    def lock(self, on_locked, workers=16):
         """Page-locks each file's page cache in place, read-only (0.06-0.08 s/GiB on the H200 machine, and no host
         copy), calling on_locked(file) as each file is done, and says whether every file could be locked (a refusal:
         no read-only registration on this platform, too little memory). One file after the other: registering from
-        8 threads was no faster (0.51 vs 0.61 s for 8 GiB), and files done one by one let their copies start early.
+        8 threads was no faster (0.51 vs 0.61 s for 8 GiB), and files done one by one let their copies start early;
+        each file once prefetch() has read its pages in, from `workers` threads ahead of the registrations.
         The pages stay locked until unlock(); the maps must outlive the registration."""
+        reads = self.prefetch(workers)
         for file in range(len(self.files)):
+            self.read_ahead_bytes += sum(r.result() for r in reads[file])
             t, start = self._shared_map(file), time.perf_counter()
             ok = host_register(t, HOST_REGISTER_READ_ONLY)
             self.lock_seconds += time.perf_counter() - start
@@ -594,14 +689,51 @@ def map_lock_bytes(ckpt, model_dir):
     return 0 if filesystem_type(model_dir) in ("tmpfs", "ramfs") else ckpt.nbytes
 
 
-def choose_load(requested, device, bf16_files, map_bytes, copy_bytes, spare):
-    """'map' or 'copy' (see --load) for this device and host: the whole checkpoint page-locked in place costs
-    map_bytes of locked host memory, pinned copies of the streamed layers copy_bytes; spare is host_memory_spare().
-    ROCm never maps unless asked: HIP documents its read-only registration flag as ignored on AMD devices
-    (hip_runtime_api.h), so a refusal never comes to trigger the fallback, and registering ~65 GB of page cache goes
-    through amdkfd's SVM path (see pin_method) in one call per file."""
-    def fits(n):
-        return spare is None or device.type != "cuda" or n <= spare
+RING_SLOTS = 3  # storage ring: one layer being copied out, the next read, one more read ahead to absorb jitter
+
+
+@dataclass
+class HostPlan:
+    """Where the streamed layers live on the host: the checkpoint's page cache locked in place (load "map"), pinned
+    copies (load "copy"), or, for what the budget cannot hold, nowhere: read from storage every wave into a ring of
+    pinned buffers. Prefill is layer-major, so storage is read once per wave, never once per text."""
+    budget_bytes: object     # host memory the plan may lock; None: no limit (not known, or the CPU by default)
+    load: str                # "map" or "copy"
+    pinned_layers: tuple     # streamed layers held as pinned copies ("copy")
+    storage_layers: tuple    # streamed layers read from storage every wave, spread evenly among the streamed ones
+    ring_slots: int          # the storage ring's buffers, one layer each
+    locked_bytes: int        # page cache locked in place ("map")
+    pinned_bytes: int        # pinned copies, the ring, and the loading threads' staging buffers
+    layer_bytes: int
+
+    def describe(self):
+        budget = "no limit" if self.budget_bytes is None else f"{self.budget_bytes / GiB:.1f} GiB"
+        held = (f"{self.locked_bytes / GiB:.1f} GiB of page cache locked in place" if self.load == "map" else
+                f"{self.pinned_bytes / GiB:.1f} GiB pinned ({len(self.pinned_layers)} layers"
+                + (f", a ring of {self.ring_slots}" if self.ring_slots else "") + ")")
+        return (f"host {budget}: {held}; {len(self.storage_layers) * self.layer_bytes / GiB:.1f} GiB read from "
+                f"storage per wave ({len(self.storage_layers)} layers)")
+
+
+def plan_host(cfg, streamed, budget, requested="auto", device=torch.device("cpu"), bf16_files=True, map_bytes=0,
+              pin="register", staging_bytes=0):
+    """The host side of the plan (see HostPlan) for the GPU plan's streamed layers within budget bytes (None: no
+    limit). map_bytes: what locking the checkpoint in place costs (map_lock_bytes); staging_bytes: the pinned
+    buffers the loading threads use while copying resident weights (copy only). Map where asked for, or on "auto"
+    where the files are bf16, the platform is not ROCm and it fits; else as many pinned copies as fit beside a
+    ring, the rest from storage. ROCm never maps unless asked: HIP documents its read-only registration flag as
+    ignored on AMD devices (hip_runtime_api.h), so a refusal never comes to trigger the fallback, and registering
+    ~65 GB of page cache goes through amdkfd's SVM path (see pin_method) in one call per file."""
+    n, layer = len(streamed), pinned_bytes(cfg.layer_bytes, pin)
+
+    def fits(nbytes):
+        return budget is None or nbytes <= budget
+
+    def plan(load, pinned=(), storage=(), ring=0):
+        return HostPlan(budget_bytes=budget, load=load, pinned_layers=tuple(pinned), storage_layers=tuple(storage),
+                        ring_slots=ring, locked_bytes=map_bytes if load == "map" else 0,
+                        pinned_bytes=0 if load == "map" else staging_bytes + (len(pinned) + ring) * layer,
+                        layer_bytes=cfg.layer_bytes)
 
     hip = device.type == "cuda" and torch.version.hip is not None
     if requested == "map" or (requested == "auto" and bf16_files and not hip and fits(map_bytes)):
@@ -609,63 +741,173 @@ def choose_load(requested, device, bf16_files, map_bytes, copy_bytes, spare):
             raise UserError("--load map: the checkpoint cannot be page-locked in place here (it needs bf16 files "
                             "and read-only host-memory registration); --load copy works everywhere")
         if not fits(map_bytes):
-            raise UserError(f"--load map would page-lock the whole checkpoint ({map_bytes / 1e9:.1f} GB) but only "
-                            f"{spare / 1e9:.1f} GB of host memory can be spared; --load copy needs "
-                            f"{copy_bytes / 1e9:.1f} GB")
-        return "map"
-    if not fits(copy_bytes):
-        raise UserError(f"the streamed layers need {copy_bytes / 1e9:.1f} GB of page-locked host memory but only "
-                        f"{spare / 1e9:.1f} GB can be spared (available memory less a margin): free host memory, "
-                        "or give more --gpu-memory so that fewer layers stream")
-    return "copy"
+            raise UserError(f"--load map would page-lock the whole checkpoint ({map_bytes / 1e9:.1f} GB) but the "
+                            f"host memory budget is {budget / 1e9:.1f} GB; --load copy fits any budget it can")
+        return plan("map")
+    if fits(staging_bytes + n * layer):
+        return plan("copy", streamed)
+    room = int(max(0, budget - staging_bytes) // layer)  # layers' worth of pinned memory beside the staging buffers
+    if room < min(2, n):  # the smallest plan: a ring of two, one read while the other is copied out
+        raise UserError(f"host memory: the smallest plan needs {(staging_bytes + min(2, n) * layer) / GiB:.2f} GiB "
+                        f"page-locked (a ring of two layers and the loading buffers), the budget is "
+                        f"{budget / GiB:.2f} GiB (--host-memory, default: available memory less a margin): free host "
+                        "memory, or give more --gpu-memory so that fewer layers stream")
+    ring = min(RING_SLOTS, room)
+    n_storage = n - (room - ring)  # > ring: all n would fit otherwise
+    pick = {streamed[(j + 1) * n // n_storage - 1] for j in range(n_storage)}  # spread evenly, as plan_memory does
+    return plan("copy", [i for i in streamed if i not in pick], [i for i in streamed if i in pick], ring)
 
 
 # ----------------------------------------------------------------------------- weight streaming
+
+# The streamed layers' host side, one interface for WeightStreamer: fetch(layer) -> [(page-locked host bytes, byte
+# offset inside the layer's buffer)], called in the streamer's cyclic order; done(layer, stream): the copies out of
+# those bytes are queued on stream (None: already done, on the CPU); storage_layers: those read from storage.
+
+class HeldLayers:
+    """Streamed layers held in host memory for the whole run: the checkpoint's page cache locked in place, or
+    pinned copies."""
+    storage_layers = frozenset()
+
+    def __init__(self, pieces):
+        self.pieces = pieces  # layer -> [(host bytes, offset)]
+
+    def fetch(self, layer):
+        return self.pieces[layer]
+
+    def done(self, layer, stream):
+        pass
+
+    def stop(self):
+        pass
+
+
+READ_PIECE_BYTES = 16 * 2**20  # one read task of the storage ring: a layer is read by several threads at once
+
+
+class StorageRing:
+    """Streamed layers the host plan cannot hold, read from storage every wave into a ring of page-locked buffers
+    (each laid out as a layer's device buffer), the others from `held`. Reader threads pread ahead of use in the
+    streamer's cyclic order; a buffer is read into again only once the copy out of it has completed (an event on the
+    copy stream). fetch() waits for its layer's reads: where storage is slower than compute, the run is
+    storage-bound, as it must be; elsewhere the read-ahead hides the reads."""
+
+    def __init__(self, ckpt, cfg, order, storage, held, slots, device, method, workers):
+        self.ckpt, self.cfg, self.held = ckpt, cfg, held
+        self.storage_layers = frozenset(storage)
+        self.order = [layer for layer in order if layer in self.storage_layers]
+        cuda = device.type == "cuda"
+        self.buffers, self.registered = [], []  # registered: the caller unregisters them once the ring is stopped
+        for _ in range(slots):
+            if cuda:
+                buf, registered = pinned_empty(cfg.layer_numel, method, lambda b: None)
+                self.registered += [buf] if registered else []
+            else:
+                buf = host_empty(cfg.layer_numel)
+            self.buffers.append(buf)
+        self.copied = [torch.cuda.Event() if cuda else None for _ in range(slots)]
+        self.readers = Workers(workers, "prefill-reader")
+        self.reads = {}  # position in the endless cycle of storage layers -> its read tasks
+        self.next = 0    # position of the next fetch
+        for position in range(slots):
+            self._read(position)
+
+    def _read(self, position):
+        slot, layer = position % len(self.buffers), self.order[position % len(self.order)]
+        buf, copied, ckpt = self.buffers[slot], self.copied[slot], self.ckpt
+
+        def read(name, offset, start, count):
+            if copied is not None:
+                copied.synchronize()  # the copy out of this buffer's previous layer (never recorded: no wait)
+            ckpt.read(name, buf[offset + start:offset + start + count], start)
+
+        step = READ_PIECE_BYTES // DTYPE.itemsize
+        self.reads[position] = [self.readers.submit(read, name, offset, start, min(step, count - start))
+                                for name, offset, count in layer_tensors(self.cfg, layer)
+                                for start in range(0, count, step)]
+
+    def fetch(self, layer):
+        if layer not in self.storage_layers:
+            return self.held.fetch(layer)
+        assert self.order[self.next % len(self.order)] == layer, "storage layers must be fetched in cyclic order"
+        for read in self.reads.pop(self.next):
+            read.result()
+        buf = self.buffers[self.next % len(self.buffers)]
+        return [(byte_range(buf, offset, count), offset * DTYPE.itemsize)
+                for _, offset, count in layer_tensors(self.cfg, layer)]
+
+    def done(self, layer, stream):
+        if layer not in self.storage_layers:
+            return self.held.done(layer, stream)
+        if stream is not None:
+            self.copied[self.next % len(self.buffers)].record(stream)
+        self._read(self.next + len(self.buffers))
+        self.next += 1
+
+    def stop(self):
+        self.readers.stop()
+
 
 class WeightStreamer:
     """Hands out each layer's weights in layer order, wave after wave. Resident layers come from their own device
     buffers; streamed layers come through two device slots, refilled on a copy stream in the cyclic order of the
     streamed layers: as soon as compute has finished reading a slot, the copy of the layer after next starts into it.
     Both slots are filled at construction (before `ready`), and the cycle wraps, so after a request (or the warm-up)
-    the slots already hold the first two streamed layers of the next one. On the CPU the same code does plain copies."""
+    the slots already hold the first two streamed layers of the next one. The host side is `host` (HeldLayers or a
+    StorageRing). Where it may have to wait for storage, the copies are issued from a thread of their own, so that
+    only the compute that needs the layer waits, not the issuing of the layers before it. On the CPU the same code
+    does plain copies."""
 
-    def __init__(self, cfg, resident, host, device):
+    def __init__(self, cfg, resident, host, order, device):
         self.resident = {i: layer_views(buf, cfg) for i, buf in resident.items()}  # layer -> views on the device
-        self.host = host  # streamed layer -> [(page-locked host bytes, byte offset inside the layer's buffer)]
-        self.order = sorted(host)
-        self.slots = [torch.empty(cfg.layer_numel, dtype=DTYPE, device=device) for _ in range(min(2, len(host)))]
+        self.host, self.order = host, list(order)  # order: the streamed layers
+        self.slots = [torch.empty(cfg.layer_numel, dtype=DTYPE, device=device) for _ in range(min(2, len(order)))]
         self.slot_views = [layer_views(s, cfg) for s in self.slots]
         self.slot_bytes = [s.view(torch.uint8) for s in self.slots]
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.slot_ready = [torch.cuda.Event() if self.cuda else None for _ in self.slots]
         self.slot_free = [torch.cuda.Event() if self.cuda else None for _ in self.slots]
+        self.copier = Workers(1, "prefill-copier") if host.storage_layers else None
+        self.copying = [None for _ in self.slots]  # the copier's Future for the slot's latest copy
         self.next_copy = 0  # position, in the endless cycle of streamed layers, of the next copy
         self.next_use = 0   # position of the next streamed layer compute will use
-        self.streamed_bytes = 0
+        self.layer_weight_bytes = DTYPE.itemsize * sum(count for _, _, count in layer_tensors(cfg, 0))
+        self.streamed_bytes = self.storage_bytes = 0
         for _ in self.slots:
             self._copy_next()
 
     def _copy_next(self):
         slot, layer = self.next_copy % len(self.slots), self.order[self.next_copy % len(self.order)]
+        if self.copier:
+            self.copying[slot] = self.copier.submit(self._copy, slot, layer)
+        else:
+            self._copy(slot, layer)
+        self.streamed_bytes += self.layer_weight_bytes
+        self.storage_bytes += self.layer_weight_bytes if layer in self.host.storage_layers else 0
+        self.next_copy += 1
+
+    def _copy(self, slot, layer):
         dst = self.slot_bytes[slot]
+        pieces = self.host.fetch(layer)
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(self.slot_free[slot])  # no-op until the slot's first use
-                for src, offset in self.host[layer]:
+                for src, offset in pieces:
                     dst[offset:offset + src.numel()].copy_(src, non_blocking=True)
                 self.slot_ready[slot].record(self.copy_stream)
         else:
-            for src, offset in self.host[layer]:
+            for src, offset in pieces:
                 dst[offset:offset + src.numel()].copy_(src)
-        self.streamed_bytes += sum(src.numel() for src, _ in self.host[layer])
-        self.next_copy += 1
+        self.host.done(layer, self.copy_stream)
 
     def acquire(self, layer):
         if layer in self.resident:
             return self.resident[layer]
         slot = self.next_use % len(self.slots)
         assert self.order[self.next_use % len(self.order)] == layer, "streamed layers must be used in cyclic order"
+        if self.copying[slot] is not None:
+            self.copying[slot].result()  # issued (and, on the CPU, done); raises what the reads raised
         if self.cuda:
             torch.cuda.current_stream().wait_event(self.slot_ready[slot])
         return self.slot_views[slot]
@@ -675,9 +917,14 @@ class WeightStreamer:
             return
         slot = self.next_use % len(self.slots)
         if self.cuda:
-            self.slot_free[slot].record(torch.cuda.current_stream())
+            self.slot_free[slot].record(torch.cuda.current_stream())  # before the copier can wait on it
         self.next_use += 1
         self._copy_next()
+
+    def stop(self):  # the reads first: a copy waiting for one gets its cancellation and ends
+        self.host.stop()
+        if self.copier:
+            self.copier.stop()
 
 
 # ----------------------------------------------------------------------------- Qwen3 math
@@ -1456,7 +1703,8 @@ class Runner:
     """The model, loaded once: score() scores texts (the Python API), losses() token lists."""
 
     def __init__(self, model_dir, device=None, gpu_memory_gib=None, attention="auto", kernels="auto",
-                 chunk_tokens=4096, wave_tokens=65536, workers=None, load="auto", pin="auto", picks=None):
+                 chunk_tokens=4096, wave_tokens=65536, workers=None, load="auto", pin="auto", picks=None,
+                 host_memory_gib=None):
         t0 = time.perf_counter()
         self.load_wall_s, marks = {}, [t0]  # where time-to-ready goes, for --stats
 
@@ -1499,7 +1747,8 @@ class Runner:
                 picked_attention.exception()  # waits: its timings would otherwise share the GPU with these GEMMs'
                 return pick_blas(self.device, cfg, self.picks)
             picked_blas = side.submit(side_task, "blas", blas_after_attention)
-            on_device, host = self._load_weights(ckpt, fixed, workers or min(16, os.cpu_count() or 1), load)
+            on_device, host = self._load_weights(ckpt, fixed, workers or min(16, os.cpu_count() or 1), load,
+                                                 host_memory_gib)
             lap("weights")
             self.tokenizer = tokenizer.result()
             lap("tokenizer_wait")
@@ -1511,13 +1760,15 @@ class Runner:
         # inside the timed window (66 ms for 45k tokens on the H200).
         self.embed, self.final_norm = on_device["model.embed_tokens.weight"], on_device["model.norm.weight"]
         self.lm_head = on_device.get("lm_head.weight", self.embed)
-        self.streamer = WeightStreamer(cfg, {i: on_device[i] for i in plan.resident_layers}, host, self.device)
+        self.streamer = WeightStreamer(cfg, {i: on_device[i] for i in plan.resident_layers}, host,
+                                       plan.streamed_layers, self.device)
+        weakref.finalize(self, self.streamer.stop)  # its threads end with this Runner, or before the process exits
         self.stats = {}
         log(f"loaded {cfg.num_hidden_layers}-layer Qwen3 ({self._model_bytes() / 1e9:.1f} GB) from {model_dir} "
             f"in {time.perf_counter() - t0:.1f} s on {self.device}, {self.load_mode} ({self.load_seconds}); "
             f"attention: {self.attention}, elementwise kernels: {self.kernels.name}"
             + (f", BLAS: {self.blas}" if self.blas else ""))
-        log(plan.describe())
+        log(f"{plan.describe()}; {self.host_plan.describe()}")
 
     def _budget(self, gpu_memory_gib):
         if self.device.type != "cuda":
@@ -1533,7 +1784,7 @@ class Runner:
         return (self.cfg.num_hidden_layers * self.cfg.layer_bytes + self.embed.nbytes
                 + (0 if self.lm_head is self.embed else self.lm_head.nbytes))
 
-    def _load_weights(self, ckpt, fixed, workers, load):
+    def _load_weights(self, ckpt, fixed, workers, load, host_memory_gib):
         # jobs: the big fixed matrices first (each one thread's job of a layer's size in the copy path), then layers
         cfg, cuda = self.cfg, self.device.type == "cuda"
         jobs = {name: ([(name, 0, math.prod(shape))], shape) for name, shape in fixed}
@@ -1544,29 +1795,45 @@ class Runner:
         # a later Runner's registrations and copies failed with "invalid argument").
         self.locked_host = []
         weakref.finalize(self, unpin_all, self.locked_host).atexit = False
-        streamed_bytes = len(self.plan.streamed_layers) * pinned_bytes(cfg.layer_bytes, self.pin_method)
-        staging_bytes = 2 * workers * pinned_bytes(STAGING_BYTES, self.pin_method)
         self.host_spare_bytes = host_memory_spare()
+        # the CPU locks nothing: no limit there unless --host-memory asks for one (the tests' storage runs)
+        budget = int(host_memory_gib * GiB) if host_memory_gib is not None else self.host_spare_bytes if cuda else None
         bf16 = ckpt.is_bf16(name for tensors, _ in jobs.values() for name, _, _ in tensors)
-        mode = choose_load(load, self.device, bf16, map_lock_bytes(ckpt, ckpt.model_dir), streamed_bytes + staging_bytes,
-                           self.host_spare_bytes)
-        loaded = self._load_mapped(ckpt, jobs) if mode == "map" else None
+        staging = 2 * workers * pinned_bytes(STAGING_BYTES, self.pin_method) if cuda else 0
+
+        def host_plan(requested):
+            return plan_host(cfg, self.plan.streamed_layers, budget, requested, self.device, bf16,
+                             map_lock_bytes(ckpt, ckpt.model_dir), self.pin_method, staging)
+
+        self.host_plan = host_plan(load)
+        loaded = self._load_mapped(ckpt, jobs, workers) if self.host_plan.load == "map" else None
         if load == "map" and loaded is None:
             raise UserError("--load map: this platform refused to page-lock the checkpoint's pages in place; "
                             "--load copy works everywhere")
         self.load_mode = "copied" if loaded is None else "mapped"
         if loaded is None:
+            if self.host_plan.load == "map":  # refused by the platform
+                self.host_plan = host_plan("copy")
+            for layer in self.host_plan.storage_layers:  # read from storage every wave, not now
+                del jobs[layer]
             loaded = self._load_copied(ckpt, jobs, workers)
-            self.pinned_host_bytes = streamed_bytes if cuda else 0
         else:
             self.lock_s = ckpt.lock_seconds
-            self.load_seconds = (f"in place: lock {ckpt.lock_seconds:.1f}, "
-                                 f"total {time.perf_counter() - t:.1f} s")
+            self.load_seconds = (f"in place: lock {ckpt.lock_seconds:.1f}, total {time.perf_counter() - t:.1f} s; "
+                                 f"{ckpt.read_ahead_bytes / 1e9:.1f} GB of it read ahead")
             self.locked_host += [ckpt.shared[file] for file in ckpt.locked]
-            self.pinned_host_bytes = sum(buf.nbytes for buf in self.locked_host)
-        return loaded
+        on_device, pieces = loaded
+        host, plan = HeldLayers(pieces), self.host_plan
+        if plan.storage_layers:
+            host = StorageRing(ckpt, cfg, self.plan.streamed_layers, plan.storage_layers, host, plan.ring_slots,
+                               self.device, self.pin_method, workers)
+            self.locked_host += host.registered
+        # page-locked for the run: the locked files, or the pinned copies and the ring (the staging buffers are gone)
+        self.pinned_host_bytes = (0 if not cuda else plan.pinned_bytes - staging if self.load_mode == "copied" else
+                                  sum(ckpt.shared[file].nbytes for file in ckpt.locked))
+        return on_device, host
 
-    def _load_mapped(self, ckpt, jobs):
+    def _load_mapped(self, ckpt, jobs, workers):
         # Everything is copied straight out of the page-locked page cache: no host copy, no CPU work. A file's
         # tensors are copied as soon as it is locked, while the next files lock. None where locking is refused.
         cuda = self.device.type == "cuda"
@@ -1586,7 +1853,7 @@ class Runner:
                     dst.copy_(ckpt.raw(name), non_blocking=cuda)
 
         if cuda:
-            locked = ckpt.lock(copy_file)
+            locked = ckpt.lock(copy_file, workers)
             stream.synchronize()
             if not locked:
                 ckpt.unlock()
@@ -1658,7 +1925,7 @@ class Runner:
         self.lock_s = seconds["pin"]
         self.load_seconds = f"{workers} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + " s"
         host = {i: [(byte_range(loaded[i], offset, count), offset * DTYPE.itemsize) for _, offset, count in jobs[i][0]]
-                for i in self.plan.streamed_layers}
+                for i in self.plan.streamed_layers if i in jobs}
         return {key: buf for key, buf in loaded.items() if key not in host}, host
 
     def tokenize(self, texts):
@@ -1740,7 +2007,7 @@ class Runner:
         token_lists = [ids for _, ids, _ in batch]
         sums = [0.0] * len(batch)
         wave = wave_of(token_lists, plan.chunk_tokens)
-        streamed_before = self.streamer.streamed_bytes
+        streamed_before, storage_before = self.streamer.streamed_bytes, self.streamer.storage_bytes
         timer = PhaseTimer(dev)
         if wave is not None:
             timer.mark("layers")
@@ -1774,9 +2041,12 @@ class Runner:
         tally = {"texts": len(batch), "tokens": sum(map(len, token_lists)), "waves": int(wave is not None),
                  "texts_over_wave": int(wave is not None and wave.ids.numel() > plan.wave_tokens),  # beyond the plan
                  "predicted_tokens": sum(len(ids) - 1 for ids in token_lists if len(ids) >= 2),
-                 "nll_sum": math.fsum(sums), "streamed_bytes": self.streamer.streamed_bytes - streamed_before}
+                 "nll_sum": math.fsum(sums), "streamed_bytes": self.streamer.streamed_bytes - streamed_before,
+                 "storage_bytes": self.streamer.storage_bytes - storage_before}  # of those, read from storage
         for key, value in tally.items():
             self.stats[key] = self.stats.get(key, 0) + value
+        self.stats.update(host_budget_bytes=self.host_plan.budget_bytes,
+                          storage_layers=len(self.host_plan.storage_layers))
         phases = self.stats.setdefault("phases", {})
         for phase, seconds in timer.totals().items():
             phases[phase] = phases.get(phase, 0.0) + seconds
@@ -1884,7 +2154,7 @@ def doctor(runner):
         fig["contest100_compute_s"] = CONTEST_TOKENS * (per_token + 2 * cfg.vocab_size * cfg.hidden_size
                                                         / (rate["lm_head"] * 1e12))
         fig["contest100_transfer_s"] = len(plan.streamed_layers) * cfg.layer_bytes / (fig["h2d_gbps"] * 1e9)
-    fig["plan"] = plan.describe()
+    fig["plan"] = f"{plan.describe()}; {runner.host_plan.describe()}"
     # required paths: the warm-up ran every kernel; the same request twice gives the same bits
     gen = torch.Generator().manual_seed(2)
     probe = [torch.randint(cfg.vocab_size, (n,), generator=gen).tolist() for n in (300, 650, 41)]
@@ -2221,9 +2491,14 @@ def parse_args(argv):
     p.add_argument("--load", default="auto", choices=["auto", "map", "copy"],
                    help="map: page-lock the checkpoint files' page cache in place and copy to the GPU straight from "
                         "it (no host copy; the whole checkpoint stays locked in RAM while prefill runs); copy: pinned "
-                        "copies of the streamed layers only; auto: map on NVIDIA where the platform allows it, the "
-                        "files hold bf16 and the host can spare the memory, else copy (always copy on ROCm). Nothing "
-                        "locks more than available host memory less a margin")
+                        "copies of the streamed layers that --host-memory can hold, the others read from storage "
+                        "every wave; auto: map on NVIDIA where the platform allows it, the files hold bf16 and "
+                        "--host-memory holds the checkpoint, else copy (always copy on ROCm)")
+    p.add_argument("--host-memory", type=bounded(float, 0, 2**20), metavar="GIB",
+                   help="host memory the runner may page-lock (default: MemAvailable less a margin of 5%% of RAM, at "
+                        "least 2 GiB, within the cgroup's limit); the streamed layers it cannot hold are read from "
+                        "storage every wave. Give it explicitly on a VM whose memory grows as it is used (a balloon), "
+                        "where MemAvailable understates what can be had")
     p.add_argument("--pin", default="auto", choices=["auto"] + list(PIN_METHODS),
                    help="how --load copy page-locks host buffers: register plain memory in place (exact size) or "
                         "torch's pinned allocator (power-of-two sizes); auto: register on CUDA, alloc on ROCm")
@@ -2307,7 +2582,7 @@ def serve(args, protocol):
         check_writable(args.stats)
     runner = Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
                     kernels=args.kernels, chunk_tokens=args.chunk_tokens, wave_tokens=args.wave_tokens,
-                    load=args.load, pin=args.pin, picks=args.picks)
+                    load=args.load, pin=args.pin, picks=args.picks, host_memory_gib=args.host_memory)
     t0 = time.perf_counter()
     runner.warm_up()
     warm_up_s = time.perf_counter() - t0

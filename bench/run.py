@@ -148,22 +148,29 @@ def run_child(name: str, cmd: list[str], timeout: float, log: Log, ok_codes: tup
 
 
 class Blocker:
-    """A process holding all but cap GiB of the GPU while the runner and the baseline run."""
+    """A process holding memory while the runner and the baseline run: all but cap GiB of the GPU (steps.py
+    blocker), or with host=True all but cap GiB of the host's available memory (steps.py host-blocker)."""
 
-    def __init__(self, cap_gib: float, log: Log):
-        log(f"blocker: leaving {cap_gib:g} GiB of the GPU free")
+    def __init__(self, cap_gib: float, log: Log, host: bool = False):
+        name, what = ("host-blocker", "of host memory available") if host else ("blocker", "of the GPU free")
+        log(f"{name}: leaving {cap_gib:g} GiB {what}")
         with log.path.open("a") as err:
-            self.proc = subprocess.Popen([sys.executable, STEPS, "blocker", "--cap-gib", str(cap_gib)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=REPO,
-                                         env=child_env(), text=True)
+            self.proc = subprocess.Popen([sys.executable, STEPS, name, "--leave-gib" if host else "--cap-gib",
+                                          str(cap_gib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                         cwd=REPO, env=child_env(), text=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], BLOCKER_READY_S)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
             self.close()
-            raise StepError(f"blocker: did not report within {BLOCKER_READY_S} s (see run.log)")
+            raise StepError(f"{name}: did not report within {BLOCKER_READY_S} s (see run.log)")
         self.info = json.loads(line)
-        log(f"blocker: holding {self.info['held_bytes'] / GiB:.2f} GiB; "
-            f"{self.info['free_bytes'] / GiB:.2f} GiB of {self.info['total_bytes'] / GiB:.1f} GiB left free")
+        if host:
+            log(f"host-blocker: holding {self.info['held_bytes'] / GiB:.2f} GiB (touched in {self.info['touch_s']:.1f} "
+                f"s); {self.info['mem_available_after'] / GiB:.2f} GiB of {self.info['mem_total'] / GiB:.1f} GiB "
+                f"left available")
+        else:
+            log(f"blocker: holding {self.info['held_bytes'] / GiB:.2f} GiB; "
+                f"{self.info['free_bytes'] / GiB:.2f} GiB of {self.info['total_bytes'] / GiB:.1f} GiB left free")
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -260,9 +267,33 @@ def step_storage(args, ckpt: dict, work: Path, deadline: Deadline, log: Log) -> 
     out = work / "storage.json"
     out.unlink(missing_ok=True)
     run_child("storage", [sys.executable, STEPS, "storage", "--model", ckpt["path"], "--json", str(out),
-                          "--threads", str(args.storage_threads)],
+                          "--threads", str(args.storage_threads)] + (["--drop-cache"] if args.cold else []),
               min(180, deadline.left() - RESERVE_S), log)
     return json.loads(out.read_text())
+
+
+def drop_cache(args, ckpt: dict, log: Log) -> dict | None:
+    """--cold: the checkpoint out of the page cache before a run, so that its load reads storage."""
+    if not args.cold:
+        return None
+    from bench.steps import drop_page_cache
+    dropped = drop_page_cache(sorted(Path(ckpt["path"]).glob("*.safetensors")))
+    log(f"page cache dropped by {dropped['method']}: {dropped['resident_after']} of the checkpoint still cached")
+    return dropped
+
+
+def step_host_capped(args, ckpt: dict, texts_path: Path, ref_path: Path | None, work: Path, deadline: Deadline,
+                     log: Log) -> dict:
+    """The runner once more with all but --host-cap-gib GiB of host memory held by a blocker process: the streamed
+    layers that its default --host-memory cannot hold are read from storage every wave."""
+    dropped = drop_cache(args, ckpt, log)
+    blocker = Blocker(args.host_cap_gib, log, host=True)
+    try:
+        result, stats = step_runner(args, ckpt, texts_path, ref_path, work, deadline, log, name="host-capped")
+    finally:
+        blocker.close()
+    return {"leave_gib": args.host_cap_gib, "result": result, "stats": stats, "blocker": blocker.info,
+            "dropped": dropped}
 
 
 _LOAD_RE = re.compile(r"prefill: loaded .*? in ([\d.]+) s(?: on [^(;]*)?(?:\(([^)]*)\))?")
@@ -332,6 +363,7 @@ def step_repeats(args, ckpt: dict, texts_path: Path, first: dict, work: Path, de
         diffs = [abs(a - b) for a, b in zip(first["losses"], result["losses"])]
         same_nan = all(math.isnan(a) == math.isnan(b) for a, b in zip(first["losses"], result["losses"]))
         out.append({"runner_args": extra, "t_seconds": result.get("t_seconds"),
+                    "time_to_ready_s": result.get("time_to_ready_s"), "load_wall_s": stats.get("load_wall_s"),
                     "resident_layers": stats.get("resident_layers"), "attention": stats.get("attention"),
                     "max_abs_diff": max(d for d in diffs if not math.isnan(d)) if same_nan else None,
                     "bitwise_identical": result["losses"] == first["losses"] or all(
@@ -528,6 +560,7 @@ def fill_report(res: dict, cfg: dict, figures: dict) -> None:
     res["t_ready_over_floor"] = _div(res["time_to_ready_s"], res["ready_floor_s"])
     res.update(parse_runner_log(result.get("stderr")))
     res["t_over_transfer_floor"] = _div(t, res["transfer_floor_s"])
+    fill_load_figures(res, figures, storage_gbps)
 
     losses, ref_losses = result.get("losses"), ref.get("losses")
     if losses and ref_losses and len(losses) == len(ref_losses):
@@ -573,6 +606,46 @@ def fill_report(res: dict, cfg: dict, figures: dict) -> None:
         est["t_floor_s"] = max(est["t_compute_s"], est["t_transfer_s"])  # copies fully hidden under compute
 
 
+def fill_load_figures(res: dict, figures: dict, storage_gbps: float | None) -> None:
+    """--cold: the first run's load against the storage bandwidth; repeats: warm loads; --host-cap-gib: the capped
+    run's T against reading its storage layers once a wave at that bandwidth, and its accuracy."""
+    stats, repeats = figures.get("stats") or {}, res.get("repeats") or []
+    weights_s = (stats.get("load_wall_s") or {}).get("weights")
+    left = (figures.get("dropped") or {}).get("resident_after")
+    if figures.get("dropped") and (left is None or left > 0.05):
+        msg = f"cold: {'?' if left is None else f'{left:.0%}'} of the checkpoint stayed in the page cache (tmpfs?)"
+        if msg not in res["errors"]:
+            res["errors"].append(msg)
+    elif figures.get("dropped"):
+        res.update(cold_dropped=figures["dropped"], cold_time_to_ready_s=res.get("time_to_ready_s"),
+                   cold_load_s=weights_s, cold_load_gbps=_div(res.get("checkpoint_bytes"), weights_s and weights_s * 1e9))
+        res["cold_load_over_storage"] = _div(res["cold_load_gbps"], storage_gbps)
+    warm = [r["time_to_ready_s"] for r in repeats if r.get("time_to_ready_s") is not None]
+    if not figures.get("dropped"):
+        warm = [res.get("time_to_ready_s")] + warm
+    res["warm_time_to_ready_s"] = min((w for w in warm if w is not None), default=None)
+    capped = figures.get("host_capped")
+    if not capped:
+        return
+    result, cstats, ref = capped["result"], capped["stats"], (figures.get("reference") or {}).get("losses")
+    storage_bytes, t = cstats.get("storage_bytes"), result.get("t_seconds")
+    floor = _div(storage_bytes, storage_gbps and storage_gbps * 1e9)
+    res["host_memory_cap_gib"] = capped["leave_gib"]  # what the blocker left available
+    res["host_capped"] = {
+        "mem_available_gib": capped["blocker"]["mem_available_after"] / GiB, "blocker": capped["blocker"], "dropped": capped["dropped"], "t_seconds": t,
+        "time_to_ready_s": result.get("time_to_ready_s"), "load_mode": cstats.get("load_mode"),
+        "host_budget_bytes": cstats.get("host_budget_bytes"), "storage_layers": cstats.get("storage_layers"),
+        "streamed_bytes": cstats.get("streamed_bytes"), "storage_bytes": storage_bytes, "waves": cstats.get("waves"),
+        "storage_floor_s": floor, "t_over_storage_floor": _div(t, floor), "pinned_host_bytes": cstats.get("pinned_host_bytes"),
+    }
+    losses = result.get("losses")
+    if losses and ref and len(losses) == len(ref):
+        import interact
+        errs = rel_errors(losses, ref)
+        res["host_capped"].update(max_rel_err=max(errs) if errs else None,
+                                  check_pass=not interact.compare_losses(losses, ref)[0])
+
+
 def write_report(res: dict, paths: list[Path]) -> None:
     text = json.dumps(res, indent=1) + "\n"
     for p in paths:
@@ -585,7 +658,7 @@ def print_table(res: dict) -> None:
         v = res.get(key_or_value) if isinstance(key_or_value, str) else key_or_value
         return "-" if v is None else fmt.format(v) + unit
 
-    est = res.get("w7800_estimate") or {}
+    est, cap = res.get("w7800_estimate") or {}, res.get("host_capped") or {}
     check = {None: "-", True: "pass", False: "FAIL"}[res.get("check_pass")]
     phases = res.get("load_thread_seconds") or {}
     load_threads = ", ".join(f"{k} {v:.1f}" for k, v in phases.items()) or "-"
@@ -607,6 +680,13 @@ def print_table(res: dict) -> None:
         ("ready floor", f"{f('ready_floor_s', '{:.2f}', ' s')}: {f(_div(res.get('checkpoint_bytes'), 1e9), '{:.1f}')} "
                         f"GB at {f('storage_read_gbps', '{:.1f}')} GB/s ({fs})"),
         ("time to ready / ready floor", f("t_ready_over_floor", "{:.2f}", "x")),
+        ("cold load (--cold)", f"{f('cold_load_gbps', '{:.2f}', ' GB/s')} = {f('cold_load_over_storage', '{:.2f}', 'x')} "
+                               f"storage; ready {f('cold_time_to_ready_s', '{:.1f}', ' s')}"),
+        ("warm time to ready", f("warm_time_to_ready_s", "{:.1f}", " s")),
+        ("host-capped run", f"{f('host_memory_cap_gib', '{:g}', ' GiB left')}: T {f(cap.get('t_seconds'), '{:.2f}', ' s')}"
+                            f" = {f(cap.get('t_over_storage_floor'), '{:.2f}', 'x')} the storage floor "
+                            f"({f(_div(cap.get('storage_bytes'), 1e9), '{:.1f}', ' GB')} a request), rel err "
+                            f"{f(cap.get('max_rel_err'), '{:.1e}')}"),
         ("compute floor (burst)", f"{f('compute_floor_s', '{:.3f}', ' s')} at {f('gemm_tflops', '{:.4g}')} TFLOP/s"),
         ("T / compute floor (burst)", f("t_over_compute_floor", "{:.2f}", "x")),
         ("compute floor (sustained)", f"{f('compute_floor_sustained_s', '{:.3f}', ' s')} at "
@@ -677,6 +757,15 @@ def parse_args(argv: list[str] | None):
                     help="seconds of the sustained per-layer GEMM run at M=4096 (default 3; 0 skips)")
     ap.add_argument("--skip-storage", action="store_true", help="no checkpoint read bandwidth (no ready floor)")
     ap.add_argument("--storage-threads", type=int, default=16, help="reader threads of the storage step (default 16)")
+    ap.add_argument("--cold", action="store_true",
+                    help="evict the checkpoint from the page cache before the storage step and before the runner "
+                         "(and the --host-cap-gib run): storage_read_gbps and cold_load_gbps come from storage; "
+                         "needs a checkpoint on a disk (--ckpt-dir), not tmpfs. --repeat-args '' then gives a warm "
+                         "load on the same files")
+    ap.add_argument("--host-cap-gib", type=float, metavar="N",
+                    help="after the runner (and its repeats), run it once more with a process holding all but N GiB "
+                         "of the host's available memory, touched: the streamed layers that do not fit are read "
+                         "from storage every wave (report: host_memory_cap_gib, host_capped)")
     ap.add_argument("--deadline-s", type=float, default=540,
                     help="seconds from the start after which no step runs (default 540)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -776,6 +865,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             try:
                 if not args.skip_runner:
+                    figures["dropped"] = drop_cache(args, ckpt, log)
                     ran = attempt("runner", step_runner, args, ckpt, texts_path, ref_path, work, deadline, log)
                     if ran:
                         figures["runner"], figures["stats"] = ran
@@ -788,6 +878,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      figures["runner"], work, deadline, log)
                             if res["repeats"]:
                                 res["repeat_max_abs_diff"] = res["repeats"][0]["max_abs_diff"]
+                        if args.host_cap_gib is not None:
+                            figures["host_capped"] = attempt("host-capped", step_host_capped, args, ckpt, texts_path,
+                                                             ref_path, work, deadline, log)
                         budget = figures["stats"].get("budget_bytes")
                         if blocker and budget and budget > args.cap_gib * GiB:
                             res["errors"].append(f"blocker: the runner planned for {budget / GiB:.1f} GiB, more "

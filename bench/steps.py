@@ -1,8 +1,10 @@
 """The heavy steps of bench/run.py, each run in a process of its own so that its memory is freed when it ends.
 
     python bench/steps.py gemm      --config CFG.json --m 4096,16384 --json OUT.json [--device cuda]
-    python bench/steps.py storage   --model DIR --json OUT.json [--threads 16]   (read bandwidth of *.safetensors)
+    python bench/steps.py storage   --model DIR --json OUT.json [--threads 16] [--drop-cache]
+                                    (read bandwidth of *.safetensors; --drop-cache: from storage, not the page cache)
     python bench/steps.py blocker   --cap-gib 48          (holds all but 48 GiB of the GPU until stdin closes)
+    python bench/steps.py host-blocker --leave-gib 12     (holds all but 12 GiB of available RAM until stdin closes)
     python bench/steps.py reference --model DIR --texts T.json --json OUT.json [--device cuda]
     python bench/steps.py baseline  --model DIR --texts T.json --json OUT.json --gpu-gib 43.2 [--k 10]
 
@@ -258,14 +260,66 @@ def storage_read(files: list[Path], threads: int, buffer_bytes: int = 64 * 2**20
             "seconds": seconds, "gbps": read / seconds / 1e9}
 
 
+def resident_fraction(files: list[Path]) -> float | None:
+    """Share of the files' pages in the page cache (mincore(2) on a private map; None where it cannot tell)."""
+    import ctypes
+    import mmap
+    page, resident, total = mmap.PAGESIZE, 0, 0
+    try:
+        mincore = ctypes.CDLL(None, use_errno=True).mincore
+        for f in files:
+            size = f.stat().st_size
+            if not size:
+                continue
+            with open(f, "rb") as fh:
+                m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)  # writable, so ctypes can take its address
+            vec = (ctypes.c_ubyte * (-(-size // page)))()
+            buf = ctypes.c_char.from_buffer(m)
+            rc = mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec)
+            del buf
+            m.close()
+            if rc:
+                return None
+            resident += sum(b & 1 for b in bytes(vec))
+            total += len(vec)
+    except (AttributeError, OSError):
+        return None
+    return resident / total if total else None
+
+
+def drop_page_cache(files: list[Path]) -> dict:
+    """Evicts the files from the page cache, so that the next read comes from storage: written back first (dirty
+    pages cannot be dropped), then posix_fadvise(DONTNEED) per file, which needs no root (it cannot drop pages that
+    a process maps, nor tmpfs pages: those are memory); as root, /proc/sys/vm/drop_caches too for what is left.
+    Returns how, and the share of pages still cached."""
+    os.sync()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    method, left = "fadvise", resident_fraction(files)
+    if left:
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("1\n")  # 1: the page cache only
+            method, left = "fadvise, drop_caches", resident_fraction(files)
+        except OSError:
+            pass
+    print(f"page cache: dropped by {method}; {'?' if left is None else f'{left:.1%}'} of the checkpoint still cached",
+          flush=True)
+    return {"method": method, "resident_after": left}
+
+
 def cmd_storage(args) -> int:
     model = Path(args.model)
     files = sorted(model.glob("*.safetensors"))
     if not files:
         print(f"storage: no *.safetensors in {model}", file=sys.stderr)
         return 1
+    dropped = drop_page_cache(files) if args.drop_cache else None
     record = storage_read(files, args.threads or min(16, os.cpu_count() or 1))
-    record.update(path=str(model), filesystem=_filesystem(model))
+    record.update(path=str(model), filesystem=_filesystem(model), dropped=dropped)
     print(f"storage: {record['bytes'] / 1e9:.2f} GB in {record['files']} files read by {record['threads']} threads "
           f"in {record['seconds']:.2f} s -> {record['gbps']:.1f} GB/s ({record['filesystem']['type']} at "
           f"{record['filesystem']['mount']})", flush=True)
@@ -301,6 +355,42 @@ def cmd_blocker(args) -> int:
     free, total = torch.cuda.mem_get_info()
     print(json.dumps({"held_bytes": sum(t.numel() for t in held), "free_bytes": free, "total_bytes": total}),
           flush=True)
+    sys.stdin.read()
+    return 0
+
+
+def meminfo() -> dict:
+    """/proc/meminfo in bytes."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+    return {k: int(v.split()[0]) * 1024 for k, v in fields.items() if v.split()[1:] == ["kB"]}
+
+
+def cmd_host_blocker(args) -> int:
+    """Holds all but leave_gib GiB of the host's available memory (MemAvailable), touched, so that none of it is
+    page cache the kernel could reclaim; prints one JSON line, holds it until stdin closes. The runner started next
+    sees about leave_gib GiB available, as on a machine with less RAM. Touched from several threads (ctypes.memset
+    releases the GIL), in huge pages where the kernel gives them: faulting in 100 GiB page by page takes a minute."""
+    import ctypes
+    import mmap
+    import threading
+    before = meminfo()
+    held = max(0, before["MemAvailable"] - int(args.leave_gib * GiB))
+    buf = mmap.mmap(-1, max(held, mmap.PAGESIZE))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    threads = min(16, os.cpu_count() or 1)
+    bounds = [held * i // threads for i in range(threads + 1)]
+    t0 = time.perf_counter()
+    pool = [threading.Thread(target=ctypes.memset, args=(base + lo, 1, hi - lo)) for lo, hi in zip(bounds, bounds[1:])]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    after = meminfo()
+    print(json.dumps({"held_bytes": held, "touch_s": time.perf_counter() - t0,
+                      "mem_available_before": before["MemAvailable"], "mem_available_after": after["MemAvailable"],
+                      "mem_total": after["MemTotal"], "swap_total": after.get("SwapTotal")}), flush=True)
     sys.stdin.read()
     return 0
 
@@ -402,7 +492,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model", required=True, help="checkpoint folder: its *.safetensors are read")
     s.add_argument("--threads", type=int, default=0, help="reader threads (default min(16, cpu count))")
     s.add_argument("--json", required=True)
+    s.add_argument("--drop-cache", action="store_true", help="evict the files from the page cache first")
     s.set_defaults(fn=cmd_storage)
+
+    hb = sub.add_parser("host-blocker")
+    hb.add_argument("--leave-gib", type=float, required=True, help="GiB of available host memory to leave")
+    hb.set_defaults(fn=cmd_host_blocker)
 
     b = sub.add_parser("blocker")
     b.add_argument("--cap-gib", type=float, required=True)

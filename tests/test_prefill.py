@@ -3,6 +3,7 @@
 The weights are scaled so that attention decides the loss: a wrong RoPE base, a dropped q/k norm or a wrong GQA head
 mapping moves some text's loss by several times the 1% tolerance (test_realistic_bug_falls_outside_tolerance).
 """
+import concurrent.futures
 import dataclasses
 import gc
 import io
@@ -166,6 +167,55 @@ def test_every_layer_streamed_equals_every_layer_resident(gqa_checkpoint, load):
     assert resident.stats["streamed_bytes"] == 0
 
 
+def test_layers_read_from_storage_every_wave_equal_layers_held(gqa_checkpoint, monkeypatch):
+    # --host-memory holds no streamed layer: each is read from storage into a ring of two every wave; the ring wraps
+    # across waves and requests, and the losses are those of layers held in memory, bit for bit
+    path, _ = gqa_checkpoint
+    held = runner(path, gpu_memory_gib=0, load="copy")
+    ids = held.tokenize(TEXTS)
+    layer = held.cfg.layer_bytes / prefill.GiB
+    ring = runner(path, gpu_memory_gib=0, load="copy", host_memory_gib=2.5 * layer)
+    plan = ring.host_plan
+    assert (plan.storage_layers, plan.pinned_layers, plan.ring_slots) == ((0, 1, 2, 3), (), 2)
+    expected = held.losses(ids)
+    for _ in range(2):
+        assert ring.losses(ids) == expected
+        assert ring.stats["storage_bytes"] == ring.stats["streamed_bytes"] == 4 * weight_bytes(ring.cfg)
+    for r in (held, ring):  # waves of a few texts each: every wave reads every layer again
+        r.plan = dataclasses.replace(r.plan, wave_tokens=max(len(t) for t in ids) + 5)
+    expected = held.losses(ids)
+    assert ring.losses(ids) == expected and ring.stats["waves"] >= 3
+    assert ring.stats["storage_bytes"] == ring.stats["waves"] * 4 * weight_bytes(ring.cfg)
+    # a ring of two beside one pinned layer: held and storage layers take turns through the slots
+    monkeypatch.setattr(prefill, "RING_SLOTS", 2)
+    mixed = runner(path, gpu_memory_gib=0, load="copy", host_memory_gib=3.5 * layer, wave_tokens=held.plan.wave_tokens)
+    assert (mixed.host_plan.pinned_layers, mixed.host_plan.storage_layers) == ((2,), (0, 1, 3))
+    assert mixed.losses(ids) == expected and mixed.stats["storage_bytes"] == mixed.stats["waves"] * 3 * weight_bytes(
+        mixed.cfg)
+
+
+def layer_gib(path):
+    return prefill.Qwen3Config.from_dir(path).layer_bytes / prefill.GiB
+
+
+def test_a_failed_storage_read_fails_the_request(gqa_checkpoint, tmp_path, monkeypatch):
+    # a read error on a reader thread reaches the compute thread (an error line and exit 1), never a hang; so does a
+    # ring stopped under a waiting copy
+    path, _ = gqa_checkpoint
+    r = runner(path, gpu_memory_gib=0, load="copy", host_memory_gib=2 * layer_gib(path))
+    assert len(r.host_plan.storage_layers) == 4
+    ids = r.tokenize(TEXTS)
+    with monkeypatch.context() as patch:
+        patch.setattr(prefill.Checkpoint, "read", lambda *args: (_ for _ in ()).throw(OSError("I/O error")))
+        with pytest.raises(OSError, match="I/O error"):  # by the second request: the reads ahead may be done
+            for _ in range(2):
+                r.losses(ids)
+    r = runner(path, gpu_memory_gib=0, load="copy", host_memory_gib=2 * layer_gib(path))
+    r.streamer.stop()
+    with pytest.raises(concurrent.futures.CancelledError):
+        r.losses(ids)
+
+
 def test_both_loading_paths_put_every_weight_in_place(checkpoint, monkeypatch):
     # copy: resident weights go through small staging buffers; with 999-element pieces every large tensor is split
     # mid-row and the pieces alternate between the two buffers. auto: copied straight out of the file's pages where
@@ -279,6 +329,19 @@ def test_refused_locking_leaves_nothing_locked(gqa_checkpoint, monkeypatch):
     assert sorted(unregistered) == locked_ptrs and ckpt.locked == []
 
 
+def test_prefetch_reads_the_pages_not_in_the_page_cache_and_only_those(gqa_checkpoint, tmp_path):
+    # before page-locking, reader threads bring the files into the page cache: all of a dropped file, none of a cached
+    # one (mincore), so a warm load copies nothing. A copy of the checkpoint: no other Runner maps its pages.
+    shutil.copytree(gqa_checkpoint[0], tmp_path / "ckpt")
+    ckpt = prefill.Checkpoint(tmp_path / "ckpt")
+    for fd, _ in ckpt.files:
+        os.fsync(fd)  # dirty pages cannot be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages of a disk file go; tmpfs keeps its own
+    cold = [sum(r.result() for r in reads) for reads in ckpt.prefetch(3)]
+    assert cold == [len(data) for _, data in ckpt.files] or cold == [0] * len(ckpt.files)
+    assert [sum(r.result() for r in reads) for reads in ckpt.prefetch(3)] == [0] * len(ckpt.files)
+
+
 def test_tokenizer_is_autotokenizers_without_its_imports(qwen_tokenizer_dir, tmp_path):
     # prefill names the tokenizer class itself (AutoTokenizer's imports cost seconds): same ids as AutoTokenizer,
     # also through the AutoTokenizer fallback when tokenizer_config.json names no class
@@ -388,6 +451,16 @@ def test_protocol_ready_then_one_loss_per_text(gqa_checkpoint):
     assert lines[0] == "ready" and len(lines) == 1 + len(TEXTS)
     assert max_rel_err([float(x) for x in lines[1:]], reference) < TOLERANCE
     assert len(p.stderr.splitlines()) <= 6  # the harness reads stderr only after the run
+
+
+def test_layers_from_storage_through_the_protocol_and_a_clean_exit(gqa_checkpoint):
+    # the plan line names what is read from storage; the exit stops the reader threads with read-ahead still queued
+    path, _ = gqa_checkpoint
+    p = run(path, json.dumps(TEXTS) + "\n", "--gpu-memory", "0", "--load", "copy",
+            "--host-memory", str(2.5 * layer_gib(path)))
+    assert p.returncode == 0 and "read from storage per wave (4 layers)" in p.stderr, p.stderr
+    held = runner(path, gpu_memory_gib=0, load="copy")
+    assert p.stdout.splitlines()[1:] == [repr(x) for x in held.losses(held.tokenize(TEXTS))]  # nan == nan too
 
 
 def test_input_file_without_handshake_and_model_path_spelling(gqa_checkpoint, tmp_path):
@@ -553,6 +626,14 @@ def test_gpu_streaming_matches_and_nothing_compiles_after_warm_up(gqa_checkpoint
     # a race on a slot would show as a different loss, not as rounding
     assert max_rel_err(losses, resident.losses(ids)) < 1e-5
     assert copied.load_mode == "copied" and max_rel_err(losses, copied.losses(ids)) < 1e-5
+    # every layer read from storage into a ring of two pinned buffers, every request: the same slots and kernels as
+    # the copies, so the same bits; a buffer read into before its copy out had completed would change a loss
+    staging = 2 * min(16, os.cpu_count()) * prefill.STAGING_BYTES / prefill.GiB
+    ring = prefill.Runner(path, device="cuda", gpu_memory_gib=0, load="copy", attention=same,
+                          host_memory_gib=staging + 2.5 * layer_gib(path))
+    assert len(ring.host_plan.storage_layers) == 4 and ring.host_plan.ring_slots == 2
+    assert ring.losses(ids) == ring.losses(ids) == copied.losses(ids)
+    del ring
     # a Runner unlocks its host memory as it goes; memory freed while still registered left stale registrations
     # that failed a later Runner's copies ("invalid argument")
     del streamed, copied, resident
@@ -770,6 +851,8 @@ FAULTS = {
     "unicode": lambda path, tmp_path: [
         Fault("element 1 is not valid UTF-8", stdin=b'["ok", "lone \\ud800"]\n'),
         Fault("element 1 is not valid UTF-8", stdin=b'["ok", "bad \xff byte"]\n')],
+    "host-memory": lambda path, tmp_path: [
+        Fault("the smallest plan needs", ("--host-memory", 0, "--gpu-memory", 0, "--load", "copy"))],
     "empty": lambda path, tmp_path: [Fault("", stdin=b"[]\n")],
     "long-texts": lambda path, tmp_path: [
         Fault("warning: 5 text(s) longer than --wave-tokens 3", ("--wave-tokens", 3),

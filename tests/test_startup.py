@@ -117,30 +117,64 @@ def hip(monkeypatch):
     return torch.device("cuda")
 
 
+GB = 10 ** 9
+QWEN3_32B = prefill.Qwen3Config(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                                num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
+STREAMED = prefill.plan_memory(QWEN3_32B, 48 * prefill.GiB).streamed_layers  # 20 layers at the W7800's 48 GiB
+STAGING = 2 * 16 * prefill.STAGING_BYTES  # 16 loading threads' staging buffers
+
+
+def host_plan(budget, requested="auto", device=torch.device("cuda"), bf16=True, pin="register"):
+    return prefill.plan_host(QWEN3_32B, STREAMED, budget, requested, device, bf16, 65.5 * GB, pin, STAGING)
+
+
 def test_rocm_copies_instead_of_registering_the_page_cache(hip, monkeypatch):
-    GB = 10 ** 9
-    assert prefill.choose_load("auto", hip, True, 65 * GB, 22 * GB, 100 * GB) == "copy"
-    assert prefill.choose_load("map", hip, True, 65 * GB, 22 * GB, 100 * GB) == "map"  # still there when asked for
+    assert host_plan(100 * GB, device=hip).load == "copy"
+    assert host_plan(100 * GB, "map", device=hip).load == "map"  # still there when asked for
     assert prefill.pin_method("auto") == "alloc" and prefill.pin_method("register") == "register"
     assert prefill.pinned_bytes(975_000_000, "alloc") == 2 ** 30  # the pinned allocator's power of two
+    assert host_plan(100 * GB, device=hip, pin="alloc").pinned_bytes == STAGING + len(STREAMED) * 2 ** 30
     monkeypatch.setattr(torch.version, "hip", None)
-    cuda = torch.device("cuda")
-    assert prefill.choose_load("auto", cuda, True, 65 * GB, 22 * GB, 100 * GB) == "map"
+    assert host_plan(100 * GB).load == "map"
     assert prefill.pin_method("auto") == "register" and prefill.pinned_bytes(975_000_000, "register") == 975_000_000
 
 
-def test_never_locks_more_host_memory_than_can_be_spared():
-    GB, cuda = 10 ** 9, torch.device("cuda")
-    assert prefill.choose_load("auto", cuda, True, 65 * GB, 22 * GB, 40 * GB) == "copy"  # the checkpoint does not fit
-    assert prefill.choose_load("auto", cuda, False, 65 * GB, 22 * GB, 100 * GB) == "copy"  # float32 files
-    with pytest.raises(prefill.UserError, match="need 22.0 GB of page-locked host memory but only 10.0 GB"):
-        prefill.choose_load("auto", cuda, True, 65 * GB, 22 * GB, 10 * GB)
+def test_host_plan_holds_what_the_budget_allows_and_reads_the_rest_from_storage():
+    layer = QWEN3_32B.layer_bytes
+    assert len(STREAMED) == 20
+    big = host_plan(100 * GB)  # the whole checkpoint locked in place: nothing read from storage
+    assert (big.load, big.locked_bytes, big.pinned_bytes, big.storage_layers) == ("map", 65.5 * GB, 0, ())
+    assert host_plan(None).load == "map"  # no limit known: not checked
+    copies = host_plan(40 * GB)  # the checkpoint does not fit, the streamed layers do
+    assert copies.load == "copy" and copies.pinned_layers == STREAMED and copies.storage_layers == ()
+    assert copies.pinned_bytes == STAGING + 20 * layer and copies.ring_slots == 0
+    assert host_plan(100 * GB, bf16=False).load == "copy"  # float32 files cannot be copied from in place
+    previous = 0
+    for budget in [3.1 * GB, 5 * GB, 10 * GB, 15 * GB, 20 * GB, 20.5 * GB]:  # 20.6 holds them all
+        plan = host_plan(budget)
+        assert plan.load == "copy" and plan.pinned_bytes <= budget, budget
+        assert sorted(plan.pinned_layers + plan.storage_layers) == list(STREAMED)
+        assert 2 <= plan.ring_slots <= prefill.RING_SLOTS < len(plan.storage_layers)
+        assert plan.pinned_bytes + layer > budget  # nothing left that one more pinned layer would fit in
+        assert len(plan.pinned_layers) >= previous
+        previous = len(plan.pinned_layers)
+        steps = [STREAMED.index(i) for i in plan.storage_layers]  # spread evenly among the streamed layers
+        gaps = [b - a for a, b in zip(steps, steps[1:])]
+        assert not gaps or max(gaps) - min(gaps) <= 1
+    smallest = host_plan(STAGING + 2 * layer)
+    assert (smallest.ring_slots, smallest.pinned_layers, len(smallest.storage_layers)) == (2, (), 20)
+    assert smallest.describe() == ("host 2.8 GiB: 2.8 GiB pinned (0 layers, a ring of 2); 18.2 GiB read from "
+                                   "storage per wave (20 layers)")
+    with pytest.raises(prefill.UserError, match=r"smallest plan needs 2.82 GiB .* the budget is 2.82 GiB"):
+        host_plan(STAGING + 2 * layer - 1)
     with pytest.raises(prefill.UserError, match="--load map would page-lock the whole checkpoint"):
-        prefill.choose_load("map", cuda, True, 65 * GB, 22 * GB, 40 * GB)
+        host_plan(40 * GB, "map")
     with pytest.raises(prefill.UserError, match="bf16"):
-        prefill.choose_load("map", cuda, False, 65 * GB, 22 * GB, 100 * GB)
-    assert prefill.choose_load("auto", cuda, True, 65 * GB, 22 * GB, None) == "map"  # unknown: not checked
-    assert prefill.choose_load("auto", CPU, True, 65 * GB, 0, 0) == "map"  # the CPU locks nothing
+        host_plan(100 * GB, "map", bf16=False)
+    # the CPU: no limit unless asked for (then planned as on a GPU); nothing streamed, nothing to hold
+    assert prefill.plan_host(QWEN3_32B, STREAMED, None, "auto", CPU, True, 65.5 * GB).load == "map"
+    assert prefill.plan_host(QWEN3_32B, (), 0, "copy").pinned_bytes == 0
 
 
 def test_spare_host_memory_from_meminfo_and_the_cgroup(tmp_path):
