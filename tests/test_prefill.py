@@ -1084,17 +1084,21 @@ def test_corpus_memory_stays_flat_as_the_corpus_grows(gqa_checkpoint, tmp_path, 
     monkeypatch.setattr(prefill, "sequence_nll", lambda h, head, norm, targets, seq_index, n, *rest:
                         torch.zeros(n, dtype=torch.float64))
     peaks = {}
-    for n in (2000, 20000):
+    for n in (200, 2000, 20000):  # the first, untraced, makes the shared Runner and whatever else happens once
         texts, out = tmp_path / f"{n}.jsonl", tmp_path / f"{n}.out.jsonl"
         texts.write_text("".join(json.dumps({"text": "a b c d", "id": i}) + "\n" for i in range(n)))
-        tracemalloc.start()
+        if n > 200:
+            tracemalloc.start()
         with monkeypatch.context() as patch:
             rc, _, err = main_in_process(patch, capsys, path, Fault("", ("--input", texts, "--output", out,
                                                                          "--wave-tokens", 1024)))
-        peaks[n] = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+        if n > 200:
+            peaks[n] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
         assert rc == 0 and out.read_text().count("\n") == n, err
-    assert peaks[20000] < 1.1 * peaks[2000], peaks
+    # Holding the 18,000 extra texts (a 56-byte string and an 88-byte token list each, at the least) would add
+    # > 2.5 MB; a ratio of the ~1 MB peaks was too tight for the noise between runs (1.06 against 0.94 MB seen in CI)
+    assert peaks[20000] - peaks[2000] < 512 * 1024, peaks
 
 
 def test_sigkill_then_sigint_then_resume_is_byte_identical(gqa_checkpoint, tmp_path, monkeypatch, capsys):
