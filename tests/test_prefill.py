@@ -338,7 +338,9 @@ def test_prefetch_reads_the_pages_not_in_the_page_cache_and_only_those(gqa_check
         os.fsync(fd)  # dirty pages cannot be dropped
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages of a disk file go; tmpfs keeps its own
     cold = [sum(r.result() for r in reads) for reads in ckpt.prefetch(3)]
-    assert cold == [len(data) for _, data in ckpt.files] or cold == [0] * len(ckpt.files)
+    # how much DONTNEED drops is the kernel's choice (seen in CI: 2.7 of a file's 19.4 MB stayed cached), so the
+    # first pass reads anything up to each whole file; the second finds every page cached and reads none
+    assert all(0 <= got <= len(data) for got, (_, data) in zip(cold, ckpt.files)), cold
     assert [sum(r.result() for r in reads) for reads in ckpt.prefetch(3)] == [0] * len(ckpt.files)
 
 
