@@ -682,11 +682,11 @@ def filesystem_type(path, mounts="/proc/mounts"):
     return best[1]
 
 
-def map_lock_bytes(ckpt, model_dir):
+def map_lock_bytes(ckpt):
     # host memory that page-locking the checkpoint's pages in place takes from MemAvailable: none for files on tmpfs
     # (already unreclaimable, and left out of MemAvailable: seen on the H200 machine, where a checkpoint in /dev/shm
     # left 37 GB "available"), else the files' size (page cache counts as available until it is locked)
-    return 0 if filesystem_type(model_dir) in ("tmpfs", "ramfs") else ckpt.nbytes
+    return 0 if filesystem_type(ckpt.model_dir) in ("tmpfs", "ramfs") else ckpt.nbytes
 
 
 RING_SLOTS = 3  # storage ring: one layer being copied out, the next read, one more read ahead to absorb jitter
@@ -1803,7 +1803,7 @@ class Runner:
 
         def host_plan(requested):
             return plan_host(cfg, self.plan.streamed_layers, budget, requested, self.device, bf16,
-                             map_lock_bytes(ckpt, ckpt.model_dir), self.pin_method, staging)
+                             map_lock_bytes(ckpt), self.pin_method, staging)
 
         self.host_plan = host_plan(load)
         loaded = self._load_mapped(ckpt, jobs, workers) if self.host_plan.load == "map" else None
@@ -2131,8 +2131,9 @@ def doctor(runner):
     fig.update(load_mode=runner.load_mode, pin_method=runner.pin_method, locked_bytes=runner.pinned_host_bytes,
                lock_s=runner.lock_s, load_wall_s=runner.load_wall_s)
     if cuda:  # both ways of page-locking 1 GiB, and the copy rate out of the one in use
-        fig["lock_s_per_gb"] = {m: h2d_gbps(dev, m)[1] / (GiB / 1e9) for m in PIN_METHODS}
-        fig["h2d_gbps"] = h2d_gbps(dev, runner.pin_method)[0]
+        measured = {m: h2d_gbps(dev, m) for m in PIN_METHODS}
+        fig["lock_s_per_gb"] = {m: lock_s / (GiB / 1e9) for m, (_, lock_s) in measured.items()}
+        fig["h2d_gbps"] = measured[runner.pin_method][0]
     if cuda and len([e for e in runner.attention_report if e["attend"]]) > 1:
         time_attention(runner.attention_report, dev, cfg)
     fig["attention"] = runner.attention
