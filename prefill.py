@@ -1011,7 +1011,12 @@ def max_len_bucket(n):
 
 # The order decides where nothing was timed (no writable picks file): prefill's own kernel first, the fastest on the
 # H200 and, on RDNA3, compiled spill-free for gfx1100, where flash-attn 2.8.3's default config spills (SPEC §8).
-ATTENTION_KINDS = ["triton", "flash", "torch-flash", "sdpa"]
+ATTENTION_KINDS = ["triton", "flash", "torch-flash", "cudnn", "sdpa"]
+# Kinds offered only on some GPU families. cuDNN: torch's can_use_cudnn_attention returns false on every ROCm build
+# ("#if defined(USE_ROCM) || !AT_CUDNN_ENABLED()", aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) and needs
+# sm80-sm121 (check_cudnn_hardware_support there): it is never offered on AMD, and the start-up check refuses it where
+# torch cannot run it.
+ATTENTION_FAMILIES = {"cudnn": ("nvidia",)}
 
 
 def make_attention(kind, tile=None):
@@ -1029,6 +1034,21 @@ def make_attention(kind, tile=None):
         if triton is None:
             raise RuntimeError("triton is not installed")
         return lambda q, k, v, chunk: attention_triton(q, k, v, chunk, tile)
+    if kind == "cudnn":
+        # torch's cuDNN SDPA, one call per text, GQA without repeating the KV heads (enable_gqa). On the H200 it ran
+        # 589-637 TFLOP/s on single 8k-32k texts against Triton's 456-476, but is launch-bound on short texts (48 on
+        # eight 512-token texts against Triton's 234): hence the pick per length bucket.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def attention_cudnn(q, k, v, chunk):
+            out = torch.empty_like(q)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # this backend or an error, never a silent other one
+                for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
+                    o = F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1)[None] for t in (q, k, v)),
+                                                       is_causal=True, enable_gqa=True)  # [1, heads, n, D]
+                    out[s:e] = o[0].transpose(0, 1)
+            return out
+        return attention_cudnn
     if kind == "torch-flash":
         # torch's own flash kernel, called directly: its varlen_attn wrapper (torch 2.11) has no GQA and would need
         # the KV heads repeated 8x, which cost 0.2 s of copies and attention per 45k-token request on the H200
@@ -1055,8 +1075,11 @@ def attention_candidates(requested, family):
     # (name, kind, tile) of each backend and Triton tile (those offered for this GPU family) that `requested` names:
     # "auto", a kind, or a name that pick_attention returned (so that a second Runner can use exactly that kernel)
     named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}", kind, tile)
-             for kind in ATTENTION_KINDS for tile in (ATTENTION_TILES[family] if kind == "triton" else [None])]
+             for kind in ATTENTION_KINDS if family in ATTENTION_FAMILIES.get(kind, (family,))
+             for tile in (ATTENTION_TILES[family] if kind == "triton" else [None])]
     chosen = [c for c in named if requested in ("auto", c[0], c[1])]
+    if not chosen and requested in ATTENTION_KINDS:
+        raise UserError(f"attention backend {requested!r} is not offered on this GPU family ({family})")
     if not chosen:
         raise UserError(f"unknown attention backend {requested!r}")
     return chosen
@@ -1332,75 +1355,151 @@ def attention_reference(q, k, v, chunk):
     kv_heads, D = k.shape[1], q.shape[2]
     group = q.shape[1] // kv_heads
     for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
-        future = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu(1)
-        for h in range(kv_heads):
-            heads = slice(h * group, (h + 1) * group)  # the query heads that read KV head h
-            scores = q[s:e, heads].float().transpose(0, 1) @ k[s:e, h].float().T / math.sqrt(D)
-            probs = scores.masked_fill(future, -math.inf).softmax(-1)
-            out[s:e, heads] = (probs @ v[s:e, h].float()).transpose(0, 1)
+        for r in range(s, e, 512):  # blocks of query rows, each over the keys up to its last row only
+            rows = slice(r, min(r + 512, e))
+            future = torch.ones(rows.stop - r, rows.stop - s, dtype=torch.bool, device=q.device).triu(r - s + 1)
+            for h in range(kv_heads):
+                heads = slice(h * group, (h + 1) * group)  # the query heads that read KV head h
+                scores = q[rows, heads].float().transpose(0, 1) @ k[s:rows.stop, h].float().T / math.sqrt(D)
+                probs = scores.masked_fill(future, -math.inf).softmax(-1)
+                out[rows, heads] = (probs @ v[s:rows.stop, h].float()).transpose(0, 1)
     return out
 
 
-def check_attention(requested, device, cfg):
-    """Each candidate `requested` names, run on texts of CHECK_LENGTHS: a list of dicts with name, attend (None where
-    refused), error and, where refused, reason."""
+# Attention's fastest kernel depends on the texts' lengths: short texts are launch-bound and a varlen kernel (one
+# launch per chunk) wins, long ones go to the fastest dense kernel. So each chunk runs the kernel picked for the bucket
+# of its longest text: a pure function of the lengths, so the same request always runs the same kernels. Per bucket:
+# its label, the longest text it holds (None: any), the texts its pick is timed on (contest chunks hold ~8 texts of
+# 300-650 tokens; lengths the check does not use, so that a kernel that plans per length, as cuDNN builds a graph per
+# shape, pays for it in the timing) and the texts its kernel is checked on, through the dispatcher.
+ATTENTION_BUCKETS = [
+    ("<=1024", 1024, [300 + 45 * i for i in range(8)], [1000, 37]),
+    ("<=4096", 4096, [2900, 700, 300, 90], [2100, 37]),
+    (">4096", None, [8292], [4500]),
+]
+BUCKET_LABELS = [label for label, *_ in ATTENTION_BUCKETS]
+TIMED_DEVICES = ("cuda",)  # where kernels are timed (CUDA events; HIP's too)
+
+
+def attention_bucket(max_len):
+    return next(label for label, longest, _, _ in ATTENTION_BUCKETS if longest is None or max_len <= longest)
+
+
+def bucketed_attention(attends):
+    # {bucket label: attention function} -> one attention function routing each chunk by its longest text
+    def attend(q, k, v, chunk):
+        return attends[attention_bucket(chunk.max_len)](q, k, v, chunk)
+    return attend
+
+
+def attention_summary(names):
+    return ", ".join(f"{name} ({label})" for label, name in names.items())
+
+
+def check_attention(candidates, device, cfg):
+    """Each (name, kind, tile) candidate, run twice on texts of CHECK_LENGTHS: a list of dicts with name, attend (None
+    where refused), error and, where refused, reason."""
     q, k, v, chunk = attention_inputs(device, cfg, CHECK_LENGTHS, seed=0)
     reference = attention_reference(q, k, v, chunk)
     report = []
-    for name, kind, tile in attention_candidates(requested, gpu_family(device)):
+    for name, kind, tile in candidates:
         entry = {"name": name, "attend": None, "error": None}
         try:
             attend = make_attention(kind, tile)
-            entry["error"] = check_error(attend(q, k, v, chunk), reference)
-            if entry["error"] <= CHECK_TOLERANCE:
-                entry["attend"] = attend
-            else:
+            got = attend(q, k, v, chunk)
+            entry["error"] = check_error(got, reference)
+            if not entry["error"] <= CHECK_TOLERANCE:
                 entry["reason"] = f"differs from float32 attention by {entry['error']:.3g} (relative)"
+            elif not torch.equal(got, attend(q, k, v, chunk)):  # torch flags cuDNN SDPA as nondeterministic
+                entry["reason"] = "gave other bits for the same input the second time"
+            else:
+                entry["attend"] = attend
         except Exception as e:
             entry["reason"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         report.append(entry)
     return report
 
 
+def passes_bucket(entry, label, device, cfg):
+    # an entry's kernel, through the dispatcher, on a chunk of the bucket's check texts; records bucket_error[label]
+    lengths = next(checked for name, _, _, checked in ATTENTION_BUCKETS if name == label)
+    q, k, v, chunk = attention_inputs(device, cfg, lengths, seed=2)
+    got = bucketed_attention({label: entry["attend"]})(q, k, v, chunk)
+    entry.setdefault("bucket_error", {})[label] = error = check_error(got, attention_reference(q, k, v, chunk))
+    return error <= CHECK_TOLERANCE
+
+
 def attention_ms(attend, inputs):
-    # timed on a stream of its own: the weights are being copied on others while this runs
+    # (first call, mean of the next five) in ms, timed on a stream of its own: the weights are being copied on others
+    # while this runs. The first call of a new shape includes whatever the kernel plans per shape (cuDNN's graph).
     q, k, v, chunk = inputs
     stream = torch.cuda.Stream(q.device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     with torch.cuda.stream(stream):
+        events[0].record()
         attend(q, k, v, chunk)
-        start.record()
+        events[1].record()
         for _ in range(5):
             attend(q, k, v, chunk)
-        end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 5
+        events[2].record()
+    events[2].synchronize()
+    return events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2]) / 5
 
 
-def time_attention(report, device, cfg):
-    # adds time_ms to each usable candidate: a chunk of eight 512-token texts (the contest's are 280-650 tokens)
-    eight_texts = attention_inputs(device, cfg, [512] * 8, seed=1)
-    for entry in report:
-        if entry["attend"] is not None:
-            entry["time_ms"] = attention_ms(entry["attend"], eight_texts)
+def time_attention(entries, label, device, cfg):
+    # adds time_ms[label] and first_ms[label] to each entry, on a chunk of the bucket's timing texts
+    lengths = next(timed for name, _, timed, _ in ATTENTION_BUCKETS if name == label)
+    inputs = attention_inputs(device, cfg, lengths, seed=1)
+    for entry in entries:
+        entry.setdefault("first_ms", {})[label], entry.setdefault("time_ms", {})[label] = attention_ms(entry["attend"],
+                                                                                                     inputs)
+
+
+def attention_cost(entry, label, cfg):
+    # per layer: a text's per-shape plan is made once per process and then serves every layer
+    return entry["time_ms"][label] + max(0.0, entry["first_ms"][label] - entry["time_ms"][label]) / cfg.num_hidden_layers
 
 
 def pick_attention(requested, device, cfg, picks):
-    """(name, attend, report): of the candidates that pass the check, the one this machine's picks name; else, on a
-    GPU with a writable cache, the fastest (then kept); else the first."""
-    report = check_attention(requested, device, cfg)
-    usable = [e for e in report if e["attend"] is not None]
-    if not usable:
-        reasons = "; ".join(f"{e['name']}: {e['reason']}" for e in report)
-        raise UserError(f"attention backend {requested!r} is unusable on {device}: {reasons}")
-    kept = picks.get(f"attention {requested}")
-    chosen = next((e for e in usable if e["name"] == kept), None)
-    if chosen is None and device.type == "cuda" and len(usable) > 1 and picks.writable():
-        time_attention(report, device, cfg)
-        chosen = min(usable, key=lambda e: e["time_ms"])
-        picks.put(f"attention {requested}", chosen["name"])
-    chosen = chosen or usable[0]
-    return chosen["name"], chosen["attend"], report
+    """({bucket: name}, attend, report). Per length bucket, of the candidates that pass the check (on CHECK_LENGTHS,
+    then on that bucket's texts through the dispatcher): the one this machine's picks name; else, on a GPU with a
+    writable cache, the fastest on the bucket's timing texts (then kept); else the first. `requested` is "auto", a
+    kind, a name, or a {bucket: name} an earlier pick returned (a second Runner then runs exactly those kernels).
+    Where every bucket's kept kernel is known, only those are checked (each check costs time to `ready`)."""
+    family, exact = gpu_family(device), isinstance(requested, dict)
+    if exact and sorted(requested) != sorted(BUCKET_LABELS):
+        raise UserError(f"attention kernels per bucket must name each of {BUCKET_LABELS}")
+    options = {label: attention_candidates(requested[label] if exact else requested, family) for label in BUCKET_LABELS}
+    kept = {label: requested[label] if exact else picks.get(f"attention {requested} {label}") for label in BUCKET_LABELS}
+    offered = list(dict.fromkeys(c for label in BUCKET_LABELS for c in options[label]))
+    all_kept = all(kept[label] in [c[0] for c in options[label]] for label in BUCKET_LABELS)
+    report = check_attention([c for c in offered if c[0] in kept.values()] if all_kept else offered, device, cfg)
+    chosen, names = {}, {}
+    for label in BUCKET_LABELS:
+        allowed = [c[0] for c in options[label]]
+        keep = next((e for e in report if e["attend"] is not None and e["name"] == kept[label]), None)
+        if keep is not None and passes_bucket(keep, label, device, cfg):
+            chosen[label], names[label] = keep["attend"], keep["name"]
+            continue
+        if len(report) < len(offered):  # the kept kernel failed: every candidate is checked after all
+            checked = {e["name"] for e in report}
+            report += check_attention([c for c in offered if c[0] not in checked], device, cfg)
+        pool = sorted((e for e in report if e["attend"] is not None and e["name"] in allowed and e is not keep),
+                      key=lambda e: allowed.index(e["name"]))
+        timed = not exact and device.type in TIMED_DEVICES and len(pool) > 1 and picks.writable()
+        if timed:
+            time_attention(pool, label, device, cfg)
+            pool.sort(key=lambda e: attention_cost(e, label, cfg))
+        entry = next((e for e in pool if passes_bucket(e, label, device, cfg)), None)  # else the fixed order's first
+        if entry is None:
+            reasons = "; ".join(f"{e['name']}: " + (e.get("reason") or f"differs from float32 attention by "
+                                                    f"{e['bucket_error'][label]:.3g} on texts of {label} tokens")
+                                for e in report if e["name"] in allowed)
+            raise UserError(f"attention backend {requested!r} is unusable on {device}: {reasons}")
+        chosen[label], names[label] = entry["attend"], entry["name"]
+        if timed:
+            picks.put(f"attention {requested} {label}", entry["name"])
+    return names, bucketed_attention(chosen), report
 
 
 def rms_norm_f32(x, weight, eps):
@@ -1766,7 +1865,7 @@ class Runner:
         self.stats = {}
         log(f"loaded {cfg.num_hidden_layers}-layer Qwen3 ({self._model_bytes() / 1e9:.1f} GB) from {model_dir} "
             f"in {time.perf_counter() - t0:.1f} s on {self.device}, {self.load_mode} ({self.load_seconds}); "
-            f"attention: {self.attention}, elementwise kernels: {self.kernels.name}"
+            f"attention: {attention_summary(self.attention)}, elementwise kernels: {self.kernels.name}"
             + (f", BLAS: {self.blas}" if self.blas else ""))
         log(f"{plan.describe()}; {self.host_plan.describe()}")
 
@@ -2059,7 +2158,7 @@ class Runner:
         n = min(self.plan.chunk_tokens, 4096) if self.device.type == "cuda" else 64
         lengths = [n // 2, n // 2 - n // 8, n // 8 - 1]
         self.losses([torch.randint(self.cfg.vocab_size, (k,), generator=gen).tolist() for k in lengths])
-        if self.attention == "flash":  # a chunk of several texts has max_len <= chunk_tokens: 128, 256, ... that
+        if "flash" in self.attention.values():  # a chunk of several texts has max_len <= chunk_tokens: 128, 256, ...
             top = max_len_bucket(self.plan.chunk_tokens)
             for bucket in (128 << i for i in range(top.bit_length() - 7)):
                 self.attend(*attention_inputs(self.device, self.cfg, [bucket], seed=0))
@@ -2134,10 +2233,12 @@ def doctor(runner):
         measured = {m: h2d_gbps(dev, m) for m in PIN_METHODS}
         fig["lock_s_per_gb"] = {m: lock_s / (GiB / 1e9) for m, (_, lock_s) in measured.items()}
         fig["h2d_gbps"] = measured[runner.pin_method][0]
-    if cuda and len([e for e in runner.attention_report if e["attend"]]) > 1:
-        time_attention(runner.attention_report, dev, cfg)
+    # every candidate offered here, checked and timed per bucket (the start-up checks only the kept ones where known)
+    report = check_attention(attention_candidates("auto", fig["gpu_family"]), dev, cfg)
+    for label in BUCKET_LABELS if cuda else ():
+        time_attention([e for e in report if e["attend"] is not None], label, dev, cfg)
     fig["attention"] = runner.attention
-    fig["attention_candidates"] = [{k: v for k, v in e.items() if k != "attend"} for e in runner.attention_report]
+    fig["attention_candidates"] = [{k: v for k, v in e.items() if k != "attend"} for e in report]
     fig.update(kernels=runner.kernels.name, kernel_errors=runner.kernel_errors, blas=runner.blas)
     if cuda:
         w = next(iter(runner.streamer.resident.values()), None) or runner.streamer.slot_views[0]
@@ -2175,11 +2276,19 @@ def doctor(runner):
              f"{runner.lock_s:.1f} s" + (f"; 1 GiB locks in {fig['lock_s_per_gb']['register']:.2f} s/GB by "
                                          f"register, {fig['lock_s_per_gb']['alloc']:.2f} s/GB by alloc; "
                                          f"host->device {fig['h2d_gbps']:.1f} GB/s" if cuda else "")]
-    lines.append(f"attention  {runner.attention} (checked against float32 attention, texts of {CHECK_LENGTHS})")
+    lines.append(f"attention  by the longest text in a chunk: {attention_summary(runner.attention)} (checked against "
+                 f"float32 attention, texts of {CHECK_LENGTHS}, then each bucket's own)")
+    if cuda:
+        lines.append("  ms a chunk (first call) per bucket, * picked: " + ", ".join(
+            f"{label} timed on {len(timed)} texts of {sum(timed)} tokens" for label, _, timed, _ in ATTENTION_BUCKETS))
     for e in fig["attention_candidates"]:
-        state = (f"error {e['error']:.1e}" + (f", {e['time_ms']:.3f} ms per 8x512 tokens" if "time_ms" in e else "")
-                 if e["error"] is not None and "reason" not in e else f"refused: {e['reason'][:90]}")
-        lines.append(f"  {'*' if e['name'] == runner.attention else ' '} {e['name']:<14} {state}")
+        if "reason" in e:
+            state = f"refused: {e['reason'][:90]}"
+        else:
+            state = f"error {e['error']:.1e}" + "".join(
+                f"  {'*' if runner.attention[label] == e['name'] else ' '}{e['time_ms'][label]:7.3f} "
+                f"({e['first_ms'][label]:7.1f})" for label in BUCKET_LABELS if label in e.get("time_ms", {}))
+        lines.append(f"    {e['name']:<14} {state}")
     errors = ", ".join(f"{k} {v:.1e}" for k, v in runner.kernel_errors.items())
     lines.append(f"kernels    {runner.kernels.name}" + (f" (error against float32: {errors})" if errors else ""))
     if cuda:
@@ -2478,8 +2587,10 @@ def parse_args(argv):
                         "error (exit 2), not a silent CPU run")
     p.add_argument("--attention", default="auto", choices=["auto"] + ATTENTION_KINDS,
                    help="attention kernel: flash_attn's varlen kernel, prefill's own Triton kernel, torch's flash "
-                        "kernel, or SDPA per text (default: of those that run here and match float32 attention at "
-                        "start-up, the one kept in --picks; the first run on a GPU times them and keeps the fastest)")
+                        "kernel, torch's cuDNN SDPA per text (NVIDIA only), or SDPA per text (default: of those that "
+                        "run here and match float32 attention at start-up, per bucket of a chunk's longest text "
+                        f"({', '.join(BUCKET_LABELS)} tokens) the one kept in --picks; the first run on a GPU times "
+                        "them per bucket and keeps the fastest)")
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
                    help="per-token elementwise work (norms, RoPE, SiLU): fused Triton kernels or plain PyTorch "
                         "(default: Triton on a GPU where each kernel matches float32 math, else PyTorch)")

@@ -63,7 +63,10 @@ def test_a_kernel_wrong_only_past_its_first_key_tiles_is_refused(cfg, monkeypatc
         prefill.pick_attention("flash", CPU, cfg, picks)
     # the texts the check used before (37 and 100 tokens) never reach the fault: the long texts are what catches it
     monkeypatch.setattr(prefill, "CHECK_LENGTHS", [37, 100])
-    assert prefill.pick_attention("flash", CPU, cfg, picks)[0] == "flash"
+    assert prefill.check_attention(prefill.attention_candidates("flash", "cpu"), CPU, cfg)[0]["attend"] is not None
+    # ...and each bucket's own texts, checked through the dispatcher, catch it still
+    with pytest.raises(prefill.UserError, match="flash: differs from float32 attention by .* on texts of <=1024"):
+        prefill.pick_attention("flash", CPU, cfg, picks)
 
 
 def test_a_kernel_that_returns_nan_or_inf_is_refused(cfg, monkeypatch):
@@ -74,7 +77,7 @@ def test_a_kernel_that_returns_nan_or_inf_is_refused(cfg, monkeypatch):
             out[-1, 0, 0] = bad  # one value of the last row
             return out
         stand_in_flash(monkeypatch, attend)
-        report = prefill.check_attention("flash", CPU, cfg)
+        report = prefill.check_attention(prefill.attention_candidates("flash", "cpu"), CPU, cfg)
         assert report[0]["attend"] is None and report[0]["error"] == float("inf")
 
 
@@ -100,13 +103,105 @@ def test_picks_are_kept_per_machine_and_model(cfg, tmp_path):
 def test_attention_pick_follows_the_kept_choice_else_the_fixed_order(cfg, tmp_path, monkeypatch):
     stand_in_flash(monkeypatch, windowed_attention(10 ** 6))  # a correct flash: flash and sdpa both pass
     picks = prefill.Picks(tmp_path / "picks.json", prefill.machine_key(CPU, cfg))
-    assert prefill.pick_attention("auto", CPU, cfg, picks)[0] == "flash"  # nothing kept: first in order
-    picks.put("attention auto", "sdpa")
-    name, _, report = prefill.pick_attention("auto", CPU, cfg, picks)
-    assert name == "sdpa" and {e["name"] for e in report if e["attend"]} == {"flash", "sdpa"}
-    picks.put("attention auto", "triton 64x64")  # kept, but refused here: the first usable one instead
-    assert prefill.pick_attention("auto", CPU, cfg, picks)[0] == "flash"
-    assert picks.get("attention flash") is None  # each --attention value keeps its own pick
+    everywhere = dict.fromkeys(prefill.BUCKET_LABELS, "flash")
+    assert prefill.pick_attention("auto", CPU, cfg, picks)[0] == everywhere  # nothing kept: first in order
+    for label in prefill.BUCKET_LABELS:
+        picks.put(f"attention auto {label}", "sdpa")
+    names, _, report = prefill.pick_attention("auto", CPU, cfg, picks)
+    # every bucket's kernel kept: only that one is checked at start-up
+    assert names == dict.fromkeys(prefill.BUCKET_LABELS, "sdpa") and [e["name"] for e in report] == ["sdpa"]
+    picks.put("attention auto >4096", "triton 64x64")  # kept, but refused here: the first usable one instead
+    names, _, report = prefill.pick_attention("auto", CPU, cfg, picks)
+    assert names == {"<=1024": "sdpa", "<=4096": "sdpa", ">4096": "flash"} and len(report) > 2
+    assert picks.get("attention flash <=1024") is None  # each --attention value keeps its own picks
+
+
+def test_bucket_picks_are_timed_once_per_bucket_then_kept(cfg, tmp_path, monkeypatch):
+    stand_in_flash(monkeypatch, windowed_attention(10 ** 6))
+    monkeypatch.setattr(prefill, "TIMED_DEVICES", ("cpu",))
+    timed = []
+
+    def time_attention(entries, label, device, config, fast={"<=1024": "flash", "<=4096": "sdpa", ">4096": "sdpa"}):
+        timed.append(label)
+        for e in entries:  # the bucket's winner 1 ms, the others 2 ms; a first call (plan) amortised over the layers
+            e.setdefault("time_ms", {})[label] = 1.0 if e["name"] == fast[label] else 2.0
+            e.setdefault("first_ms", {})[label] = e["time_ms"][label]
+    monkeypatch.setattr(prefill, "time_attention", time_attention)
+    picks = prefill.Picks(tmp_path / "picks.json", prefill.machine_key(CPU, cfg))
+    want = {"<=1024": "flash", "<=4096": "sdpa", ">4096": "sdpa"}
+    names, attend, _ = prefill.pick_attention("auto", CPU, cfg, picks)
+    assert names == want and timed == prefill.BUCKET_LABELS
+    assert {label: picks.get(f"attention auto {label}") for label in prefill.BUCKET_LABELS} == want
+    # later runs: the same kernels, nothing timed, whatever a timing would say now
+    timed.clear()
+    monkeypatch.setattr(prefill, "time_attention", lambda *a: pytest.fail("timed again"))
+    for _ in range(2):
+        assert prefill.pick_attention("auto", CPU, cfg, picks)[0] == want
+    # a second Runner can ask for exactly these kernels; no writable picks file: nothing timed, the fixed order
+    assert prefill.pick_attention(dict(want), CPU, cfg, prefill.Picks(None, None))[0] == want
+    assert prefill.pick_attention("auto", CPU, cfg, prefill.Picks(None, None))[0] == dict.fromkeys(want, "flash")
+    with pytest.raises(prefill.UserError, match="must name each of"):
+        prefill.pick_attention({"<=1024": "sdpa"}, CPU, cfg, picks)
+
+
+def test_a_plan_built_per_length_counts_against_its_kernel(cfg):
+    # cuDNN builds a graph for each new text length, once a process; every layer then reuses it
+    fast_but_planning = {"time_ms": {"b": 1.0}, "first_ms": {"b": 1.0 + 64 * 2.0}}
+    steady = {"time_ms": {"b": 2.5}, "first_ms": {"b": 2.5}}
+    cfg.num_hidden_layers = 64
+    assert prefill.attention_cost(fast_but_planning, "b", cfg) == 3.0 > prefill.attention_cost(steady, "b", cfg)
+
+
+def test_the_dispatcher_runs_each_bucket_s_kernel_and_a_kernel_wrong_in_one_bucket_is_caught(cfg, monkeypatch):
+    ran = []
+
+    def recorder(label):
+        def attend(q, k, v, chunk):
+            ran.append(label)
+            return prefill.attention_sdpa(q, k, v, chunk)
+        return attend
+    attend = prefill.bucketed_attention({label: recorder(label) for label in prefill.BUCKET_LABELS})
+    for lengths, label in [([37, 1024], "<=1024"), ([1025, 3], "<=4096"), ([4096], "<=4096"), ([4097], ">4096")]:
+        q, k, v, chunk = prefill.attention_inputs(CPU, cfg, lengths, seed=0)
+        attend(q, k, v, chunk)
+        assert ran.pop() == label and prefill.attention_bucket(chunk.max_len) == label
+    # a flash right on texts of up to 4096 tokens only: it passes the general check and two buckets, not the third
+    stand_in_flash(monkeypatch, windowed_attention(4096))
+    picks = prefill.Picks(None, None)
+    names, attend, report = prefill.pick_attention("auto", CPU, cfg, picks)
+    assert names == {"<=1024": "flash", "<=4096": "flash", ">4096": "sdpa"}
+    flash = next(e for e in report if e["name"] == "flash")
+    assert flash["bucket_error"][">4096"] > prefill.CHECK_TOLERANCE >= flash["bucket_error"]["<=4096"]
+    q, k, v, chunk = prefill.attention_inputs(CPU, cfg, [4500], seed=5)
+    assert prefill.check_error(attend(q, k, v, chunk), prefill.attention_reference(q, k, v, chunk)) < 1e-2
+
+
+def test_cudnn_is_offered_on_nvidia_only(hip, monkeypatch):
+    props = types.SimpleNamespace(gcnArchName="gfx1100:sramecc-:xnack-", major=11, minor=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    family = prefill.gpu_family(hip)
+    assert family == "rdna3"
+    for fam in (family, "amd", "cpu"):
+        assert "cudnn" not in [kind for _, kind, _ in prefill.attention_candidates("auto", fam)]
+        with pytest.raises(prefill.UserError, match="'cudnn' is not offered on this GPU family"):
+            prefill.attention_candidates("cudnn", fam)
+    assert [name for name, _, _ in prefill.attention_candidates("cudnn", "nvidia")] == ["cudnn"]
+    # where torch cannot run it (here: no GPU), the check refuses it in one line instead of failing
+    report = prefill.check_attention([("cudnn", "cudnn", None)], CPU, prefill.Qwen3Config(**TINY))
+    assert report[0]["attend"] is None and report[0]["reason"]
+
+
+def test_an_attention_kernel_that_is_not_deterministic_is_refused(cfg, monkeypatch):
+    exact, calls = windowed_attention(10 ** 6), []
+
+    def attend(q, k, v, bounds):
+        out = exact(q, k, v, bounds)
+        calls.append(1)
+        out[0, 0, 0] += len(calls) * 2 ** -7 * out[0, 0, 0].abs()  # a few last bits that change from call to call
+        return out
+    stand_in_flash(monkeypatch, attend)
+    report = prefill.check_attention(prefill.attention_candidates("flash", "cpu"), CPU, cfg)
+    assert report[0]["attend"] is None and "other bits" in report[0]["reason"]
 
 
 # ----------------------------------------------------------------------------- ROCm decisions, HIP simulated
