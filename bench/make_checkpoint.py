@@ -80,8 +80,15 @@ def matrix_shapes(cfg: dict) -> dict[str, tuple[int, int, int]]:
 
 def flops_per_token(cfg: dict) -> float:
     """Matrix FLOPs per token: 2 x the parameters of every projection and of lm_head (SPEC §5: 63.97 G for
-    Qwen3-32B); attention's score/value products (~1% at these lengths) are left out."""
+    Qwen3-32B); attention's score/value products are attention_flops (~1% of a contest text's FLOPs)."""
     return float(sum(2 * n * k * count for n, k, count in matrix_shapes(cfg).values()))
+
+
+def attention_flops(cfg: dict, lengths: list[int]) -> float:
+    """Causal attention's FLOPs for texts of these token counts: q.k and p.v, 2 x head_dim each, per head, for each
+    of a text's n(n+1)/2 (query, key) pairs, in every layer (a 30k-token text: ~1/3 of its FLOPs)."""
+    per_pair = 4 * cfg["num_attention_heads"] * cfg["head_dim"] * cfg["num_hidden_layers"]
+    return float(sum(per_pair * n * (n + 1) // 2 for n in lengths if n >= 2))
 
 
 def checkpoint_bytes(cfg: dict) -> int:

