@@ -1451,13 +1451,14 @@ def time_attention(entries, label, device, cfg):
     lengths = next(timed for name, _, timed, _ in ATTENTION_BUCKETS if name == label)
     inputs = attention_inputs(device, cfg, lengths, seed=1)
     for entry in entries:
-        entry.setdefault("first_ms", {})[label], entry.setdefault("time_ms", {})[label] = attention_ms(entry["attend"],
-                                                                                                     inputs)
+        first, ms = attention_ms(entry["attend"], inputs)
+        entry.setdefault("first_ms", {})[label], entry.setdefault("time_ms", {})[label] = first, ms
 
 
 def attention_cost(entry, label, cfg):
     # per layer: a text's per-shape plan is made once per process and then serves every layer
-    return entry["time_ms"][label] + max(0.0, entry["first_ms"][label] - entry["time_ms"][label]) / cfg.num_hidden_layers
+    ms, first = entry["time_ms"][label], entry["first_ms"][label]
+    return ms + max(0.0, first - ms) / cfg.num_hidden_layers
 
 
 def pick_attention(requested, device, cfg, picks):
@@ -1470,7 +1471,8 @@ def pick_attention(requested, device, cfg, picks):
     if exact and sorted(requested) != sorted(BUCKET_LABELS):
         raise UserError(f"attention kernels per bucket must name each of {BUCKET_LABELS}")
     options = {label: attention_candidates(requested[label] if exact else requested, family) for label in BUCKET_LABELS}
-    kept = {label: requested[label] if exact else picks.get(f"attention {requested} {label}") for label in BUCKET_LABELS}
+    kept = {label: requested[label] if exact else picks.get(f"attention {requested} {label}")
+            for label in BUCKET_LABELS}
     offered = list(dict.fromkeys(c for label in BUCKET_LABELS for c in options[label]))
     all_kept = all(kept[label] in [c[0] for c in options[label]] for label in BUCKET_LABELS)
     report = check_attention([c for c in offered if c[0] in kept.values()] if all_kept else offered, device, cfg)
