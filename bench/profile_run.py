@@ -66,7 +66,7 @@ def main():
             per_kernel[e.name][1] += 1
     total = sum(v for k, v in per_kind.items() if k != "copy")  # copies run on their own stream, overlapped
     print(f"request: {len(texts)} texts, {sum(map(len, ids))} tokens, {plain_s:.3f} s unprofiled; "
-          f"{runner.attention} attention, {runner.kernels.name} kernels; {len(runner.plan.resident_layers)} resident layers")
+          f"{prefill.attention_summary(runner.attention)} attention, {runner.kernels.name} kernels; {len(runner.plan.resident_layers)} resident layers")
     print(f"{'kind':20s} {'GPU s':>8s} {'share':>7s}")
     for kind, secs in sorted(per_kind.items(), key=lambda kv: -kv[1]):
         share = f"{secs / total:6.1%}" if kind != "copy" else "(side)"
