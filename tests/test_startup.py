@@ -56,6 +56,18 @@ def test_attention_reference_is_causal_gqa_attention(cfg):
     assert prefill.check_error(windowed_attention(10 ** 6)(q.float(), k.float(), v.float(), [0, 5, 75]), want) < 1e-5
 
 
+def test_sdpa_in_blocks_of_query_rows_is_still_causal_attention(cfg, monkeypatch):
+    # the fallback bounds its scores by working in blocks of query rows: each block must see exactly its own past
+    q, k, v, chunk = prefill.attention_inputs(CPU, cfg, [70, 5, 130], seed=4)
+    want = prefill.attention_reference(q, k, v, chunk)
+    q, k, v = q.float(), k.float(), v.float()
+    monkeypatch.setattr(prefill, "SDPA_SCORES", cfg.num_attention_heads * 130 * 16)  # 16-row blocks of the longest
+    assert prefill.check_error(prefill.attention_sdpa(q, k, v, chunk), want) < 1e-5
+    tril = torch.Tensor.tril
+    monkeypatch.setattr(torch.Tensor, "tril", lambda t, d=0: tril(t, d + 1))  # one key of the future leaks in
+    assert prefill.check_error(prefill.attention_sdpa(q, k, v, chunk), want) > 1e-2
+
+
 def test_a_kernel_wrong_only_past_its_first_key_tiles_is_refused(cfg, monkeypatch):
     stand_in_flash(monkeypatch, windowed_attention(256))  # right for every key below 256: four 64-key tiles
     picks = prefill.Picks(None, None)
