@@ -1734,7 +1734,7 @@ class Runner:
 
         self.picks = Picks(default_picks_path() if picks is None else picks, machine_key(self.device, cfg))
         with ThreadPoolExecutor(4) as side:
-            # importing transformers takes seconds (9.5 s on a fresh H200 machine): it overlaps the loading
+            # the tokenizer (0.3 s from tokenizer.json, seconds where transformers must be imported) overlaps the loading
             tokenizer = side.submit(side_task, "tokenizer", load_tokenizer, model_dir)
             self.plan = plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens)
             lap("setup")
@@ -1929,7 +1929,7 @@ class Runner:
         return {key: buf for key, buf in loaded.items() if key not in host}, host
 
     def tokenize(self, texts):
-        return self.tokenizer(texts)["input_ids"] if texts else []
+        return self.tokenizer(texts) if texts else []
 
     def score(self, texts):
         """The Python API: scores texts (a list, or any iterable of strings, read as it goes) with the model kept
@@ -2068,7 +2068,65 @@ class Runner:
             torch.cuda.reset_peak_memory_stats(self.device)
 
 
+# Tokenizer classes whose tokenizer.json holds the whole tokenizer: transformers' fast class runs that file's
+# pipeline (encode_batch with add_special_tokens) and adds nothing of its own. For these, the `tokenizers` library
+# (Rust, a transformers dependency) loads it in 0.3 s, where importing transformers takes 5-10 s on the H200 machine
+# and holds the GIL against the loading threads meanwhile (bench/results/primitives/…-threads-tokenizer.json).
+# tests/test_prefill.py checks the ids against transformers' on texts with special tokens, unicode, empty strings.
+PLAIN_TOKENIZERS = ("Qwen2Tokenizer", "Qwen2TokenizerFast")
+# added-token fields that change how text is split; transformers adds a token the file lacks, or re-flags it
+ADDED_TOKEN_FIELDS = ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
+
+
+def plain_tokenizer(model_dir):
+    """`tokenizers.Tokenizer` of model_dir's tokenizer.json where it gives exactly transformers' ids; None where
+    anything in tokenizer_config.json would make transformers differ (or where either file is missing or odd):
+    then transformers loads it."""
+    model_dir = Path(model_dir)
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        spec = json.loads((model_dir / "tokenizer.json").read_text())
+        import tokenizers
+    except (OSError, ValueError, ImportError):
+        return None
+    if not isinstance(config, dict) or not isinstance(spec, dict) or not isinstance(spec.get("added_tokens"), list):
+        return None
+    added = {t.get("id"): t for t in spec["added_tokens"] if isinstance(t, dict)}
+    contents = {t.get("content") for t in added.values()}
+    declared = config.get("added_tokens_decoder") or {}
+    specials = [config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
+                                        "cls_token", "mask_token")] + list(config.get("additional_special_tokens") or [])
+    if (config.get("tokenizer_class") not in PLAIN_TOKENIZERS
+            or any(config.get(k) for k in ("add_bos_token", "add_eos_token", "add_prefix_space", "split_special_tokens",
+                                           "do_lower_case", "tokenizer_file"))
+            or spec.get("truncation") is not None or spec.get("padding") is not None
+            or not isinstance(declared, dict)
+            or not all(isinstance(t, dict) and str(i).isdigit() and int(i) in added
+                       and all(t.get(f) == added[int(i)].get(f) for f in ADDED_TOKEN_FIELDS)
+                       for i, t in declared.items())
+            or not all(s is None or (s.get("content") if isinstance(s, dict) else s) in contents for s in specials)):
+        return None
+    try:
+        return tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    except Exception:  # noqa: BLE001 (a file tokenizers cannot read: transformers reports what is wrong with it)
+        return None
+
+
 def load_tokenizer(model_dir):
+    """encode(texts) -> one list of token ids per text, as transformers' tokenizer(texts)["input_ids"] gives them
+    (SPEC §1): from tokenizer.json alone where that is the same (plain_tokenizer), else through transformers."""
+    plain = plain_tokenizer(model_dir)
+    if plain is not None:
+        def encode(texts):
+            return [e.ids for e in plain.encode_batch(texts, add_special_tokens=True)]
+    else:
+        encode = transformers_tokenizer(model_dir)
+    if not encode(["Hello, world."])[0]:  # a folder without tokenizer files gets an empty tokenizer: nan for every text
+        raise UserError(f"no usable tokenizer in {model_dir} (tokenizer.json, or vocab.json and merges.txt)")
+    return encode
+
+
+def transformers_tokenizer(model_dir):
     # The class AutoTokenizer would pick (tokenizer_config.json's tokenizer_class, its fast variant first), named
     # directly: AutoTokenizer's own import pulls in transformers' model-loading machinery (generation, sklearn,
     # torch.distributed.tensor), 4.8 s of imports on the H200 machine. AutoTokenizer where the name is unknown.
@@ -2076,19 +2134,17 @@ def load_tokenizer(model_dir):
     transformers.logging.set_verbosity_error()  # no "sequence longer than model_max_length" chatter on stderr
     try:
         name = json.loads((Path(model_dir) / "tokenizer_config.json").read_text()).get("tokenizer_class") or ""
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         name = ""
     named = [getattr(transformers, n, None) for n in (name + "Fast", name) if n.isidentifier()]
     cls = next((c for c in named if c is not None), None) or transformers.AutoTokenizer  # touched only if needed
     try:
         tokenizer = cls.from_pretrained(str(model_dir), trust_remote_code=False)
-        probe = tokenizer("Hello, world.")["input_ids"]
+        tokenizer("Hello, world.")
     except Exception as e:
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"cannot load the tokenizer from {model_dir}: {first_line[:300]}") from None
-    if not probe:  # a folder without tokenizer files gets an empty tokenizer: 0 tokens, a nan loss for every text
-        raise UserError(f"no usable tokenizer in {model_dir} (tokenizer.json, or vocab.json and merges.txt)")
-    return tokenizer
+    return lambda texts: tokenizer(texts)["input_ids"]
 
 
 # ----------------------------------------------------------------------------- doctor

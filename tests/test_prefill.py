@@ -344,24 +344,71 @@ def test_prefetch_reads_the_pages_not_in_the_page_cache_and_only_those(gqa_check
     assert [sum(r.result() for r in reads) for reads in ckpt.prefetch(3)] == [0] * len(ckpt.files)
 
 
-def test_tokenizer_is_autotokenizers_without_its_imports(qwen_tokenizer_dir, tmp_path):
-    # prefill names the tokenizer class itself (AutoTokenizer's imports cost seconds): same ids as AutoTokenizer,
-    # also through the AutoTokenizer fallback when tokenizer_config.json names no class
-    from transformers import AutoTokenizer
-    texts = TEXTS + ["<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nOk<|im_end|>\n"]
-    want = AutoTokenizer.from_pretrained(qwen_tokenizer_dir)(texts)["input_ids"]
-    assert prefill.load_tokenizer(qwen_tokenizer_dir)(texts)["input_ids"] == want
-    unnamed = tmp_path / "unnamed"
-    shutil.copytree(qwen_tokenizer_dir, unnamed)
-    config = json.loads((unnamed / "tokenizer_config.json").read_text())
-    del config["tokenizer_class"]
-    (unnamed / "tokenizer_config.json").write_text(json.dumps(config))
-    (unnamed / "config.json").write_text(json.dumps({"model_type": "qwen3"}))  # what AutoTokenizer falls back on
-    assert prefill.load_tokenizer(unnamed)(texts)["input_ids"] == want
-    check = ("import sys, prefill; prefill.load_tokenizer(sys.argv[1]); "
-             "assert 'transformers.models.auto.auto_factory' not in sys.modules")
+TOKENIZER_TEXTS = TEXTS + [
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nOk<|im_end|>\n",
+    "<|endoftext|><|im_start|><|im_end|>", "<|im_start |> <|im_end|x", "  leading and trailing spaces  ",
+    "naïve café, Ångström, e\u0301 (a combining accent: NFC), ﬁ ligature, ㎏, 日本語のテキスト, 한국어, العربية",
+    "emoji 🤖👩‍👩‍👧 and a zero-width joiner, \u200b, \ufeff", "tabs\tand\r\nwindows\rlines\n\n\n", "\\frac{a}{b} $$\\sum_{i=1}^n i^2$$",
+    "don't I'LL we'Re", "1234567890 3.14159 1e-10", "\x00\x01\x7f control characters", "a" * 3000,
+]
+
+
+def test_tokenizer_from_tokenizer_json_gives_transformers_ids_without_importing_it(qwen_tokenizer_dir,
+                                                                                  qwen_tokenizer):
+    # prefill encodes with `tokenizers` from tokenizer.json alone (transformers' import costs seconds before `ready`):
+    # the ids must be transformers' own, on fixed texts and on fuzzed ones
+    assert prefill.plain_tokenizer(qwen_tokenizer_dir) is not None  # the plain path is the one under test
+    encode = prefill.load_tokenizer(qwen_tokenizer_dir)
+    assert encode(TOKENIZER_TEXTS) == qwen_tokenizer(TOKENIZER_TEXTS)["input_ids"]
+    specials = st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", " ", "\n"])
+    texts = st.lists(st.one_of(st.text(max_size=40), specials), max_size=12).map("".join)
+
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None)
+    @given(batch=st.lists(texts, min_size=1, max_size=4))
+    def same_ids(batch):
+        assert encode(batch) == qwen_tokenizer(batch)["input_ids"]
+    same_ids()
+    check = ("import sys, prefill; prefill.load_tokenizer(sys.argv[1]); assert 'transformers' not in sys.modules")
     p = subprocess.run([sys.executable, "-c", check, str(qwen_tokenizer_dir)], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
+
+
+def test_tokenizer_configs_that_transformers_would_change_go_through_transformers(qwen_tokenizer_dir, tmp_path):
+    # Whatever tokenizer_config.json adds to tokenizer.json, transformers applies and `tokenizers` alone would not: such
+    # folders fall back to transformers (the class it names, or AutoTokenizer), and give transformers' ids
+    from transformers import AutoTokenizer
+    import tokenizers
+
+    def variant(name, change_config=None, change_spec=None):
+        folder = tmp_path / name
+        shutil.copytree(qwen_tokenizer_dir, folder)
+        for file, change in (("tokenizer_config.json", change_config), ("tokenizer.json", change_spec)):
+            if change:
+                data = json.loads((folder / file).read_text())
+                change(data)
+                (folder / file).write_text(json.dumps(data))
+        (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))  # what AutoTokenizer falls back on
+        return folder
+
+    extra = {"content": "<extra_tok>", "lstrip": False, "rstrip": False, "normalized": False, "single_word": False,
+             "special": True}
+    folders = {
+        "added": variant("added", lambda c: c["added_tokens_decoder"].update({"151669": extra})),
+        "reflagged": variant("reflagged", lambda c: c["added_tokens_decoder"]["151644"].update(lstrip=True)),
+        "bos": variant("bos", lambda c: c.update(add_bos_token=True, bos_token="<|endoftext|>")),
+        "unnamed": variant("unnamed", lambda c: c.pop("tokenizer_class")),
+        "truncating": variant("truncating", change_spec=lambda s: s.update(truncation={
+            "direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0})),
+    }
+    texts = TOKENIZER_TEXTS + ["a <extra_tok> b", " <|im_start|>x"]
+    differs = 0
+    for name, folder in folders.items():
+        assert prefill.plain_tokenizer(folder) is None, name
+        want = AutoTokenizer.from_pretrained(folder)(texts)["input_ids"]
+        assert prefill.load_tokenizer(folder)(texts) == want, name
+        raw = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        differs += [e.ids for e in raw.encode_batch(texts)] != want
+    assert differs >= 2  # where the file alone would have given other ids: the fallback is what makes them equal
 
 
 def test_checkpoint_problems_are_named(gqa_checkpoint, tmp_path):
