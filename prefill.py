@@ -1734,7 +1734,7 @@ class Runner:
 
         self.picks = Picks(default_picks_path() if picks is None else picks, machine_key(self.device, cfg))
         with ThreadPoolExecutor(4) as side:
-            # the tokenizer (0.3 s from tokenizer.json, seconds where transformers must be imported) overlaps the loading
+            # the tokenizer (0.3 s from tokenizer.json, seconds when transformers is imported) overlaps the loading
             tokenizer = side.submit(side_task, "tokenizer", load_tokenizer, model_dir)
             self.plan = plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens)
             lap("setup")

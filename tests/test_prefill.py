@@ -347,8 +347,9 @@ def test_prefetch_reads_the_pages_not_in_the_page_cache_and_only_those(gqa_check
 TOKENIZER_TEXTS = TEXTS + [
     "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nOk<|im_end|>\n",
     "<|endoftext|><|im_start|><|im_end|>", "<|im_start |> <|im_end|x", "  leading and trailing spaces  ",
-    "naïve café, Ångström, e\u0301 (a combining accent: NFC), ﬁ ligature, ㎏, 日本語のテキスト, 한국어, العربية",
-    "emoji 🤖👩‍👩‍👧 and a zero-width joiner, \u200b, \ufeff", "tabs\tand\r\nwindows\rlines\n\n\n", "\\frac{a}{b} $$\\sum_{i=1}^n i^2$$",
+    "naïve café, Ångström, e\u0301 (a combining accent: NFC), ﬁ ligature, ㎏",
+    "日本語のテキスト, 한국어, العربية", "emoji 🤖👩‍👩‍👧 and a zero-width joiner, \u200b, \ufeff",
+    "tabs\tand\r\nwindows\rlines\n\n\n", "\\frac{a}{b} $$\\sum_{i=1}^n i^2$$",
     "don't I'LL we'Re", "1234567890 3.14159 1e-10", "\x00\x01\x7f control characters", "a" * 3000,
 ]
 
