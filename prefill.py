@@ -2094,8 +2094,8 @@ def plain_tokenizer(model_dir):
     added = {t.get("id"): t for t in spec["added_tokens"] if isinstance(t, dict)}
     contents = {t.get("content") for t in added.values()}
     declared = config.get("added_tokens_decoder") or {}
-    specials = [config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
-                                        "cls_token", "mask_token")] + list(config.get("additional_special_tokens") or [])
+    specials = [config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                                        "mask_token")] + list(config.get("additional_special_tokens") or [])
     if (config.get("tokenizer_class") not in PLAIN_TOKENIZERS
             or any(config.get(k) for k in ("add_bos_token", "add_eos_token", "add_prefix_space", "split_special_tokens",
                                            "do_lower_case", "tokenizer_file"))
@@ -2104,7 +2104,8 @@ def plain_tokenizer(model_dir):
             or not all(isinstance(t, dict) and str(i).isdigit() and int(i) in added
                        and all(t.get(f) == added[int(i)].get(f) for f in ADDED_TOKEN_FIELDS)
                        for i, t in declared.items())
-            or not all(s is None or (s.get("content") if isinstance(s, dict) else s) in contents for s in specials)):
+            or not all(s is None or isinstance(s, str) and s in contents
+                       for s in (s.get("content") if isinstance(s, dict) else s for s in specials))):
         return None
     try:
         return tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
