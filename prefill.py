@@ -30,7 +30,7 @@ import time
 import traceback
 import warnings
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -303,7 +303,7 @@ class Checkpoint:
             raise UserError(f"{model_dir} holds no *.safetensors weights")
         self.files = []    # (fd, copy-on-write map) per file
         self.shared = {}   # file index -> uint8 tensor over a shared read-only map of the whole file
-        self.locked = []   # file indices whose shared map is page-locked
+        self.locked = []   # views of the shared maps that are page-locked
         self.lock_seconds = 0.0  # spent page-locking
         self.read_ahead_bytes = 0  # read into the page cache by prefetch() before locking
         self.tensors = {}  # name -> (file index, dtype, shape, byte offset, byte count)
@@ -382,10 +382,25 @@ class Checkpoint:
         file, _, _, offset, nbytes = self.tensors[name]
         return self._shared_map(file)[offset:offset + nbytes]
 
-    def prefetch(self, workers):
-        """Reads the files' pages that are not in the page cache yet, from `workers` threads in file order; returns per
-        file the Futures of its reads (each gives the bytes it read). Page-locking faults a file's missing pages in
-        from one thread: 1.6 GB/s from the H200 machine's local disk (SPEC §9), where a disk's bandwidth takes
+    def spans(self, names):
+        """[(file, start, end)]: the page-aligned byte ranges of the files that hold the tensors `names`, overlapping
+        ones merged (registrations may not overlap), so that each tensor lies inside one range: a layer whose tensors
+        lie together in a file (as safetensors writers put them) is one range, a run of consecutive layers too."""
+        ranges = sorted((file, offset // PAGE * PAGE, min(-(-(offset + nbytes) // PAGE) * PAGE, len(data)))
+                        for file, _, _, offset, nbytes in map(self.tensors.get, names) if nbytes
+                        for data in [self.files[file][1]])
+        merged = []
+        for file, start, end in ranges:
+            if merged and merged[-1][0] == file and start < merged[-1][2]:
+                merged[-1] = (file, merged[-1][1], max(end, merged[-1][2]))
+            else:
+                merged.append((file, start, end))
+        return merged
+
+    def prefetch(self, spans, workers):
+        """Reads the pages of spans (from spans()) that are not in the page cache yet, from `workers` threads in order;
+        returns per span the Futures of its reads (each gives the bytes it read). Page-locking faults missing pages
+        in from one thread: 1.6 GB/s from the H200 machine's local disk (SPEC §9), where a disk's bandwidth takes
         several reads in flight. Pages already cached (mincore) are not read again: a warm load costs no copy."""
         pool, local = Workers(workers, "prefill-prefetch"), threading.local()
         bases = [self._shared_map(file).data_ptr() for file in range(len(self.files))]  # maps made here, not racing
@@ -400,32 +415,30 @@ class Checkpoint:
                 done += got
             return done
 
-        reads = [[pool.submit(read, file, offset, min(PREFETCH_PIECE, len(data) - offset))
-                  for offset in range(0, len(data), PREFETCH_PIECE)] for file, (_, data) in enumerate(self.files)]
+        reads = [[pool.submit(read, file, offset, min(PREFETCH_PIECE, end - offset))
+                  for offset in range(start, end, PREFETCH_PIECE)] for file, start, end in spans]
         pool.close()
         return reads
 
-    def lock(self, on_locked, workers=16):
-        """Page-locks each file's page cache in place, read-only (0.06-0.08 s/GiB on the H200 machine, and no host
-        copy), calling on_locked(file) as each file is done, and says whether every file could be locked (a refusal:
-        no read-only registration on this platform, too little memory). One file after the other: registering from
-        8 threads was no faster (0.51 vs 0.61 s for 8 GiB), and files done one by one let their copies start early;
-        each file once prefetch() has read its pages in, from `workers` threads ahead of the registrations.
-        The pages stay locked until unlock(); the maps must outlive the registration."""
-        reads = self.prefetch(workers)
-        for file in range(len(self.files)):
-            self.read_ahead_bytes += sum(r.result() for r in reads[file])
-            t, start = self._shared_map(file), time.perf_counter()
+    def lock(self, spans, workers=16):
+        """Page-locks the spans' page cache in place, read-only (0.06 s/GiB on the H200 machine, and no host copy),
+        one span after the other, each once prefetch() has read its pages in, from `workers` threads ahead of the
+        registrations (registering from 8 threads was no faster: 0.51 vs 0.61 s for 8 GiB). Says whether every span
+        could be locked (a refusal: no read-only registration on this platform, too little memory, pages another
+        Runner holds locked). The pages stay locked until unlock(); the maps must outlive the registration."""
+        reads = self.prefetch(spans, workers)
+        for (file, start, end), span_reads in zip(spans, reads):
+            self.read_ahead_bytes += sum(r.result() for r in span_reads)
+            t, begin = self._shared_map(file)[start:end], time.perf_counter()
             ok = host_register(t, HOST_REGISTER_READ_ONLY)
-            self.lock_seconds += time.perf_counter() - start
+            self.lock_seconds += time.perf_counter() - begin
             if not ok:
                 return False
-            self.locked.append(file)
-            on_locked(file)
+            self.locked.append(t)
         return True
 
     def unlock(self):
-        unpin_all(self.shared[file] for file in self.locked)
+        unpin_all(self.locked)
         self.locked = []
 
 
@@ -553,7 +566,9 @@ class Stager:
         self.cuda = device.type == "cuda"
         numel = STAGING_BYTES // DTYPE.itemsize
         if self.cuda:
-            pinned = [pinned_empty(numel, method, lambda buf: None) for _ in range(2)]
+            # the pages touched here, by the loading thread: registering fresh memory would fault them in on the one
+            # registrar thread (0.44 s/GiB against 0.04 once they exist, bench/results/primitives/…-load-compute.json)
+            pinned = [pinned_empty(numel, method, lambda buf: buf.zero_()) for _ in range(2)]
             self.buffers, self.registered = [b for b, _ in pinned], [b for b, registered in pinned if registered]
             self.stream = torch.cuda.Stream(device)
             self.copied = [torch.cuda.Event(), torch.cuda.Event()]
@@ -682,11 +697,11 @@ def filesystem_type(path, mounts="/proc/mounts"):
     return best[1]
 
 
-def map_lock_bytes(ckpt):
-    # host memory that page-locking the checkpoint's pages in place takes from MemAvailable: none for files on tmpfs
+def map_lock_bytes(ckpt, spans):
+    # host memory that page-locking the spans' pages in place takes from MemAvailable: none for files on tmpfs
     # (already unreclaimable, and left out of MemAvailable: seen on the H200 machine, where a checkpoint in /dev/shm
-    # left 37 GB "available"), else the files' size (page cache counts as available until it is locked)
-    return 0 if filesystem_type(ckpt.model_dir) in ("tmpfs", "ramfs") else ckpt.nbytes
+    # left 37 GB "available"), else their size (page cache counts as available until it is locked)
+    return 0 if filesystem_type(ckpt.model_dir) in ("tmpfs", "ramfs") else sum(end - start for _, start, end in spans)
 
 
 RING_SLOTS = 3  # storage ring: one layer being copied out, the next read, one more read ahead to absorb jitter
@@ -694,7 +709,8 @@ RING_SLOTS = 3  # storage ring: one layer being copied out, the next read, one m
 
 @dataclass
 class HostPlan:
-    """Where the streamed layers live on the host: the checkpoint's page cache locked in place (load "map"), pinned
+    """Where the streamed layers live on the host: their pages of the checkpoint's page cache locked in place (load
+    "map"), pinned
     copies (load "copy"), or, for what the budget cannot hold, nowhere: read from storage every wave into a ring of
     pinned buffers. Prefill is layer-major, so storage is read once per wave, never once per text."""
     budget_bytes: object     # host memory the plan may lock; None: no limit (not known, or the CPU by default)
@@ -703,7 +719,7 @@ class HostPlan:
     storage_layers: tuple    # streamed layers read from storage every wave, spread evenly among the streamed ones
     ring_slots: int          # the storage ring's buffers, one layer each
     locked_bytes: int        # page cache locked in place ("map")
-    pinned_bytes: int        # pinned copies, the ring, and the loading threads' staging buffers
+    pinned_bytes: int        # the loading threads' staging buffers, pinned copies, the ring
     layer_bytes: int
 
     def describe(self):
@@ -718,12 +734,12 @@ class HostPlan:
 def plan_host(cfg, streamed, budget, requested="auto", device=torch.device("cpu"), bf16_files=True, map_bytes=0,
               pin="register", staging_bytes=0):
     """The host side of the plan (see HostPlan) for the GPU plan's streamed layers within budget bytes (None: no
-    limit). map_bytes: what locking the checkpoint in place costs (map_lock_bytes); staging_bytes: the pinned
-    buffers the loading threads use while copying resident weights (copy only). Map where asked for, or on "auto"
-    where the files are bf16, the platform is not ROCm and it fits; else as many pinned copies as fit beside a
-    ring, the rest from storage. ROCm never maps unless asked: HIP documents its read-only registration flag as
-    ignored on AMD devices (hip_runtime_api.h), so a refusal never comes to trigger the fallback, and registering
-    ~65 GB of page cache goes through amdkfd's SVM path (see pin_method) in one call per file."""
+    limit). map_bytes: what locking the streamed layers' pages in place costs (map_lock_bytes); staging_bytes: the
+    pinned buffers the loading threads use while copying resident weights. Map where asked for, or on "auto" where
+    the files are bf16, the platform is not ROCm and it fits; else as many pinned copies as fit beside a ring, the
+    rest from storage. ROCm never maps unless asked: HIP documents its read-only registration flag as ignored on AMD
+    devices (hip_runtime_api.h), so a refusal never comes to trigger the fallback, and registering ~20 GB of page
+    cache goes through amdkfd's SVM path (see pin_method) in calls of a layer or more."""
     n, layer = len(streamed), pinned_bytes(cfg.layer_bytes, pin)
 
     def fits(nbytes):
@@ -732,17 +748,18 @@ def plan_host(cfg, streamed, budget, requested="auto", device=torch.device("cpu"
     def plan(load, pinned=(), storage=(), ring=0):
         return HostPlan(budget_bytes=budget, load=load, pinned_layers=tuple(pinned), storage_layers=tuple(storage),
                         ring_slots=ring, locked_bytes=map_bytes if load == "map" else 0,
-                        pinned_bytes=0 if load == "map" else staging_bytes + (len(pinned) + ring) * layer,
+                        pinned_bytes=staging_bytes + (len(pinned) + ring) * layer,
                         layer_bytes=cfg.layer_bytes)
 
     hip = device.type == "cuda" and torch.version.hip is not None
-    if requested == "map" or (requested == "auto" and bf16_files and not hip and fits(map_bytes)):
+    if requested == "map" or (requested == "auto" and bf16_files and not hip and fits(staging_bytes + map_bytes)):
         if not bf16_files:
             raise UserError("--load map: the checkpoint cannot be page-locked in place here (it needs bf16 files "
                             "and read-only host-memory registration); --load copy works everywhere")
-        if not fits(map_bytes):
-            raise UserError(f"--load map would page-lock the whole checkpoint ({map_bytes / 1e9:.1f} GB) but the "
-                            f"host memory budget is {budget / 1e9:.1f} GB; --load copy fits any budget it can")
+        if not fits(staging_bytes + map_bytes):
+            raise UserError(f"--load map would page-lock the streamed layers' pages and the loading buffers "
+                            f"({(staging_bytes + map_bytes) / 1e9:.1f} GB) but the host memory budget is "
+                            f"{budget / 1e9:.1f} GB; --load copy fits any budget it can")
         return plan("map")
     if fits(staging_bytes + n * layer):
         return plan("copy", streamed)
@@ -1785,7 +1802,7 @@ class Runner:
                 + (0 if self.lm_head is self.embed else self.lm_head.nbytes))
 
     def _load_weights(self, ckpt, fixed, workers, load, host_memory_gib):
-        # jobs: the big fixed matrices first (each one thread's job of a layer's size in the copy path), then layers
+        # jobs: the big fixed matrices first (each one thread's job of a layer's size), then the layers
         cfg, cuda = self.cfg, self.device.type == "cuda"
         jobs = {name: ([(name, 0, math.prod(shape))], shape) for name, shape in fixed}
         jobs.update({i: (layer_tensors(cfg, i), (cfg.layer_numel,)) for i in range(cfg.num_hidden_layers)})
@@ -1800,78 +1817,49 @@ class Runner:
         budget = int(host_memory_gib * GiB) if host_memory_gib is not None else self.host_spare_bytes if cuda else None
         bf16 = ckpt.is_bf16(name for tensors, _ in jobs.values() for name, _, _ in tensors)
         staging = 2 * workers * pinned_bytes(STAGING_BYTES, self.pin_method) if cuda else 0
+        streamed = self.plan.streamed_layers
+        spans = ckpt.spans(name for i in streamed for name, _, _ in jobs[i][0])  # what "map" locks
 
         def host_plan(requested):
-            return plan_host(cfg, self.plan.streamed_layers, budget, requested, self.device, bf16,
-                             map_lock_bytes(ckpt), self.pin_method, staging)
+            return plan_host(cfg, streamed, budget, requested, self.device, bf16, map_lock_bytes(ckpt, spans),
+                             self.pin_method, staging)
 
         self.host_plan = host_plan(load)
-        loaded = self._load_mapped(ckpt, jobs, workers) if self.host_plan.load == "map" else None
-        if load == "map" and loaded is None:
-            raise UserError("--load map: this platform refused to page-lock the checkpoint's pages in place; "
-                            "--load copy works everywhere")
-        self.load_mode = "copied" if loaded is None else "mapped"
-        if loaded is None:
-            if self.host_plan.load == "map":  # refused by the platform
-                self.host_plan = host_plan("copy")
-            for layer in self.host_plan.storage_layers:  # read from storage every wave, not now
-                del jobs[layer]
-            loaded = self._load_copied(ckpt, jobs, workers)
-        else:
-            self.lock_s = ckpt.lock_seconds
-            self.load_seconds = (f"in place: lock {ckpt.lock_seconds:.1f}, total {time.perf_counter() - t:.1f} s; "
-                                 f"{ckpt.read_ahead_bytes / 1e9:.1f} GB of it read ahead")
-            self.locked_host += [ckpt.shared[file] for file in ckpt.locked]
-        on_device, pieces = loaded
-        host, plan = HeldLayers(pieces), self.host_plan
+        on_device, pieces, locked = self._load(ckpt, jobs, workers, spans)
+        if not locked:  # the platform refused to lock the pages in place: pinned copies of the streamed layers
+            ckpt.unlock()
+            if load == "map":
+                raise UserError("--load map: this platform refused to page-lock the checkpoint's pages in place; "
+                                "--load copy works everywhere")
+            self.host_plan = host_plan("copy")
+            _, pieces, _ = self._load(ckpt, {i: jobs[i] for i in streamed}, workers, spans)
+        plan = self.host_plan
+        self.load_mode = "mapped" if plan.load == "map" else "copied"
+        self.load_seconds += f", total {time.perf_counter() - t:.1f} s"
+        self.locked_host += ckpt.locked
+        host = HeldLayers(pieces)
         if plan.storage_layers:
-            host = StorageRing(ckpt, cfg, self.plan.streamed_layers, plan.storage_layers, host, plan.ring_slots,
-                               self.device, self.pin_method, workers)
+            host = StorageRing(ckpt, cfg, streamed, plan.storage_layers, host, plan.ring_slots, self.device,
+                               self.pin_method, workers)
             self.locked_host += host.registered
-        # page-locked for the run: the locked files, or the pinned copies and the ring (the staging buffers are gone)
-        self.pinned_host_bytes = (0 if not cuda else plan.pinned_bytes - staging if self.load_mode == "copied" else
-                                  sum(ckpt.shared[file].nbytes for file in ckpt.locked))
+        # page-locked for the run: the locked pages, or the pinned copies and the ring (the staging buffers are gone)
+        self.pinned_host_bytes = (0 if not cuda else plan.pinned_bytes - staging if plan.load == "copy" else
+                                  sum(t.nbytes for t in ckpt.locked))
         return on_device, host
 
-    def _load_mapped(self, ckpt, jobs, workers):
-        # Everything is copied straight out of the page-locked page cache: no host copy, no CPU work. A file's
-        # tensors are copied as soon as it is locked, while the next files lock. None where locking is refused.
-        cuda = self.device.type == "cuda"
-        on_device, copies = {}, {}  # copies: file -> [(device bytes, checkpoint tensor)]
-        for key, (tensors, shape) in jobs.items():
-            if key in self.plan.streamed_layers:
-                continue
-            on_device[key] = torch.empty(shape, dtype=DTYPE, device=self.device)
-            flat = on_device[key].view(-1)
-            for name, offset, count in tensors:
-                copies.setdefault(ckpt.file_of(name), []).append((byte_range(flat, offset, count), name))
-        stream = torch.cuda.Stream(self.device) if cuda else None
-
-        def copy_file(file):
-            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                for dst, name in copies.get(file, []):
-                    dst.copy_(ckpt.raw(name), non_blocking=cuda)
-
-        if cuda:
-            locked = ckpt.lock(copy_file, workers)
-            stream.synchronize()
-            if not locked:
-                ckpt.unlock()
-                return None
-        else:  # nothing to lock: plain copies out of the maps
-            for file in copies:
-                copy_file(file)
-        host = {i: [(ckpt.raw(name), offset * DTYPE.itemsize) for name, offset, _ in jobs[i][0]]
-                for i in self.plan.streamed_layers}
-        return on_device, host
-
-    def _load_copied(self, ckpt, jobs, workers):
-        # Streamed layers: exact-size host buffers, filled straight from the checkpoint, then pinned (cheap once the
-        # pages exist). What stays on the device goes through each thread's Stager, so it needs no pinned host
-        # copy: pinning is paid for the streamed bytes only.
-        dev = self.device
-        local, stagers, lock = threading.local(), [], threading.Lock()
-        seconds = {"fill": 0.0, "pin": 0.0, "stage": 0.0}  # thread-seconds: streamed layers read, pinned; rest staged
+    def _load(self, ckpt, jobs, workers, spans):
+        """Loads jobs as the host plan says; returns (device buffers of the resident ones, streamed layer -> [(host
+        bytes, offset)], whether the pages could be locked in place). Resident weights go through each loading
+        thread's Stager: no page-locked host copy of them. Streamed layers are held as "map": the checkpoint's page
+        cache locked in place (spans), on a thread of its own while the loading threads stage, as the two overlap
+        (rates in bench/NOTES.md); or as "copy": exact-size host buffers filled straight from the checkpoint, then
+        pinned (cheap once the pages exist); or, the plan's storage layers, not now: read every wave."""
+        dev, plan = self.device, self.host_plan
+        cuda, mapped = dev.type == "cuda", plan.load == "map"
+        streamed = set(self.plan.streamed_layers)
+        todo = [key for key in jobs if key not in streamed or not mapped and key not in plan.storage_layers]
+        local, stagers, lock = threading.local(), queue.SimpleQueue(), threading.Lock()
+        seconds = {"stage": 0.0} if mapped else {"fill": 0.0, "pin": 0.0, "stage": 0.0}  # thread-seconds
 
         def add(phase, s):
             with lock:
@@ -1879,9 +1867,7 @@ class Runner:
 
         def stage(tensors, shape):
             if not hasattr(local, "stager"):
-                local.stager = Stager(dev, self.pin_method)
-                with lock:
-                    stagers.append(local.stager)
+                local.stager = stagers.get()
             out = torch.empty(shape, dtype=DTYPE, device=dev)
             flat = out.view(-1)
             for name, offset, count in tensors:
@@ -1897,11 +1883,11 @@ class Runner:
         def load(key):
             tensors, shape = jobs[key]
             t = time.perf_counter()
-            if key not in self.plan.streamed_layers:
+            if key not in streamed:
                 out = stage(tensors, shape)
                 add("stage", time.perf_counter() - t)
                 return out
-            if dev.type != "cuda":
+            if not cuda:
                 flat = host_empty(math.prod(shape))
                 fill(tensors, flat)
                 return flat
@@ -1912,21 +1898,44 @@ class Runner:
                     self.locked_host.append(flat)
             return flat
 
-        threads = torch.get_num_threads()
+        threads, made = torch.get_num_threads(), []
         torch.set_num_threads(1)  # the loading threads' own copies: torch's intra-op threads would oversubscribe
         try:
             with ThreadPoolExecutor(workers) as pool:
-                loaded = dict(zip(jobs, pool.map(load, jobs)))
+                # every Stager's buffers are pinned before the lock's long registrations take the registrar thread
+                if any(key not in streamed for key in todo):
+                    made = list(pool.map(lambda _: Stager(dev, self.pin_method), range(workers)))
+                for stager in made:
+                    stagers.put(stager)
+                locking = None
+                if mapped and cuda:
+                    locker = Workers(1, "prefill-locker")
+                    locking = locker.submit(ckpt.lock, spans, workers)
+                    locker.close()
+                try:
+                    loaded = dict(zip(todo, pool.map(load, todo)))
+                    locked = locking is None or locking.result()
+                except BaseException:
+                    if locking is not None:  # nothing stays locked, or goes on locking, behind the error
+                        wait([locking])
+                        ckpt.unlock()
+                    raise
         finally:
             torch.set_num_threads(threads)
-            for stager in stagers:
+            for stager in made:
                 stager.close()  # waits for its last copies
-        seconds["pin"] -= seconds["fill"] if dev.type == "cuda" else 0.0
-        self.lock_s = seconds["pin"]
-        self.load_seconds = f"{workers} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + " s"
-        host = {i: [(byte_range(loaded[i], offset, count), offset * DTYPE.itemsize) for _, offset, count in jobs[i][0]]
-                for i in self.plan.streamed_layers if i in jobs}
-        return {key: buf for key, buf in loaded.items() if key not in host}, host
+        if mapped:
+            self.lock_s = ckpt.lock_seconds
+            self.load_seconds = (f"in place: lock {ckpt.lock_seconds:.1f} s, {ckpt.read_ahead_bytes / 1e9:.1f} GB read "
+                                 f"ahead; {workers} threads: stage {seconds['stage']:.1f} s")
+            host = {i: [(ckpt.raw(name), offset * DTYPE.itemsize) for name, offset, _ in jobs[i][0]] for i in streamed}
+        else:
+            seconds["pin"] -= seconds["fill"] if cuda else 0.0
+            self.lock_s = seconds["pin"]
+            self.load_seconds = f"{workers} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + " s"
+            host = {i: [(byte_range(loaded[i], offset, count), offset * DTYPE.itemsize) for _, offset, count in
+                        jobs[i][0]] for i in streamed if i in loaded}
+        return {key: buf for key, buf in loaded.items() if key not in streamed}, host, locked
 
     def tokenize(self, texts):
         return self.tokenizer(texts) if texts else []
@@ -2547,11 +2556,12 @@ def parse_args(argv):
                    help="tokens kept on the GPU across all layers; larger requests run in several waves, "
                         "each streaming the layers again (default 65536)")
     p.add_argument("--load", default="auto", choices=["auto", "map", "copy"],
-                   help="map: page-lock the checkpoint files' page cache in place and copy to the GPU straight from "
-                        "it (no host copy; the whole checkpoint stays locked in RAM while prefill runs); copy: pinned "
-                        "copies of the streamed layers that --host-memory can hold, the others read from storage "
-                        "every wave; auto: map on NVIDIA where the platform allows it, the files hold bf16 and "
-                        "--host-memory holds the checkpoint, else copy (always copy on ROCm)")
+                   help="map: page-lock the streamed layers' pages of the checkpoint's page cache in place and "
+                        "copy them to the GPU straight from there (no host copy; those pages stay locked in RAM while "
+                        "prefill runs); copy: pinned copies of the streamed layers that --host-memory can hold, the "
+                        "others read from storage every wave; either way the resident weights reach the GPU through "
+                        "small pinned staging buffers; auto: map on NVIDIA where the platform allows it, the files "
+                        "hold bf16 and --host-memory holds the streamed layers' pages, else copy (always copy on ROCm)")
     p.add_argument("--host-memory", type=bounded(float, 0, 2**20), metavar="GIB",
                    help="host memory the runner may page-lock (default: MemAvailable less a margin of 5%% of RAM, at "
                         "least 2 GiB, within the cgroup's limit); the streamed layers it cannot hold are read from "

@@ -154,6 +154,11 @@ def weight_bytes(cfg):  # one layer's weights, without the alignment gaps of its
     return 2 * sum(count for _, _, count in prefill.layer_tensors(cfg, 0))
 
 
+def one_resident_gib(cfg):  # a GPU memory cap that keeps one layer resident (two slots and two would be all four)
+    p = prefill.plan_memory(cfg, 0)
+    return (p.fixed_bytes + p.working_bytes + p.slot_bytes + 1.5 * p.layer_bytes) / prefill.GiB
+
+
 @pytest.mark.parametrize("load", ["map", "copy"])
 def test_every_layer_streamed_equals_every_layer_resident(gqa_checkpoint, load):
     # map: streamed straight from the checkpoint's pages, tensor by tensor; copy: from host copies of the layers
@@ -165,6 +170,10 @@ def test_every_layer_streamed_equals_every_layer_resident(gqa_checkpoint, load):
     assert streamed.losses(ids) == resident.losses(ids)
     assert streamed.stats["streamed_bytes"] == 4 * weight_bytes(streamed.cfg)
     assert resident.stats["streamed_bytes"] == 0
+    # mixed: the resident layer staged while the streamed ones are held (map: the pages themselves)
+    mixed = runner(path, gpu_memory_gib=one_resident_gib(resident.cfg), load=load)
+    assert mixed.load_mode == resident.load_mode and len(mixed.plan.streamed_layers) == 3
+    assert mixed.losses(ids) == resident.losses(ids)
 
 
 def test_layers_read_from_storage_every_wave_equal_layers_held(gqa_checkpoint, monkeypatch):
@@ -307,26 +316,49 @@ def test_plan_never_exceeds_its_budget():
 # ----------------------------------------------------------------------------- checkpoint errors
 
 def test_refused_locking_leaves_nothing_locked(gqa_checkpoint, monkeypatch):
-    # ROCm may refuse read-only registration of a file's pages: files locked before the refusal must be unlocked
-    # (the runner then copies), and each file's copies start only once that file is locked
+    # ROCm may refuse read-only registration of a file's pages: spans locked before the refusal must be unlocked
+    # (the runner then copies)
     import types
-    registered, unregistered, copied = {}, [], []
+    registered, unregistered = {}, []
 
     def register(ptr, nbytes, flags):
         assert flags == prefill.HOST_REGISTER_READ_ONLY
-        registered[ptr] = len(registered) < 2  # the third file and later are refused
+        registered[ptr] = len(registered) < 2  # the third span and later are refused
         return 0 if registered[ptr] else 1
 
     fake = types.SimpleNamespace(cudaHostRegister=register, cudaHostUnregister=lambda ptr: unregistered.append(ptr))
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(torch.cuda, "check_error", lambda rc: None)
     ckpt = prefill.Checkpoint(gqa_checkpoint[0])
-    assert len(ckpt.files) >= 3
-    assert not ckpt.lock(copied.append)
-    assert copied == ckpt.locked == [0, 1]
-    locked_ptrs = sorted(ckpt.shared[f].data_ptr() for f in ckpt.locked)
+    spans = ckpt.spans(ckpt.tensors)
+    assert len(spans) >= 3
+    assert not ckpt.lock(spans)
+    assert [t.data_ptr() for t in ckpt.locked] == list(registered)[:2]
+    locked_ptrs = sorted(t.data_ptr() for t in ckpt.locked)
     ckpt.unlock()
     assert sorted(unregistered) == locked_ptrs and ckpt.locked == []
+
+
+def test_spans_hold_whole_tensors_on_whole_pages_and_never_overlap(gqa_checkpoint):
+    # what map page-locks: page-aligned file ranges (registration works on pages), each tensor inside one range (a
+    # copy out of it comes from one registration), no page in two ranges (a second registration would be refused)
+    ckpt = prefill.Checkpoint(gqa_checkpoint[0])
+    cfg = prefill.Qwen3Config.from_dir(gqa_checkpoint[0])
+    for layers in ([1], [0, 1], [0, 2], list(range(cfg.num_hidden_layers))):
+        names = [name for i in layers for name, _, _ in prefill.layer_tensors(cfg, i)]
+        spans = ckpt.spans(names)
+        for file, start, end in spans:
+            assert start % prefill.PAGE == 0 and start < end
+            assert end % prefill.PAGE == 0 or end == len(ckpt.files[file][1])
+        for (f1, _, e1), (f2, s2, _) in zip(spans, spans[1:]):
+            assert f1 < f2 or (f1 == f2 and e1 <= s2)
+        for name in names:
+            file, _, _, offset, nbytes = ckpt.tensors[name]
+            assert sum(f == file and s <= offset and offset + nbytes <= e for f, s, e in spans) == 1, name
+        # nothing locked beyond the pages the tensors touch
+        touched = {(ckpt.tensors[n][0], p) for n in names for p in range(ckpt.tensors[n][3] // prefill.PAGE,
+                   -(-(ckpt.tensors[n][3] + ckpt.tensors[n][4]) // prefill.PAGE))}
+        assert sum(-(-(e - s) // prefill.PAGE) for _, s, e in spans) == len(touched)
 
 
 def test_prefetch_reads_the_pages_not_in_the_page_cache_and_only_those(gqa_checkpoint, tmp_path):
@@ -337,11 +369,12 @@ def test_prefetch_reads_the_pages_not_in_the_page_cache_and_only_those(gqa_check
     for fd, _ in ckpt.files:
         os.fsync(fd)  # dirty pages cannot be dropped
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages of a disk file go; tmpfs keeps its own
-    cold = [sum(r.result() for r in reads) for reads in ckpt.prefetch(3)]
+    spans = [(file, 0, len(data)) for file, (_, data) in enumerate(ckpt.files)]
+    cold = [sum(r.result() for r in reads) for reads in ckpt.prefetch(spans, 3)]
     # how much DONTNEED drops is the kernel's choice (seen in CI: 2.7 of a file's 19.4 MB stayed cached), so the
     # first pass reads anything up to each whole file; the second finds every page cached and reads none
     assert all(0 <= got <= len(data) for got, (_, data) in zip(cold, ckpt.files)), cold
-    assert [sum(r.result() for r in reads) for reads in ckpt.prefetch(3)] == [0] * len(ckpt.files)
+    assert [sum(r.result() for r in reads) for reads in ckpt.prefetch(spans, 3)] == [0] * len(ckpt.files)
 
 
 TOKENIZER_TEXTS = TEXTS + [
@@ -686,6 +719,7 @@ def test_gpu_streaming_matches_and_nothing_compiles_after_warm_up(gqa_checkpoint
     del ring
     # a Runner unlocks its host memory as it goes; memory freed while still registered left stale registrations
     # that failed a later Runner's copies ("invalid argument")
+    streamed_cfg = streamed.cfg
     del streamed, copied, resident
     gc.collect()
     for load in ("copy", load):
@@ -693,6 +727,12 @@ def test_gpu_streaming_matches_and_nothing_compiles_after_warm_up(gqa_checkpoint
         assert max_rel_err(again.losses(ids), losses) < 1e-5
         del again
         gc.collect()
+    # one layer resident, staged while the streamed layers' pages are locked in place on a thread of their own
+    mixed = prefill.Runner(path, device="cuda", gpu_memory_gib=one_resident_gib(streamed_cfg), load=load,
+                          attention=same)
+    assert len(mixed.plan.streamed_layers) == 3 and mixed.pinned_host_bytes > 0
+    assert mixed.load_mode == ("mapped" if load == "map" else mixed.load_mode)
+    assert max_rel_err(mixed.losses(ids), losses) < 1e-5
 
 
 # ----------------------------------------------------------------------------- faults: the README's table, row by row
