@@ -1669,6 +1669,16 @@ TOKENIZE_GROUP = 256  # texts per tokenizer call: the fast tokenizer spreads a c
 AHEAD_BATCHES = 2     # batches read and tokenized ahead of the GPU: all the input a run holds at once
 
 
+def since_process_start():
+    # seconds since this process started, from /proc/self/stat's start time (clock ticks since boot: 10 ms steps);
+    # None without /proc. What the harness's time to `ready` counts, imports and all.
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 class PhaseTimer:
     """Per-phase wall time without synchronising the hot path: CUDA events, read once at the end."""
 
@@ -1724,6 +1734,8 @@ class Runner:
                  host_memory_gib=None):
         t0 = time.perf_counter()
         self.load_wall_s, marks = {}, [t0]  # where time-to-ready goes, for --stats
+        # when each phase of the time to `ready` ended, in seconds since the process started (--stats)
+        self.since_start_s = {"runner_start": since_process_start()}  # the interpreter's start-up and imports
 
         def lap(phase):
             marks.append(time.perf_counter())
@@ -1767,6 +1779,7 @@ class Runner:
             on_device, host = self._load_weights(ckpt, fixed, workers or min(16, os.cpu_count() or 1), load,
                                                  host_memory_gib)
             lap("weights")
+            self.since_start_s["weights"] = since_process_start()
             self.tokenizer = tokenizer.result()
             lap("tokenizer_wait")
             self.attention, self.attend, self.attention_report = picked_attention.result()
@@ -1786,6 +1799,7 @@ class Runner:
             f"attention: {self.attention}, elementwise kernels: {self.kernels.name}"
             + (f", BLAS: {self.blas}" if self.blas else ""))
         log(f"{plan.describe()}; {self.host_plan.describe()}")
+        self.since_start_s["loaded"] = since_process_start()  # the side tasks waited for, the slots filled
 
     def _budget(self, gpu_memory_gib):
         if self.device.type != "cuda":
@@ -1926,8 +1940,8 @@ class Runner:
                 stager.close()  # waits for its last copies
         if mapped:
             self.lock_s = ckpt.lock_seconds
-            self.load_seconds = (f"in place: lock {ckpt.lock_seconds:.1f} s, {ckpt.read_ahead_bytes / 1e9:.1f} GB read "
-                                 f"ahead; {workers} threads: stage {seconds['stage']:.1f} s")
+            self.load_seconds = (f"{workers} threads: stage {seconds['stage']:.1f} s; in place: lock "
+                                 f"{ckpt.lock_seconds:.1f} s, {ckpt.read_ahead_bytes / 1e9:.1f} GB read ahead")
             host = {i: [(ckpt.raw(name), offset * DTYPE.itemsize) for name, offset, _ in jobs[i][0]] for i in streamed}
         else:
             seconds["pin"] -= seconds["fill"] if cuda else 0.0
@@ -2661,8 +2675,10 @@ def serve(args, protocol):
         if args.stats:
             Path(args.stats).write_text(json.dumps(dict(figures, lines=lines), indent=1))
         return 2 if problems else 0
+    runner.since_start_s["ready"] = since_process_start()
     if records is None:
-        log(f"ready (warm-up {warm_up_s:.1f} s)")
+        ready_s = runner.since_start_s["ready"]
+        log(f"ready (warm-up {warm_up_s:.1f} s" + (f"; {ready_s:.1f} s since the process started)" if ready_s else ")"))
         protocol.write("ready\n")
         protocol.flush()
         line = sys.stdin.buffer.readline()
@@ -2718,6 +2734,7 @@ def serve(args, protocol):
                  tokens_per_s=run.get("tokens", 0) / elapsed, elapsed_s=elapsed,
                  pinned_host_bytes=runner.pinned_host_bytes, load_wall_s=runner.load_wall_s,
                  side_done_s=runner.side_done_s, load_mode=runner.load_mode, warm_up_s=warm_up_s,
+                 since_start_s=runner.since_start_s, load_seconds=runner.load_seconds,
                  resident_layers=len(runner.plan.resident_layers), streamed_layers=len(runner.plan.streamed_layers),
                  attention=runner.attention, kernels=runner.kernels.name, blas=runner.blas,
                  pin_method=runner.pin_method, budget_bytes=runner.plan.budget_bytes,

@@ -526,14 +526,20 @@ def run(path, stdin, *args):
                           input=stdin, capture_output=True, text=True, timeout=300, env=env)
 
 
-def test_protocol_ready_then_one_loss_per_text(gqa_checkpoint):
+def test_protocol_ready_then_one_loss_per_text(gqa_checkpoint, tmp_path):
     path, reference = gqa_checkpoint
-    p = run(path, json.dumps(TEXTS) + "\n", "--gpu-memory", "0")
+    start = time.monotonic()
+    p = run(path, json.dumps(TEXTS) + "\n", "--gpu-memory", "0", "--stats", str(tmp_path / "stats.json"))
+    wall = time.monotonic() - start
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[0] == "ready" and len(lines) == 1 + len(TEXTS)
     assert max_rel_err([float(x) for x in lines[1:]], reference) < TOLERANCE
     assert len(p.stderr.splitlines()) <= 6  # the harness reads stderr only after the run
+    # where the time to `ready` went, counted from the process's start (the imports come before the Runner)
+    since = json.loads((tmp_path / "stats.json").read_text())["since_start_s"]
+    assert list(since) == ["runner_start", "weights", "loaded", "ready"]
+    assert 0 < since["runner_start"] <= since["weights"] <= since["loaded"] <= since["ready"] < wall + 0.02, since
 
 
 def test_layers_from_storage_through_the_protocol_and_a_clean_exit(gqa_checkpoint):
