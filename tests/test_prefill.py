@@ -176,6 +176,21 @@ def test_every_layer_streamed_equals_every_layer_resident(gqa_checkpoint, load):
     assert mixed.losses(ids) == resident.losses(ids)
 
 
+@pytest.mark.parametrize("host_memory", [None, 2.5])
+def test_warm_up_streams_nothing_and_leaves_the_streamer_as_it_was(gqa_checkpoint, host_memory):
+    # the warm-up runs the streamed layers on what their slots hold (its numbers are thrown away): no copy, no read
+    # from storage, the cycle where it was; the request after it gives the losses of a Runner that never warmed up
+    path, _ = gqa_checkpoint
+    kw = dict(gpu_memory_gib=0, load="copy", host_memory_gib=host_memory and host_memory * layer_gib(path))
+    cold, warm = runner(path, **kw), runner(path, **kw)
+    ids = cold.tokenize(TEXTS)
+    before = [(s.next_copy, s.next_use, s.streamed_bytes, s.storage_bytes) for s in [warm.streamer]]
+    warm.warm_up()
+    assert [(s.next_copy, s.next_use, s.streamed_bytes, s.storage_bytes) for s in [warm.streamer]] == before
+    assert warm.stats["streamed_bytes"] == 0 and warm.stats["texts"] == 3
+    assert warm.losses(ids) == cold.losses(ids)
+
+
 def test_layers_read_from_storage_every_wave_equal_layers_held(gqa_checkpoint, monkeypatch):
     # --host-memory holds no streamed layer: each is read from storage into a ring of two every wave; the ring wraps
     # across waves and requests, and the losses are those of layers held in memory, bit for bit
