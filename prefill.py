@@ -2009,7 +2009,8 @@ class Runner:
             except BaseException as e:  # noqa: B036 (handed to the consumer, which raises it)
                 put(e)
 
-        threading.Thread(target=produce, name="prefill-tokenizer", daemon=True).start()
+        producer = threading.Thread(target=produce, name="prefill-tokenizer", daemon=True)
+        producer.start()
         try:
             while True:
                 t0 = time.perf_counter()
@@ -2022,6 +2023,11 @@ class Runner:
                 yield batch
         finally:
             stop.set()
+            # a daemon thread still inside native code (the tokenizer, GIL released) when the interpreter finalizes
+            # can abort the process: seen once after a SIGINT, "terminate called without an active exception"
+            # (pytorch#38228). The producer ends within a tokenizer call of `stop`; one blocked reading its input
+            # is left behind after a second.
+            producer.join(timeout=1.0)
 
     @torch.inference_mode()
     def score_batch(self, batch):
@@ -2596,8 +2602,10 @@ def parse_args(argv):
                         "storage every wave. Give it explicitly on a VM whose memory grows as it is used (a balloon), "
                         "where MemAvailable understates what can be had")
     p.add_argument("--pin", default="auto", choices=["auto"] + list(PIN_METHODS),
-                   help="how --load copy page-locks host buffers: register plain memory in place (exact size) or "
-                        "torch's pinned allocator (power-of-two sizes); auto: register on CUDA, alloc on ROCm")
+                   help="how prefill's own host buffers are page-locked (the loading threads' staging buffers; with "
+                        "--load copy the streamed layers' copies and the storage ring): register plain memory in "
+                        "place (exact size) or torch's pinned allocator (power-of-two sizes); auto: register on CUDA, "
+                        "alloc on ROCm")
     p.add_argument("--picks", metavar="FILE",
                    help="where the choices only timing can make (attention backend; on ROCm, rocBLAS or hipBLASLt) "
                         "are kept per machine, so that every later run computes the same numbers; without a "
