@@ -655,6 +655,16 @@ def write_report(res: dict, paths: list[Path]) -> None:
         p.write_text(text)
 
 
+def ready_timeline(stats: dict) -> str:
+    """The first run's phases before `ready`, in seconds since prefill's process started (its --stats)."""
+    since, side = stats.get("since_start_s") or {}, stats.get("side_done_s") or {}
+    if since.get("runner_start") is None:
+        return "-"
+    marks = ", ".join(f"{k} {v:.2f}" for k, v in since.items() if v is not None)
+    sides = ", ".join(f"{k} {since['runner_start'] + v:.2f}" for k, v in side.items())
+    return f"{marks} s since start; side tasks done: {sides or '-'}"
+
+
 def print_table(res: dict) -> None:
     def f(key_or_value, fmt="{:.2f}", unit=""):
         v = res.get(key_or_value) if isinstance(key_or_value, str) else key_or_value
@@ -685,6 +695,7 @@ def print_table(res: dict) -> None:
         ("cold load (--cold)", f"{f('cold_load_gbps', '{:.2f}', ' GB/s')} = {f('cold_load_over_storage', '{:.2f}', 'x')} "
                                f"storage; ready {f('cold_time_to_ready_s', '{:.1f}', ' s')}"),
         ("warm time to ready", f("warm_time_to_ready_s", "{:.1f}", " s")),
+        ("ready timeline", ready_timeline(res.get("runner_stats") or {})),
         ("host-capped run", f"{f('host_memory_cap_gib', '{:g}', ' GiB left')}: T {f(cap.get('t_seconds'), '{:.2f}', ' s')}"
                             f" = {f(cap.get('t_over_storage_floor'), '{:.2f}', 'x')} the storage floor "
                             f"({f(_div(cap.get('storage_bytes'), 1e9), '{:.1f}', ' GB')} a request), rel err "
