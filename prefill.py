@@ -30,7 +30,7 @@ import time
 import traceback
 import warnings
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -303,7 +303,7 @@ class Checkpoint:
             raise UserError(f"{model_dir} holds no *.safetensors weights")
         self.files = []    # (fd, copy-on-write map) per file
         self.shared = {}   # file index -> uint8 tensor over a shared read-only map of the whole file
-        self.locked = []   # file indices whose shared map is page-locked
+        self.locked = []   # views of the shared maps that are page-locked
         self.lock_seconds = 0.0  # spent page-locking
         self.read_ahead_bytes = 0  # read into the page cache by prefetch() before locking
         self.tensors = {}  # name -> (file index, dtype, shape, byte offset, byte count)
@@ -382,10 +382,25 @@ class Checkpoint:
         file, _, _, offset, nbytes = self.tensors[name]
         return self._shared_map(file)[offset:offset + nbytes]
 
-    def prefetch(self, workers):
-        """Reads the files' pages that are not in the page cache yet, from `workers` threads in file order; returns per
-        file the Futures of its reads (each gives the bytes it read). Page-locking faults a file's missing pages in
-        from one thread: 1.6 GB/s from the H200 machine's local disk (SPEC §9), where a disk's bandwidth takes
+    def spans(self, names):
+        """[(file, start, end)]: the page-aligned byte ranges of the files that hold the tensors `names`, overlapping
+        ones merged (registrations may not overlap), so that each tensor lies inside one range: a layer whose tensors
+        lie together in a file (as safetensors writers put them) is one range, a run of consecutive layers too."""
+        ranges = sorted((file, offset // PAGE * PAGE, min(-(-(offset + nbytes) // PAGE) * PAGE, len(data)))
+                        for file, _, _, offset, nbytes in map(self.tensors.get, names) if nbytes
+                        for data in [self.files[file][1]])
+        merged = []
+        for file, start, end in ranges:
+            if merged and merged[-1][0] == file and start < merged[-1][2]:
+                merged[-1] = (file, merged[-1][1], max(end, merged[-1][2]))
+            else:
+                merged.append((file, start, end))
+        return merged
+
+    def prefetch(self, spans, workers):
+        """Reads the pages of spans (from spans()) that are not in the page cache yet, from `workers` threads in order;
+        returns per span the Futures of its reads (each gives the bytes it read). Page-locking faults missing pages
+        in from one thread: 1.6 GB/s from the H200 machine's local disk (SPEC §9), where a disk's bandwidth takes
         several reads in flight. Pages already cached (mincore) are not read again: a warm load costs no copy."""
         pool, local = Workers(workers, "prefill-prefetch"), threading.local()
         bases = [self._shared_map(file).data_ptr() for file in range(len(self.files))]  # maps made here, not racing
@@ -400,32 +415,30 @@ class Checkpoint:
                 done += got
             return done
 
-        reads = [[pool.submit(read, file, offset, min(PREFETCH_PIECE, len(data) - offset))
-                  for offset in range(0, len(data), PREFETCH_PIECE)] for file, (_, data) in enumerate(self.files)]
+        reads = [[pool.submit(read, file, offset, min(PREFETCH_PIECE, end - offset))
+                  for offset in range(start, end, PREFETCH_PIECE)] for file, start, end in spans]
         pool.close()
         return reads
 
-    def lock(self, on_locked, workers=16):
-        """Page-locks each file's page cache in place, read-only (0.06-0.08 s/GiB on the H200 machine, and no host
-        copy), calling on_locked(file) as each file is done, and says whether every file could be locked (a refusal:
-        no read-only registration on this platform, too little memory). One file after the other: registering from
-        8 threads was no faster (0.51 vs 0.61 s for 8 GiB), and files done one by one let their copies start early;
-        each file once prefetch() has read its pages in, from `workers` threads ahead of the registrations.
-        The pages stay locked until unlock(); the maps must outlive the registration."""
-        reads = self.prefetch(workers)
-        for file in range(len(self.files)):
-            self.read_ahead_bytes += sum(r.result() for r in reads[file])
-            t, start = self._shared_map(file), time.perf_counter()
+    def lock(self, spans, workers=16):
+        """Page-locks the spans' page cache in place, read-only (0.06 s/GiB on the H200 machine, and no host copy),
+        one span after the other, each once prefetch() has read its pages in, from `workers` threads ahead of the
+        registrations (registering from 8 threads was no faster: 0.51 vs 0.61 s for 8 GiB). Says whether every span
+        could be locked (a refusal: no read-only registration on this platform, too little memory, pages another
+        Runner holds locked). The pages stay locked until unlock(); the maps must outlive the registration."""
+        reads = self.prefetch(spans, workers)
+        for (file, start, end), span_reads in zip(spans, reads):
+            self.read_ahead_bytes += sum(r.result() for r in span_reads)
+            t, begin = self._shared_map(file)[start:end], time.perf_counter()
             ok = host_register(t, HOST_REGISTER_READ_ONLY)
-            self.lock_seconds += time.perf_counter() - start
+            self.lock_seconds += time.perf_counter() - begin
             if not ok:
                 return False
-            self.locked.append(file)
-            on_locked(file)
+            self.locked.append(t)
         return True
 
     def unlock(self):
-        unpin_all(self.shared[file] for file in self.locked)
+        unpin_all(self.locked)
         self.locked = []
 
 
@@ -553,7 +566,9 @@ class Stager:
         self.cuda = device.type == "cuda"
         numel = STAGING_BYTES // DTYPE.itemsize
         if self.cuda:
-            pinned = [pinned_empty(numel, method, lambda buf: None) for _ in range(2)]
+            # the pages touched here, by the loading thread: registering fresh memory would fault them in on the one
+            # registrar thread (0.44 s/GiB against 0.04 once they exist, bench/results/primitives/…-load-compute.json)
+            pinned = [pinned_empty(numel, method, lambda buf: buf.zero_()) for _ in range(2)]
             self.buffers, self.registered = [b for b, _ in pinned], [b for b, registered in pinned if registered]
             self.stream = torch.cuda.Stream(device)
             self.copied = [torch.cuda.Event(), torch.cuda.Event()]
@@ -682,11 +697,11 @@ def filesystem_type(path, mounts="/proc/mounts"):
     return best[1]
 
 
-def map_lock_bytes(ckpt):
-    # host memory that page-locking the checkpoint's pages in place takes from MemAvailable: none for files on tmpfs
+def map_lock_bytes(ckpt, spans):
+    # host memory that page-locking the spans' pages in place takes from MemAvailable: none for files on tmpfs
     # (already unreclaimable, and left out of MemAvailable: seen on the H200 machine, where a checkpoint in /dev/shm
-    # left 37 GB "available"), else the files' size (page cache counts as available until it is locked)
-    return 0 if filesystem_type(ckpt.model_dir) in ("tmpfs", "ramfs") else ckpt.nbytes
+    # left 37 GB "available"), else their size (page cache counts as available until it is locked)
+    return 0 if filesystem_type(ckpt.model_dir) in ("tmpfs", "ramfs") else sum(end - start for _, start, end in spans)
 
 
 RING_SLOTS = 3  # storage ring: one layer being copied out, the next read, one more read ahead to absorb jitter
@@ -694,7 +709,8 @@ RING_SLOTS = 3  # storage ring: one layer being copied out, the next read, one m
 
 @dataclass
 class HostPlan:
-    """Where the streamed layers live on the host: the checkpoint's page cache locked in place (load "map"), pinned
+    """Where the streamed layers live on the host: their pages of the checkpoint's page cache locked in place (load
+    "map"), pinned
     copies (load "copy"), or, for what the budget cannot hold, nowhere: read from storage every wave into a ring of
     pinned buffers. Prefill is layer-major, so storage is read once per wave, never once per text."""
     budget_bytes: object     # host memory the plan may lock; None: no limit (not known, or the CPU by default)
@@ -703,7 +719,7 @@ class HostPlan:
     storage_layers: tuple    # streamed layers read from storage every wave, spread evenly among the streamed ones
     ring_slots: int          # the storage ring's buffers, one layer each
     locked_bytes: int        # page cache locked in place ("map")
-    pinned_bytes: int        # pinned copies, the ring, and the loading threads' staging buffers
+    pinned_bytes: int        # the loading threads' staging buffers, pinned copies, the ring
     layer_bytes: int
 
     def describe(self):
@@ -718,12 +734,12 @@ class HostPlan:
 def plan_host(cfg, streamed, budget, requested="auto", device=torch.device("cpu"), bf16_files=True, map_bytes=0,
               pin="register", staging_bytes=0):
     """The host side of the plan (see HostPlan) for the GPU plan's streamed layers within budget bytes (None: no
-    limit). map_bytes: what locking the checkpoint in place costs (map_lock_bytes); staging_bytes: the pinned
-    buffers the loading threads use while copying resident weights (copy only). Map where asked for, or on "auto"
-    where the files are bf16, the platform is not ROCm and it fits; else as many pinned copies as fit beside a
-    ring, the rest from storage. ROCm never maps unless asked: HIP documents its read-only registration flag as
-    ignored on AMD devices (hip_runtime_api.h), so a refusal never comes to trigger the fallback, and registering
-    ~65 GB of page cache goes through amdkfd's SVM path (see pin_method) in one call per file."""
+    limit). map_bytes: what locking the streamed layers' pages in place costs (map_lock_bytes); staging_bytes: the
+    pinned buffers the loading threads use while copying resident weights. Map where asked for, or on "auto" where
+    the files are bf16, the platform is not ROCm and it fits; else as many pinned copies as fit beside a ring, the
+    rest from storage. ROCm never maps unless asked: HIP documents its read-only registration flag as ignored on AMD
+    devices (hip_runtime_api.h), so a refusal never comes to trigger the fallback, and registering ~20 GB of page
+    cache goes through amdkfd's SVM path (see pin_method) in calls of a layer or more."""
     n, layer = len(streamed), pinned_bytes(cfg.layer_bytes, pin)
 
     def fits(nbytes):
@@ -732,17 +748,18 @@ def plan_host(cfg, streamed, budget, requested="auto", device=torch.device("cpu"
     def plan(load, pinned=(), storage=(), ring=0):
         return HostPlan(budget_bytes=budget, load=load, pinned_layers=tuple(pinned), storage_layers=tuple(storage),
                         ring_slots=ring, locked_bytes=map_bytes if load == "map" else 0,
-                        pinned_bytes=0 if load == "map" else staging_bytes + (len(pinned) + ring) * layer,
+                        pinned_bytes=staging_bytes + (len(pinned) + ring) * layer,
                         layer_bytes=cfg.layer_bytes)
 
     hip = device.type == "cuda" and torch.version.hip is not None
-    if requested == "map" or (requested == "auto" and bf16_files and not hip and fits(map_bytes)):
+    if requested == "map" or (requested == "auto" and bf16_files and not hip and fits(staging_bytes + map_bytes)):
         if not bf16_files:
             raise UserError("--load map: the checkpoint cannot be page-locked in place here (it needs bf16 files "
                             "and read-only host-memory registration); --load copy works everywhere")
-        if not fits(map_bytes):
-            raise UserError(f"--load map would page-lock the whole checkpoint ({map_bytes / 1e9:.1f} GB) but the "
-                            f"host memory budget is {budget / 1e9:.1f} GB; --load copy fits any budget it can")
+        if not fits(staging_bytes + map_bytes):
+            raise UserError(f"--load map would page-lock the streamed layers' pages and the loading buffers "
+                            f"({(staging_bytes + map_bytes) / 1e9:.1f} GB) but the host memory budget is "
+                            f"{budget / 1e9:.1f} GB; --load copy fits any budget it can")
         return plan("map")
     if fits(staging_bytes + n * layer):
         return plan("copy", streamed)
@@ -859,6 +876,7 @@ class WeightStreamer:
     does plain copies."""
 
     def __init__(self, cfg, resident, host, order, device):
+        self.buffers = resident  # layer -> its flat device buffer
         self.resident = {i: layer_views(buf, cfg) for i, buf in resident.items()}  # layer -> views on the device
         self.host, self.order = host, list(order)  # order: the streamed layers
         self.slots = [torch.empty(cfg.layer_numel, dtype=DTYPE, device=device) for _ in range(min(2, len(order)))]
@@ -1768,6 +1786,16 @@ TOKENIZE_GROUP = 256  # texts per tokenizer call: the fast tokenizer spreads a c
 AHEAD_BATCHES = 2     # batches read and tokenized ahead of the GPU: all the input a run holds at once
 
 
+def since_process_start():
+    # seconds since this process started, from /proc/self/stat's start time (clock ticks since boot: 10 ms steps);
+    # None without /proc. What the harness's time to `ready` counts, imports and all.
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 class PhaseTimer:
     """Per-phase wall time without synchronising the hot path: CUDA events, read once at the end."""
 
@@ -1823,6 +1851,8 @@ class Runner:
                  host_memory_gib=None):
         t0 = time.perf_counter()
         self.load_wall_s, marks = {}, [t0]  # where time-to-ready goes, for --stats
+        # when each phase of the time to `ready` ended, in seconds since the process started (--stats)
+        self.since_start_s = {"runner_start": since_process_start()}  # the interpreter's start-up and imports
 
         def lap(phase):
             marks.append(time.perf_counter())
@@ -1850,7 +1880,7 @@ class Runner:
 
         self.picks = Picks(default_picks_path() if picks is None else picks, machine_key(self.device, cfg))
         with ThreadPoolExecutor(4) as side:
-            # importing transformers takes seconds (9.5 s on a fresh H200 machine): it overlaps the loading
+            # the tokenizer (0.3 s from tokenizer.json, seconds when transformers is imported) overlaps the loading
             tokenizer = side.submit(side_task, "tokenizer", load_tokenizer, model_dir)
             self.plan = plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens)
             lap("setup")
@@ -1866,6 +1896,7 @@ class Runner:
             on_device, host = self._load_weights(ckpt, fixed, workers or min(16, os.cpu_count() or 1), load,
                                                  host_memory_gib)
             lap("weights")
+            self.since_start_s["weights"] = since_process_start()
             self.tokenizer = tokenizer.result()
             lap("tokenizer_wait")
             self.attention, self.attend, self.attention_report = picked_attention.result()
@@ -1887,6 +1918,7 @@ class Runner:
             f"attention: {attention_summary(self.attention)}, elementwise kernels: {self.kernels.name}"
             + (f", BLAS: {self.blas}" if self.blas else ""))
         log(f"{plan.describe()}; {self.host_plan.describe()}")
+        self.since_start_s["loaded"] = since_process_start()  # the side tasks waited for, the slots filled
 
     def _budget(self, gpu_memory_gib):
         if self.device.type != "cuda":
@@ -1903,7 +1935,7 @@ class Runner:
                 + (0 if self.lm_head is self.embed else self.lm_head.nbytes))
 
     def _load_weights(self, ckpt, fixed, workers, load, host_memory_gib):
-        # jobs: the big fixed matrices first (each one thread's job of a layer's size in the copy path), then layers
+        # jobs: the big fixed matrices first (each one thread's job of a layer's size), then the layers
         cfg, cuda = self.cfg, self.device.type == "cuda"
         jobs = {name: ([(name, 0, math.prod(shape))], shape) for name, shape in fixed}
         jobs.update({i: (layer_tensors(cfg, i), (cfg.layer_numel,)) for i in range(cfg.num_hidden_layers)})
@@ -1918,78 +1950,49 @@ class Runner:
         budget = int(host_memory_gib * GiB) if host_memory_gib is not None else self.host_spare_bytes if cuda else None
         bf16 = ckpt.is_bf16(name for tensors, _ in jobs.values() for name, _, _ in tensors)
         staging = 2 * workers * pinned_bytes(STAGING_BYTES, self.pin_method) if cuda else 0
+        streamed = self.plan.streamed_layers
+        spans = ckpt.spans(name for i in streamed for name, _, _ in jobs[i][0])  # what "map" locks
 
         def host_plan(requested):
-            return plan_host(cfg, self.plan.streamed_layers, budget, requested, self.device, bf16,
-                             map_lock_bytes(ckpt), self.pin_method, staging)
+            return plan_host(cfg, streamed, budget, requested, self.device, bf16, map_lock_bytes(ckpt, spans),
+                             self.pin_method, staging)
 
         self.host_plan = host_plan(load)
-        loaded = self._load_mapped(ckpt, jobs, workers) if self.host_plan.load == "map" else None
-        if load == "map" and loaded is None:
-            raise UserError("--load map: this platform refused to page-lock the checkpoint's pages in place; "
-                            "--load copy works everywhere")
-        self.load_mode = "copied" if loaded is None else "mapped"
-        if loaded is None:
-            if self.host_plan.load == "map":  # refused by the platform
-                self.host_plan = host_plan("copy")
-            for layer in self.host_plan.storage_layers:  # read from storage every wave, not now
-                del jobs[layer]
-            loaded = self._load_copied(ckpt, jobs, workers)
-        else:
-            self.lock_s = ckpt.lock_seconds
-            self.load_seconds = (f"in place: lock {ckpt.lock_seconds:.1f}, total {time.perf_counter() - t:.1f} s; "
-                                 f"{ckpt.read_ahead_bytes / 1e9:.1f} GB of it read ahead")
-            self.locked_host += [ckpt.shared[file] for file in ckpt.locked]
-        on_device, pieces = loaded
-        host, plan = HeldLayers(pieces), self.host_plan
+        on_device, pieces, locked = self._load(ckpt, jobs, workers, spans)
+        if not locked:  # the platform refused to lock the pages in place: pinned copies of the streamed layers
+            ckpt.unlock()
+            if load == "map":
+                raise UserError("--load map: this platform refused to page-lock the checkpoint's pages in place; "
+                                "--load copy works everywhere")
+            self.host_plan = host_plan("copy")
+            _, pieces, _ = self._load(ckpt, {i: jobs[i] for i in streamed}, workers, spans)
+        plan = self.host_plan
+        self.load_mode = "mapped" if plan.load == "map" else "copied"
+        self.load_seconds += f", total {time.perf_counter() - t:.1f} s"
+        self.locked_host += ckpt.locked
+        host = HeldLayers(pieces)
         if plan.storage_layers:
-            host = StorageRing(ckpt, cfg, self.plan.streamed_layers, plan.storage_layers, host, plan.ring_slots,
-                               self.device, self.pin_method, workers)
+            host = StorageRing(ckpt, cfg, streamed, plan.storage_layers, host, plan.ring_slots, self.device,
+                               self.pin_method, workers)
             self.locked_host += host.registered
-        # page-locked for the run: the locked files, or the pinned copies and the ring (the staging buffers are gone)
-        self.pinned_host_bytes = (0 if not cuda else plan.pinned_bytes - staging if self.load_mode == "copied" else
-                                  sum(ckpt.shared[file].nbytes for file in ckpt.locked))
+        # page-locked for the run: the locked pages, or the pinned copies and the ring (the staging buffers are gone)
+        self.pinned_host_bytes = (0 if not cuda else plan.pinned_bytes - staging if plan.load == "copy" else
+                                  sum(t.nbytes for t in ckpt.locked))
         return on_device, host
 
-    def _load_mapped(self, ckpt, jobs, workers):
-        # Everything is copied straight out of the page-locked page cache: no host copy, no CPU work. A file's
-        # tensors are copied as soon as it is locked, while the next files lock. None where locking is refused.
-        cuda = self.device.type == "cuda"
-        on_device, copies = {}, {}  # copies: file -> [(device bytes, checkpoint tensor)]
-        for key, (tensors, shape) in jobs.items():
-            if key in self.plan.streamed_layers:
-                continue
-            on_device[key] = torch.empty(shape, dtype=DTYPE, device=self.device)
-            flat = on_device[key].view(-1)
-            for name, offset, count in tensors:
-                copies.setdefault(ckpt.file_of(name), []).append((byte_range(flat, offset, count), name))
-        stream = torch.cuda.Stream(self.device) if cuda else None
-
-        def copy_file(file):
-            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                for dst, name in copies.get(file, []):
-                    dst.copy_(ckpt.raw(name), non_blocking=cuda)
-
-        if cuda:
-            locked = ckpt.lock(copy_file, workers)
-            stream.synchronize()
-            if not locked:
-                ckpt.unlock()
-                return None
-        else:  # nothing to lock: plain copies out of the maps
-            for file in copies:
-                copy_file(file)
-        host = {i: [(ckpt.raw(name), offset * DTYPE.itemsize) for name, offset, _ in jobs[i][0]]
-                for i in self.plan.streamed_layers}
-        return on_device, host
-
-    def _load_copied(self, ckpt, jobs, workers):
-        # Streamed layers: exact-size host buffers, filled straight from the checkpoint, then pinned (cheap once the
-        # pages exist). What stays on the device goes through each thread's Stager, so it needs no pinned host
-        # copy: pinning is paid for the streamed bytes only.
-        dev = self.device
-        local, stagers, lock = threading.local(), [], threading.Lock()
-        seconds = {"fill": 0.0, "pin": 0.0, "stage": 0.0}  # thread-seconds: streamed layers read, pinned; rest staged
+    def _load(self, ckpt, jobs, workers, spans):
+        """Loads jobs as the host plan says; returns (device buffers of the resident ones, streamed layer -> [(host
+        bytes, offset)], whether the pages could be locked in place). Resident weights go through each loading
+        thread's Stager: no page-locked host copy of them. Streamed layers are held as "map": the checkpoint's page
+        cache locked in place (spans), on a thread of its own while the loading threads stage, as the two overlap
+        (rates in bench/NOTES.md); or as "copy": exact-size host buffers filled straight from the checkpoint, then
+        pinned (cheap once the pages exist); or, the plan's storage layers, not now: read every wave."""
+        dev, plan = self.device, self.host_plan
+        cuda, mapped = dev.type == "cuda", plan.load == "map"
+        streamed = set(self.plan.streamed_layers)
+        todo = [key for key in jobs if key not in streamed or not mapped and key not in plan.storage_layers]
+        local, stagers, lock = threading.local(), queue.SimpleQueue(), threading.Lock()
+        seconds = {"stage": 0.0} if mapped else {"fill": 0.0, "pin": 0.0, "stage": 0.0}  # thread-seconds
 
         def add(phase, s):
             with lock:
@@ -1997,9 +2000,7 @@ class Runner:
 
         def stage(tensors, shape):
             if not hasattr(local, "stager"):
-                local.stager = Stager(dev, self.pin_method)
-                with lock:
-                    stagers.append(local.stager)
+                local.stager = stagers.get()
             out = torch.empty(shape, dtype=DTYPE, device=dev)
             flat = out.view(-1)
             for name, offset, count in tensors:
@@ -2015,11 +2016,11 @@ class Runner:
         def load(key):
             tensors, shape = jobs[key]
             t = time.perf_counter()
-            if key not in self.plan.streamed_layers:
+            if key not in streamed:
                 out = stage(tensors, shape)
                 add("stage", time.perf_counter() - t)
                 return out
-            if dev.type != "cuda":
+            if not cuda:
                 flat = host_empty(math.prod(shape))
                 fill(tensors, flat)
                 return flat
@@ -2030,24 +2031,47 @@ class Runner:
                     self.locked_host.append(flat)
             return flat
 
-        threads = torch.get_num_threads()
+        threads, made = torch.get_num_threads(), []
         torch.set_num_threads(1)  # the loading threads' own copies: torch's intra-op threads would oversubscribe
         try:
             with ThreadPoolExecutor(workers) as pool:
-                loaded = dict(zip(jobs, pool.map(load, jobs)))
+                # every Stager's buffers are pinned before the lock's long registrations take the registrar thread
+                if any(key not in streamed for key in todo):
+                    made = list(pool.map(lambda _: Stager(dev, self.pin_method), range(workers)))
+                for stager in made:
+                    stagers.put(stager)
+                locking = None
+                if mapped and cuda:
+                    locker = Workers(1, "prefill-locker")
+                    locking = locker.submit(ckpt.lock, spans, workers)
+                    locker.close()
+                try:
+                    loaded = dict(zip(todo, pool.map(load, todo)))
+                    locked = locking is None or locking.result()
+                except BaseException:
+                    if locking is not None:  # nothing stays locked, or goes on locking, behind the error
+                        wait([locking])
+                        ckpt.unlock()
+                    raise
         finally:
             torch.set_num_threads(threads)
-            for stager in stagers:
+            for stager in made:
                 stager.close()  # waits for its last copies
-        seconds["pin"] -= seconds["fill"] if dev.type == "cuda" else 0.0
-        self.lock_s = seconds["pin"]
-        self.load_seconds = f"{workers} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + " s"
-        host = {i: [(byte_range(loaded[i], offset, count), offset * DTYPE.itemsize) for _, offset, count in jobs[i][0]]
-                for i in self.plan.streamed_layers if i in jobs}
-        return {key: buf for key, buf in loaded.items() if key not in host}, host
+        if mapped:
+            self.lock_s = ckpt.lock_seconds
+            self.load_seconds = (f"{workers} threads: stage {seconds['stage']:.1f} s; in place: lock "
+                                 f"{ckpt.lock_seconds:.1f} s, {ckpt.read_ahead_bytes / 1e9:.1f} GB read ahead")
+            host = {i: [(ckpt.raw(name), offset * DTYPE.itemsize) for name, offset, _ in jobs[i][0]] for i in streamed}
+        else:
+            seconds["pin"] -= seconds["fill"] if cuda else 0.0
+            self.lock_s = seconds["pin"]
+            self.load_seconds = f"{workers} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + " s"
+            host = {i: [(byte_range(loaded[i], offset, count), offset * DTYPE.itemsize) for _, offset, count in
+                        jobs[i][0]] for i in streamed if i in loaded}
+        return {key: buf for key, buf in loaded.items() if key not in streamed}, host, locked
 
     def tokenize(self, texts):
-        return self.tokenizer(texts)["input_ids"] if texts else []
+        return self.tokenizer(texts) if texts else []
 
     def score(self, texts):
         """The Python API: scores texts (a list, or any iterable of strings, read as it goes) with the model kept
@@ -2103,7 +2127,8 @@ class Runner:
             except BaseException as e:  # noqa: B036 (handed to the consumer, which raises it)
                 put(e)
 
-        threading.Thread(target=produce, name="prefill-tokenizer", daemon=True).start()
+        producer = threading.Thread(target=produce, name="prefill-tokenizer", daemon=True)
+        producer.start()
         try:
             while True:
                 t0 = time.perf_counter()
@@ -2116,6 +2141,11 @@ class Runner:
                 yield batch
         finally:
             stop.set()
+            # a daemon thread still inside native code (the tokenizer, GIL released) when the interpreter finalizes
+            # can abort the process: seen once after a SIGINT, "terminate called without an active exception"
+            # (pytorch#38228). The producer ends within a tokenizer call of `stop`; one blocked reading its input
+            # is left behind after a second.
+            producer.join(timeout=1.0)
 
     @torch.inference_mode()
     def score_batch(self, batch):
@@ -2172,11 +2202,24 @@ class Runner:
 
     def warm_up(self):
         """Runs every kernel at the timed pass's shapes (a chunk-sized batch through every layer, the loss, each
-        flash-attn max_seqlen bucket) so compilation and allocator growth stay out of the timed window."""
+        flash-attn max_seqlen bucket) so compilation and allocator growth stay out of the timed window. The streamed
+        layers run on the weights their slots already hold, through a streamer of their own that copies nothing:
+        the warm-up's numbers are thrown away, and streaming would add a pass of copies to it (21.5 GB at 48 GiB,
+        ~0.4 s on the H200, about what its compute takes); the copy path itself ran when the slots were filled."""
         gen = torch.Generator().manual_seed(0)
         n = min(self.plan.chunk_tokens, 4096) if self.device.type == "cuda" else 64
         lengths = [n // 2, n // 2 - n // 8, n // 8 - 1]
-        self.losses([torch.randint(self.cfg.vocab_size, (k,), generator=gen).tolist() for k in lengths])
+        streamer, slots = self.streamer, self.streamer.slots
+        if self.device.type == "cuda":  # the slots' first layers in place: no kernel reads them half-copied
+            for ready in streamer.slot_ready:
+                torch.cuda.current_stream().wait_event(ready)
+        self.streamer = WeightStreamer(self.cfg, {**streamer.buffers, **{layer: slots[k % len(slots)] for k, layer in
+                                                                         enumerate(streamer.order)}},
+                                       HeldLayers({}), (), self.device)
+        try:
+            self.losses([torch.randint(self.cfg.vocab_size, (k,), generator=gen).tolist() for k in lengths])
+        finally:
+            self.streamer = streamer
         if "flash" in self.attention.values():  # a chunk of several texts has max_len <= chunk_tokens: 128, 256, ...
             top = max_len_bucket(self.plan.chunk_tokens)
             for bucket in (128 << i for i in range(top.bit_length() - 7)):
@@ -2186,7 +2229,66 @@ class Runner:
             torch.cuda.reset_peak_memory_stats(self.device)
 
 
+# Tokenizer classes whose tokenizer.json holds the whole tokenizer: transformers' fast class runs that file's
+# pipeline (encode_batch with add_special_tokens) and adds nothing of its own. For these, the `tokenizers` library
+# (Rust, a transformers dependency) loads it in 0.3 s, where importing transformers takes 5-10 s on the H200 machine
+# and holds the GIL against the loading threads meanwhile (bench/results/primitives/…-threads-tokenizer.json).
+# tests/test_prefill.py checks the ids against transformers' on texts with special tokens, unicode, empty strings.
+PLAIN_TOKENIZERS = ("Qwen2Tokenizer", "Qwen2TokenizerFast")
+# added-token fields that change how text is split; transformers adds a token the file lacks, or re-flags it
+ADDED_TOKEN_FIELDS = ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
+
+
+def plain_tokenizer(model_dir):
+    """`tokenizers.Tokenizer` of model_dir's tokenizer.json where it gives exactly transformers' ids; None where
+    anything in tokenizer_config.json would make transformers differ (or where either file is missing or odd):
+    then transformers loads it."""
+    model_dir = Path(model_dir)
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        spec = json.loads((model_dir / "tokenizer.json").read_text())
+        import tokenizers
+    except (OSError, ValueError, ImportError):
+        return None
+    if not isinstance(config, dict) or not isinstance(spec, dict) or not isinstance(spec.get("added_tokens"), list):
+        return None
+    added = {t.get("id"): t for t in spec["added_tokens"] if isinstance(t, dict)}
+    contents = {t.get("content") for t in added.values()}
+    declared = config.get("added_tokens_decoder") or {}
+    specials = [config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                                        "mask_token")] + list(config.get("additional_special_tokens") or [])
+    if (config.get("tokenizer_class") not in PLAIN_TOKENIZERS
+            or any(config.get(k) for k in ("add_bos_token", "add_eos_token", "add_prefix_space", "split_special_tokens",
+                                           "do_lower_case", "tokenizer_file"))
+            or spec.get("truncation") is not None or spec.get("padding") is not None
+            or not isinstance(declared, dict)
+            or not all(isinstance(t, dict) and str(i).isdigit() and int(i) in added
+                       and all(t.get(f) == added[int(i)].get(f) for f in ADDED_TOKEN_FIELDS)
+                       for i, t in declared.items())
+            or not all(s is None or isinstance(s, str) and s in contents
+                       for s in (s.get("content") if isinstance(s, dict) else s for s in specials))):
+        return None
+    try:
+        return tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    except Exception:  # noqa: BLE001 (a file tokenizers cannot read: transformers reports what is wrong with it)
+        return None
+
+
 def load_tokenizer(model_dir):
+    """encode(texts) -> one list of token ids per text, as transformers' tokenizer(texts)["input_ids"] gives them
+    (SPEC §1): from tokenizer.json alone where that is the same (plain_tokenizer), else through transformers."""
+    plain = plain_tokenizer(model_dir)
+    if plain is not None:
+        def encode(texts):
+            return [e.ids for e in plain.encode_batch(texts, add_special_tokens=True)]
+    else:
+        encode = transformers_tokenizer(model_dir)
+    if not encode(["Hello, world."])[0]:  # a folder without tokenizer files gets an empty tokenizer: nan for every text
+        raise UserError(f"no usable tokenizer in {model_dir} (tokenizer.json, or vocab.json and merges.txt)")
+    return encode
+
+
+def transformers_tokenizer(model_dir):
     # The class AutoTokenizer would pick (tokenizer_config.json's tokenizer_class, its fast variant first), named
     # directly: AutoTokenizer's own import pulls in transformers' model-loading machinery (generation, sklearn,
     # torch.distributed.tensor), 4.8 s of imports on the H200 machine. AutoTokenizer where the name is unknown.
@@ -2194,19 +2296,17 @@ def load_tokenizer(model_dir):
     transformers.logging.set_verbosity_error()  # no "sequence longer than model_max_length" chatter on stderr
     try:
         name = json.loads((Path(model_dir) / "tokenizer_config.json").read_text()).get("tokenizer_class") or ""
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         name = ""
     named = [getattr(transformers, n, None) for n in (name + "Fast", name) if n.isidentifier()]
     cls = next((c for c in named if c is not None), None) or transformers.AutoTokenizer  # touched only if needed
     try:
         tokenizer = cls.from_pretrained(str(model_dir), trust_remote_code=False)
-        probe = tokenizer("Hello, world.")["input_ids"]
+        tokenizer("Hello, world.")
     except Exception as e:
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"cannot load the tokenizer from {model_dir}: {first_line[:300]}") from None
-    if not probe:  # a folder without tokenizer files gets an empty tokenizer: 0 tokens, a nan loss for every text
-        raise UserError(f"no usable tokenizer in {model_dir} (tokenizer.json, or vocab.json and merges.txt)")
-    return tokenizer
+    return lambda texts: tokenizer(texts)["input_ids"]
 
 
 # ----------------------------------------------------------------------------- doctor
@@ -2620,19 +2720,22 @@ def parse_args(argv):
                    help="tokens kept on the GPU across all layers; larger requests run in several waves, "
                         "each streaming the layers again (default 65536)")
     p.add_argument("--load", default="auto", choices=["auto", "map", "copy"],
-                   help="map: page-lock the checkpoint files' page cache in place and copy to the GPU straight from "
-                        "it (no host copy; the whole checkpoint stays locked in RAM while prefill runs); copy: pinned "
-                        "copies of the streamed layers that --host-memory can hold, the others read from storage "
-                        "every wave; auto: map on NVIDIA where the platform allows it, the files hold bf16 and "
-                        "--host-memory holds the checkpoint, else copy (always copy on ROCm)")
+                   help="map: page-lock the streamed layers' pages of the checkpoint's page cache in place and "
+                        "copy them to the GPU straight from there (no host copy; those pages stay locked in RAM while "
+                        "prefill runs); copy: pinned copies of the streamed layers that --host-memory can hold, the "
+                        "others read from storage every wave; either way the resident weights reach the GPU through "
+                        "small pinned staging buffers; auto: map on NVIDIA where the platform allows it, the files "
+                        "hold bf16 and --host-memory holds the streamed layers' pages, else copy (always copy on ROCm)")
     p.add_argument("--host-memory", type=bounded(float, 0, 2**20), metavar="GIB",
                    help="host memory the runner may page-lock (default: MemAvailable less a margin of 5%% of RAM, at "
                         "least 2 GiB, within the cgroup's limit); the streamed layers it cannot hold are read from "
                         "storage every wave. Give it explicitly on a VM whose memory grows as it is used (a balloon), "
                         "where MemAvailable understates what can be had")
     p.add_argument("--pin", default="auto", choices=["auto"] + list(PIN_METHODS),
-                   help="how --load copy page-locks host buffers: register plain memory in place (exact size) or "
-                        "torch's pinned allocator (power-of-two sizes); auto: register on CUDA, alloc on ROCm")
+                   help="how prefill's own host buffers are page-locked (the loading threads' staging buffers; with "
+                        "--load copy the streamed layers' copies and the storage ring): register plain memory in "
+                        "place (exact size) or torch's pinned allocator (power-of-two sizes); auto: register on CUDA, "
+                        "alloc on ROCm")
     p.add_argument("--picks", metavar="FILE",
                    help="where the choices only timing can make (attention backend; on ROCm, rocBLAS or hipBLASLt) "
                         "are kept per machine, so that every later run computes the same numbers; without a "
@@ -2724,8 +2827,10 @@ def serve(args, protocol):
         if args.stats:
             Path(args.stats).write_text(json.dumps(dict(figures, lines=lines), indent=1))
         return 2 if problems else 0
+    runner.since_start_s["ready"] = since_process_start()
     if records is None:
-        log(f"ready (warm-up {warm_up_s:.1f} s)")
+        ready_s = runner.since_start_s["ready"]
+        log(f"ready (warm-up {warm_up_s:.1f} s" + (f"; {ready_s:.1f} s since the process started)" if ready_s else ")"))
         protocol.write("ready\n")
         protocol.flush()
         line = sys.stdin.buffer.readline()
@@ -2781,6 +2886,7 @@ def serve(args, protocol):
                  tokens_per_s=run.get("tokens", 0) / elapsed, elapsed_s=elapsed,
                  pinned_host_bytes=runner.pinned_host_bytes, load_wall_s=runner.load_wall_s,
                  side_done_s=runner.side_done_s, load_mode=runner.load_mode, warm_up_s=warm_up_s,
+                 since_start_s=runner.since_start_s, load_seconds=runner.load_seconds,
                  resident_layers=len(runner.plan.resident_layers), streamed_layers=len(runner.plan.streamed_layers),
                  attention=runner.attention, kernels=runner.kernels.name, blas=runner.blas,
                  pin_method=runner.pin_method, budget_bytes=runner.plan.budget_bytes,

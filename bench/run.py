@@ -300,15 +300,15 @@ def step_host_capped(args, ckpt: dict, texts_path: Path, ref_path: Path | None, 
 
 
 _LOAD_RE = re.compile(r"prefill: loaded .*? in ([\d.]+) s(?: on [^(;]*)?(?:\(([^)]*)\))?")
-_WARM_RE = re.compile(r"prefill: ready \(warm-up ([\d.]+) s\)")
+_WARM_RE = re.compile(r"prefill: ready \(warm-up ([\d.]+) s[;)]")
 
 
 def parse_runner_log(stderr: str | None) -> dict:
     """load_s, load_threads, load_thread_seconds {phase: thread-seconds}, warm_up_s from prefill's stderr lines
 
         prefill: loaded 64-layer Qwen3 (65.5 GB) from DIR in 5.1 s on cuda, copied (16 threads: fill 27.2, pin 2.4, stage 45.9 s); ...
-        prefill: loaded 64-layer Qwen3 (65.5 GB) from DIR in 3.1 s on cuda, mapped (in place: lock 1.0, copy 0.9 s); ...
-        prefill: ready (warm-up 0.8 s)
+        prefill: loaded 64-layer Qwen3 (65.5 GB) from DIR in 3.1 s on cuda, mapped (16 threads: stage 30.1 s; in place: lock 1.2 s, 0.0 GB read ahead, total 2.3 s); ...
+        prefill: ready (warm-up 0.8 s; 5.0 s since the process started)
 
     Lenient: what is not there (another format, a runner that failed) is None."""
     out = {"load_s": None, "load_threads": None, "load_thread_seconds": None, "warm_up_s": None}
@@ -367,6 +367,8 @@ def step_repeats(args, ckpt: dict, texts_path: Path, first: dict, work: Path, de
         same_nan = all(math.isnan(a) == math.isnan(b) for a, b in zip(first["losses"], result["losses"]))
         out.append({"runner_args": extra, "t_seconds": result.get("t_seconds"),
                     "time_to_ready_s": result.get("time_to_ready_s"), "load_wall_s": stats.get("load_wall_s"),
+                    "since_start_s": stats.get("since_start_s"), "side_done_s": stats.get("side_done_s"),
+                    "load_seconds": stats.get("load_seconds"),
                     "resident_layers": stats.get("resident_layers"), "attention": stats.get("attention"),
                     "max_abs_diff": max(d for d in diffs if not math.isnan(d)) if same_nan else None,
                     "bitwise_identical": result["losses"] == first["losses"] or all(
@@ -659,6 +661,16 @@ def write_report(res: dict, paths: list[Path]) -> None:
         p.write_text(text)
 
 
+def ready_timeline(stats: dict) -> str:
+    """The first run's phases before `ready`, in seconds since prefill's process started (its --stats)."""
+    since, side = stats.get("since_start_s") or {}, stats.get("side_done_s") or {}
+    if since.get("runner_start") is None:
+        return "-"
+    marks = ", ".join(f"{k} {v:.2f}" for k, v in since.items() if v is not None)
+    sides = ", ".join(f"{k} {since['runner_start'] + v:.2f}" for k, v in side.items())
+    return f"{marks} s since start; side tasks done: {sides or '-'}"
+
+
 def print_table(res: dict) -> None:
     def f(key_or_value, fmt="{:.2f}", unit=""):
         v = res.get(key_or_value) if isinstance(key_or_value, str) else key_or_value
@@ -689,6 +701,7 @@ def print_table(res: dict) -> None:
         ("cold load (--cold)", f"{f('cold_load_gbps', '{:.2f}', ' GB/s')} = {f('cold_load_over_storage', '{:.2f}', 'x')} "
                                f"storage; ready {f('cold_time_to_ready_s', '{:.1f}', ' s')}"),
         ("warm time to ready", f("warm_time_to_ready_s", "{:.1f}", " s")),
+        ("ready timeline", ready_timeline(res.get("runner_stats") or {})),
         ("host-capped run", f"{f('host_memory_cap_gib', '{:g}', ' GiB left')}: T {f(cap.get('t_seconds'), '{:.2f}', ' s')}"
                             f" = {f(cap.get('t_over_storage_floor'), '{:.2f}', 'x')} the storage floor "
                             f"({f(_div(cap.get('storage_bytes'), 1e9), '{:.1f}', ' GB')} a request), rel err "

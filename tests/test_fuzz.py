@@ -74,7 +74,7 @@ def test_request(data, tokenizer):
     # accepted: exactly the array of strings the bytes hold (so they were UTF-8), and the tokenizer takes them
     assert texts == json.loads(data.decode("utf-8"))
     assert all(isinstance(t, str) for t in texts)
-    assert len(tokenizer(texts)["input_ids"] if texts else []) == len(texts)
+    assert len(tokenizer(texts) if texts else []) == len(texts)
 
 
 # ----------------------------------------------------------------------------- --input files

@@ -154,6 +154,11 @@ def weight_bytes(cfg):  # one layer's weights, without the alignment gaps of its
     return 2 * sum(count for _, _, count in prefill.layer_tensors(cfg, 0))
 
 
+def one_resident_gib(cfg):  # a GPU memory cap that keeps one layer resident (two slots and two would be all four)
+    p = prefill.plan_memory(cfg, 0)
+    return (p.fixed_bytes + p.working_bytes + p.slot_bytes + 1.5 * p.layer_bytes) / prefill.GiB
+
+
 @pytest.mark.parametrize("load", ["map", "copy"])
 def test_every_layer_streamed_equals_every_layer_resident(gqa_checkpoint, load):
     # map: streamed straight from the checkpoint's pages, tensor by tensor; copy: from host copies of the layers
@@ -165,6 +170,25 @@ def test_every_layer_streamed_equals_every_layer_resident(gqa_checkpoint, load):
     assert streamed.losses(ids) == resident.losses(ids)
     assert streamed.stats["streamed_bytes"] == 4 * weight_bytes(streamed.cfg)
     assert resident.stats["streamed_bytes"] == 0
+    # mixed: the resident layer staged while the streamed ones are held (map: the pages themselves)
+    mixed = runner(path, gpu_memory_gib=one_resident_gib(resident.cfg), load=load)
+    assert mixed.load_mode == resident.load_mode and len(mixed.plan.streamed_layers) == 3
+    assert mixed.losses(ids) == resident.losses(ids)
+
+
+@pytest.mark.parametrize("host_memory", [None, 2.5])
+def test_warm_up_streams_nothing_and_leaves_the_streamer_as_it_was(gqa_checkpoint, host_memory):
+    # the warm-up runs the streamed layers on what their slots hold (its numbers are thrown away): no copy, no read
+    # from storage, the cycle where it was; the request after it gives the losses of a Runner that never warmed up
+    path, _ = gqa_checkpoint
+    kw = dict(gpu_memory_gib=0, load="copy", host_memory_gib=host_memory and host_memory * layer_gib(path))
+    cold, warm = runner(path, **kw), runner(path, **kw)
+    ids = cold.tokenize(TEXTS)
+    before = [(s.next_copy, s.next_use, s.streamed_bytes, s.storage_bytes) for s in [warm.streamer]]
+    warm.warm_up()
+    assert [(s.next_copy, s.next_use, s.streamed_bytes, s.storage_bytes) for s in [warm.streamer]] == before
+    assert warm.stats["streamed_bytes"] == 0 and warm.stats["texts"] == 3
+    assert warm.losses(ids) == cold.losses(ids)
 
 
 def test_layers_read_from_storage_every_wave_equal_layers_held(gqa_checkpoint, monkeypatch):
@@ -307,26 +331,49 @@ def test_plan_never_exceeds_its_budget():
 # ----------------------------------------------------------------------------- checkpoint errors
 
 def test_refused_locking_leaves_nothing_locked(gqa_checkpoint, monkeypatch):
-    # ROCm may refuse read-only registration of a file's pages: files locked before the refusal must be unlocked
-    # (the runner then copies), and each file's copies start only once that file is locked
+    # ROCm may refuse read-only registration of a file's pages: spans locked before the refusal must be unlocked
+    # (the runner then copies)
     import types
-    registered, unregistered, copied = {}, [], []
+    registered, unregistered = {}, []
 
     def register(ptr, nbytes, flags):
         assert flags == prefill.HOST_REGISTER_READ_ONLY
-        registered[ptr] = len(registered) < 2  # the third file and later are refused
+        registered[ptr] = len(registered) < 2  # the third span and later are refused
         return 0 if registered[ptr] else 1
 
     fake = types.SimpleNamespace(cudaHostRegister=register, cudaHostUnregister=lambda ptr: unregistered.append(ptr))
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(torch.cuda, "check_error", lambda rc: None)
     ckpt = prefill.Checkpoint(gqa_checkpoint[0])
-    assert len(ckpt.files) >= 3
-    assert not ckpt.lock(copied.append)
-    assert copied == ckpt.locked == [0, 1]
-    locked_ptrs = sorted(ckpt.shared[f].data_ptr() for f in ckpt.locked)
+    spans = ckpt.spans(ckpt.tensors)
+    assert len(spans) >= 3
+    assert not ckpt.lock(spans)
+    assert [t.data_ptr() for t in ckpt.locked] == list(registered)[:2]
+    locked_ptrs = sorted(t.data_ptr() for t in ckpt.locked)
     ckpt.unlock()
     assert sorted(unregistered) == locked_ptrs and ckpt.locked == []
+
+
+def test_spans_hold_whole_tensors_on_whole_pages_and_never_overlap(gqa_checkpoint):
+    # what map page-locks: page-aligned file ranges (registration works on pages), each tensor inside one range (a
+    # copy out of it comes from one registration), no page in two ranges (a second registration would be refused)
+    ckpt = prefill.Checkpoint(gqa_checkpoint[0])
+    cfg = prefill.Qwen3Config.from_dir(gqa_checkpoint[0])
+    for layers in ([1], [0, 1], [0, 2], list(range(cfg.num_hidden_layers))):
+        names = [name for i in layers for name, _, _ in prefill.layer_tensors(cfg, i)]
+        spans = ckpt.spans(names)
+        for file, start, end in spans:
+            assert start % prefill.PAGE == 0 and start < end
+            assert end % prefill.PAGE == 0 or end == len(ckpt.files[file][1])
+        for (f1, _, e1), (f2, s2, _) in zip(spans, spans[1:]):
+            assert f1 < f2 or (f1 == f2 and e1 <= s2)
+        for name in names:
+            file, _, _, offset, nbytes = ckpt.tensors[name]
+            assert sum(f == file and s <= offset and offset + nbytes <= e for f, s, e in spans) == 1, name
+        # nothing locked beyond the pages the tensors touch
+        touched = {(ckpt.tensors[n][0], p) for n in names for p in range(ckpt.tensors[n][3] // prefill.PAGE,
+                   -(-(ckpt.tensors[n][3] + ckpt.tensors[n][4]) // prefill.PAGE))}
+        assert sum(-(-(e - s) // prefill.PAGE) for _, s, e in spans) == len(touched)
 
 
 def test_prefetch_reads_the_pages_not_in_the_page_cache_and_only_those(gqa_checkpoint, tmp_path):
@@ -337,31 +384,80 @@ def test_prefetch_reads_the_pages_not_in_the_page_cache_and_only_those(gqa_check
     for fd, _ in ckpt.files:
         os.fsync(fd)  # dirty pages cannot be dropped
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages of a disk file go; tmpfs keeps its own
-    cold = [sum(r.result() for r in reads) for reads in ckpt.prefetch(3)]
+    spans = [(file, 0, len(data)) for file, (_, data) in enumerate(ckpt.files)]
+    cold = [sum(r.result() for r in reads) for reads in ckpt.prefetch(spans, 3)]
     # how much DONTNEED drops is the kernel's choice (seen in CI: 2.7 of a file's 19.4 MB stayed cached), so the
     # first pass reads anything up to each whole file; the second finds every page cached and reads none
     assert all(0 <= got <= len(data) for got, (_, data) in zip(cold, ckpt.files)), cold
-    assert [sum(r.result() for r in reads) for reads in ckpt.prefetch(3)] == [0] * len(ckpt.files)
+    assert [sum(r.result() for r in reads) for reads in ckpt.prefetch(spans, 3)] == [0] * len(ckpt.files)
 
 
-def test_tokenizer_is_autotokenizers_without_its_imports(qwen_tokenizer_dir, tmp_path):
-    # prefill names the tokenizer class itself (AutoTokenizer's imports cost seconds): same ids as AutoTokenizer,
-    # also through the AutoTokenizer fallback when tokenizer_config.json names no class
-    from transformers import AutoTokenizer
-    texts = TEXTS + ["<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nOk<|im_end|>\n"]
-    want = AutoTokenizer.from_pretrained(qwen_tokenizer_dir)(texts)["input_ids"]
-    assert prefill.load_tokenizer(qwen_tokenizer_dir)(texts)["input_ids"] == want
-    unnamed = tmp_path / "unnamed"
-    shutil.copytree(qwen_tokenizer_dir, unnamed)
-    config = json.loads((unnamed / "tokenizer_config.json").read_text())
-    del config["tokenizer_class"]
-    (unnamed / "tokenizer_config.json").write_text(json.dumps(config))
-    (unnamed / "config.json").write_text(json.dumps({"model_type": "qwen3"}))  # what AutoTokenizer falls back on
-    assert prefill.load_tokenizer(unnamed)(texts)["input_ids"] == want
-    check = ("import sys, prefill; prefill.load_tokenizer(sys.argv[1]); "
-             "assert 'transformers.models.auto.auto_factory' not in sys.modules")
+TOKENIZER_TEXTS = TEXTS + [
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nOk<|im_end|>\n",
+    "<|endoftext|><|im_start|><|im_end|>", "<|im_start |> <|im_end|x", "  leading and trailing spaces  ",
+    "naïve café, Ångström, e\u0301 (a combining accent: NFC), ﬁ ligature, ㎏",
+    "日本語のテキスト, 한국어, العربية", "emoji 🤖👩‍👩‍👧 and a zero-width joiner, \u200b, \ufeff",
+    "tabs\tand\r\nwindows\rlines\n\n\n", "\\frac{a}{b} $$\\sum_{i=1}^n i^2$$",
+    "don't I'LL we'Re", "1234567890 3.14159 1e-10", "\x00\x01\x7f control characters", "a" * 3000,
+]
+
+
+def test_tokenizer_from_tokenizer_json_gives_transformers_ids_without_importing_it(qwen_tokenizer_dir,
+                                                                                  qwen_tokenizer):
+    # prefill encodes with `tokenizers` from tokenizer.json alone (transformers' import costs seconds before `ready`):
+    # the ids must be transformers' own, on fixed texts and on fuzzed ones
+    assert prefill.plain_tokenizer(qwen_tokenizer_dir) is not None  # the plain path is the one under test
+    encode = prefill.load_tokenizer(qwen_tokenizer_dir)
+    assert encode(TOKENIZER_TEXTS) == qwen_tokenizer(TOKENIZER_TEXTS)["input_ids"]
+    specials = st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", " ", "\n"])
+    texts = st.lists(st.one_of(st.text(max_size=40), specials), max_size=12).map("".join)
+
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None)
+    @given(batch=st.lists(texts, min_size=1, max_size=4))
+    def same_ids(batch):
+        assert encode(batch) == qwen_tokenizer(batch)["input_ids"]
+    same_ids()
+    check = ("import sys, prefill; prefill.load_tokenizer(sys.argv[1]); assert 'transformers' not in sys.modules")
     p = subprocess.run([sys.executable, "-c", check, str(qwen_tokenizer_dir)], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
+
+
+def test_tokenizer_configs_that_transformers_would_change_go_through_transformers(qwen_tokenizer_dir, tmp_path):
+    # Whatever tokenizer_config.json adds to tokenizer.json, transformers applies and `tokenizers` alone would not: such
+    # folders fall back to transformers (the class it names, or AutoTokenizer), and give transformers' ids
+    from transformers import AutoTokenizer
+    import tokenizers
+
+    def variant(name, change_config=None, change_spec=None):
+        folder = tmp_path / name
+        shutil.copytree(qwen_tokenizer_dir, folder)
+        for file, change in (("tokenizer_config.json", change_config), ("tokenizer.json", change_spec)):
+            if change:
+                data = json.loads((folder / file).read_text())
+                change(data)
+                (folder / file).write_text(json.dumps(data))
+        (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))  # what AutoTokenizer falls back on
+        return folder
+
+    extra = {"content": "<extra_tok>", "lstrip": False, "rstrip": False, "normalized": False, "single_word": False,
+             "special": True}
+    folders = {
+        "added": variant("added", lambda c: c["added_tokens_decoder"].update({"151669": extra})),
+        "reflagged": variant("reflagged", lambda c: c["added_tokens_decoder"]["151644"].update(lstrip=True)),
+        "bos": variant("bos", lambda c: c.update(add_bos_token=True, bos_token="<|endoftext|>")),
+        "unnamed": variant("unnamed", lambda c: c.pop("tokenizer_class")),
+        "truncating": variant("truncating", change_spec=lambda s: s.update(truncation={
+            "direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0})),
+    }
+    texts = TOKENIZER_TEXTS + ["a <extra_tok> b", " <|im_start|>x"]
+    differs = 0
+    for name, folder in folders.items():
+        assert prefill.plain_tokenizer(folder) is None, name
+        want = AutoTokenizer.from_pretrained(folder)(texts)["input_ids"]
+        assert prefill.load_tokenizer(folder)(texts) == want, name
+        raw = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        differs += [e.ids for e in raw.encode_batch(texts)] != want
+    assert differs >= 2  # where the file alone would have given other ids: the fallback is what makes them equal
 
 
 def test_checkpoint_problems_are_named(gqa_checkpoint, tmp_path):
@@ -445,14 +541,20 @@ def run(path, stdin, *args):
                           input=stdin, capture_output=True, text=True, timeout=300, env=env)
 
 
-def test_protocol_ready_then_one_loss_per_text(gqa_checkpoint):
+def test_protocol_ready_then_one_loss_per_text(gqa_checkpoint, tmp_path):
     path, reference = gqa_checkpoint
-    p = run(path, json.dumps(TEXTS) + "\n", "--gpu-memory", "0")
+    start = time.monotonic()
+    p = run(path, json.dumps(TEXTS) + "\n", "--gpu-memory", "0", "--stats", str(tmp_path / "stats.json"))
+    wall = time.monotonic() - start
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[0] == "ready" and len(lines) == 1 + len(TEXTS)
     assert max_rel_err([float(x) for x in lines[1:]], reference) < TOLERANCE
     assert len(p.stderr.splitlines()) <= 6  # the harness reads stderr only after the run
+    # where the time to `ready` went, counted from the process's start (the imports come before the Runner)
+    since = json.loads((tmp_path / "stats.json").read_text())["since_start_s"]
+    assert list(since) == ["runner_start", "weights", "loaded", "ready"]
+    assert 0 < since["runner_start"] <= since["weights"] <= since["loaded"] <= since["ready"] < wall + 0.02, since
 
 
 def test_layers_from_storage_through_the_protocol_and_a_clean_exit(gqa_checkpoint):
@@ -638,6 +740,7 @@ def test_gpu_streaming_matches_and_nothing_compiles_after_warm_up(gqa_checkpoint
     del ring
     # a Runner unlocks its host memory as it goes; memory freed while still registered left stale registrations
     # that failed a later Runner's copies ("invalid argument")
+    streamed_cfg = streamed.cfg
     del streamed, copied, resident
     gc.collect()
     for load in ("copy", load):
@@ -645,6 +748,12 @@ def test_gpu_streaming_matches_and_nothing_compiles_after_warm_up(gqa_checkpoint
         assert max_rel_err(again.losses(ids), losses) < 1e-5
         del again
         gc.collect()
+    # one layer resident, staged while the streamed layers' pages are locked in place on a thread of their own
+    mixed = prefill.Runner(path, device="cuda", gpu_memory_gib=one_resident_gib(streamed_cfg), load=load,
+                          attention=same)
+    assert len(mixed.plan.streamed_layers) == 3 and mixed.pinned_host_bytes > 0
+    assert mixed.load_mode == ("mapped" if load == "map" else mixed.load_mode)
+    assert max_rel_err(mixed.losses(ids), losses) < 1e-5
 
 
 # ----------------------------------------------------------------------------- faults: the README's table, row by row

@@ -232,8 +232,11 @@ STREAMED = prefill.plan_memory(QWEN3_32B, 48 * prefill.GiB).streamed_layers  # 2
 STAGING = 2 * 16 * prefill.STAGING_BYTES  # 16 loading threads' staging buffers
 
 
+SPANS = len(STREAMED) * QWEN3_32B.layer_bytes  # the streamed layers' pages, what map locks in place
+
+
 def host_plan(budget, requested="auto", device=torch.device("cuda"), bf16=True, pin="register"):
-    return prefill.plan_host(QWEN3_32B, STREAMED, budget, requested, device, bf16, 65.5 * GB, pin, STAGING)
+    return prefill.plan_host(QWEN3_32B, STREAMED, budget, requested, device, bf16, SPANS, pin, STAGING)
 
 
 def test_rocm_copies_instead_of_registering_the_page_cache(hip, monkeypatch):
@@ -250,10 +253,13 @@ def test_rocm_copies_instead_of_registering_the_page_cache(hip, monkeypatch):
 def test_host_plan_holds_what_the_budget_allows_and_reads_the_rest_from_storage():
     layer = QWEN3_32B.layer_bytes
     assert len(STREAMED) == 20
-    big = host_plan(100 * GB)  # the whole checkpoint locked in place: nothing read from storage
-    assert (big.load, big.locked_bytes, big.pinned_bytes, big.storage_layers) == ("map", 65.5 * GB, 0, ())
+    big = host_plan(100 * GB)  # the streamed layers' pages locked in place: nothing read from storage
+    assert (big.load, big.locked_bytes, big.pinned_bytes, big.storage_layers) == ("map", SPANS, STAGING, ())
     assert host_plan(None).load == "map"  # no limit known: not checked
-    copies = host_plan(40 * GB)  # the checkpoint does not fit, the streamed layers do
+    assert host_plan(SPANS + STAGING).load == "map"  # just fits, the staging buffers counted
+    copies = host_plan(SPANS + STAGING - 1)  # pinned copies take what locking in place takes: as many as fit
+    assert copies.load == "copy" and copies.storage_layers and copies.pinned_bytes <= SPANS + STAGING - 1
+    copies = host_plan(40 * GB, "copy")
     assert copies.load == "copy" and copies.pinned_layers == STREAMED and copies.storage_layers == ()
     assert copies.pinned_bytes == STAGING + 20 * layer and copies.ring_slots == 0
     assert host_plan(100 * GB, bf16=False).load == "copy"  # float32 files cannot be copied from in place
@@ -275,8 +281,9 @@ def test_host_plan_holds_what_the_budget_allows_and_reads_the_rest_from_storage(
                                    "storage per wave (20 layers)")
     with pytest.raises(prefill.UserError, match=r"smallest plan needs 2.82 GiB .* the budget is 2.82 GiB"):
         host_plan(STAGING + 2 * layer - 1)
-    with pytest.raises(prefill.UserError, match="--load map would page-lock the whole checkpoint"):
-        host_plan(40 * GB, "map")
+    with pytest.raises(prefill.UserError, match=r"--load map would page-lock .* \(20.6 GB\) but the host memory "
+                                                r"budget is 20.0 GB"):
+        host_plan(20 * GB, "map")
     with pytest.raises(prefill.UserError, match="bf16"):
         host_plan(100 * GB, "map", bf16=False)
     # the CPU: no limit unless asked for (then planned as on a GPU); nothing streamed, nothing to hold
