@@ -2507,7 +2507,7 @@ class Group:
             count = self.store.add(f"beat/{rank}", 0)
             if self.beats.get(rank, (None,))[0] != count:
                 self.beats[rank] = (count, now)
-            elif now - self.beats[rank][1] > PEER_SILENT_S:
+            elif count and now - self.beats[rank][1] > PEER_SILENT_S:  # from its first beat: imports can be slow
                 raise PeerFailed(f"rank {rank} has been silent for {PEER_SILENT_S:.0f} s (its node down, or hung)")
 
     def fail(self, line):  # the first rank to fail is the one the others report
