@@ -47,10 +47,17 @@ def test_two_ranks_write_the_one_process_file_and_protocol_output(model, tmp_pat
     assert "120 texts, " in own_lines(p.stderr)[-1] and " on 2 ranks, " in own_lines(p.stderr)[-1]
     assert len(own_lines(p.stderr)) == 3  # rank 0's load, plan and summary lines; rank 1 says nothing
 
-    request = json.dumps(TEXTS * 4) + "\n"
-    solo, pair = prefill(model, stdin=request), prefill(model, stdin=request, ranks=2)
-    assert solo.returncode == pair.returncode == 0, (solo.stderr, pair.stderr)
-    assert pair.stdout == solo.stdout and len(solo.stdout.splitlines()) == 1 + 4 * len(TEXTS)
+    # the protocol, 2 ranks started by interact.py --nproc 2 as the contest harness would talk to them
+    texts = tmp_path / "texts.json"
+    texts.write_text(json.dumps(TEXTS * 4))
+    solo = prefill(model, stdin=texts.read_text() + "\n")
+    assert solo.returncode == 0 and len(solo.stdout.splitlines()) == 1 + 4 * len(TEXTS), solo.stderr
+    rc = interact.main(["--model", str(model), "--texts", str(texts), "--nproc", "2", "--json", str(tmp_path / "i.json"),
+                        "--", *ARGS])
+    record = json.loads((tmp_path / "i.json").read_text())
+    assert rc == 0 and record["runner_cmd"][1:5] == ["-m", "torch.distributed.run", "--standalone",
+                                                     "--nproc-per-node=2"]
+    assert [repr(x) for x in record["losses"]] == solo.stdout.splitlines()[1:]  # nan too: repr(nan) == 'nan'
 
 
 @pytest.mark.parametrize("args, stdin, message", [
