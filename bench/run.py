@@ -462,6 +462,13 @@ def step_gpus(args, ckpt: dict, texts_path: Path, work: Path, deadline: Deadline
     jsonl.write_text("".join(json.dumps({"text": t, "id": i}, ensure_ascii=False) + "\n"
                              for i, t in enumerate(json.loads(texts_path.read_text()))))
     wave = args.corpus_waves[0] if args.corpus_waves else 65536
+    device = ["--device", "cpu"] if args.device == "cpu" else []
+    # A short run first, so that the timing-based picks are kept in the picks file before either measured run:
+    # else the first would time them before its `ready` and the second not
+    few = work / "texts-10.jsonl"
+    few.write_text("".join(jsonl.read_text().splitlines(keepends=True)[:10]))
+    run_child("gpus-picks", [sys.executable, str(REPO / "prefill.py"), "--model", ckpt["path"], "--input", str(few),
+                             *device, *shlex.split(args.runner_args)], deadline.left() - RESERVE_S, log)
     blockers = [Blocker(args.cap_gib, log, gpu=g) for g in range(1, args.gpus)] if args.device == "cuda" else []
     runs = {}
     try:
@@ -475,7 +482,7 @@ def step_gpus(args, ckpt: dict, texts_path: Path, work: Path, deadline: Deadline
                    str(out), "--wave-tokens", str(wave), "--stats", str(stats)]
             if args.runner_gpu_memory is not None:
                 cmd += ["--gpu-memory", str(args.runner_gpu_memory)]
-            cmd += (["--device", "cpu"] if args.device == "cpu" else []) + shlex.split(args.runner_args)
+            cmd += device + shlex.split(args.runner_args)
             memory, spawned = MemoryLow(), time.time()
             try:
                 seconds, _ = run_child(f"gpus-{n}", cmd, deadline.left() - RESERVE_S, log)
