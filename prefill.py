@@ -2464,7 +2464,7 @@ class Group:
         for signum in (signal.SIGINT, signal.SIGTERM):  # a side thread waiting on the store must let go too
             handler = signal.getsignal(signum)
             if callable(handler):
-                signal.signal(signum, lambda signum, frame, handler=handler: (self.stopping.set(), handler(signum, frame)))
+                signal.signal(signum, lambda signum, frame, then=handler: (self.stopping.set(), then(signum, frame)))
 
     @staticmethod
     def from_env(device):
@@ -2661,11 +2661,11 @@ def parse_args(argv):
                     "in GPU memory. Without --input: prints `ready`, reads one JSON array of strings on stdin, "
                     "prints one loss per text (nan for texts of < 2 tokens) and exits. With --input FILE: the same "
                     "losses for FILE's texts, without the handshake. With --input FILE --output OUT.jsonl: scores a "
-                    "corpus of any size into OUT, one JSON line per text, resumable with --resume. Started by torchrun: "
-                    "one process per GPU, rank 0 speaking for all (README: Several GPUs).",
+                    "corpus of any size into OUT, one JSON line per text, resumable with --resume. Started by "
+                    "torchrun: one process per GPU, rank 0 speaking for all (README: Several GPUs).",
         epilog="Exit codes: 0 done; 1 stdin closed before the request, stdout closed before the last loss, another "
-               "torchrun rank failed, or an unexpected error; 2 a bad option, input, request, output or checkpoint (one line on stderr names "
-               "it); 130 SIGINT; 143 SIGTERM (with --output: after the batch being written, saying how many texts "
+               "torchrun rank failed, or an unexpected error; 2 a bad option, input, request, output or checkpoint "
+               "(one line on stderr names it); 130 SIGINT; 143 SIGTERM (with --output: after the batch being written, saying how many texts "
                "are done and the command that resumes).")
     p.add_argument("--model", "--model_path", dest="model", required=True, metavar="DIR",
                    help="folder with config.json, *.safetensors (+ index) and the tokenizer files")
@@ -2798,7 +2798,7 @@ def serve(args, protocol, group=None):
             total = counter.submit(count_records, args.input)
             counter.shutdown(wait=False)
         records = itertools.chain(head, records)
-    if args.stats:
+    if args.stats and writer:
         check_writable(args.stats)
     runner = Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
                     kernels=args.kernels, chunk_tokens=args.chunk_tokens, wave_tokens=args.wave_tokens,
@@ -2833,8 +2833,11 @@ def serve(args, protocol, group=None):
     if records is None:
         records = [Record(text) for text in parse_request(line)]
         total = len(records)
+    if not writer:  # computes and publishes; rank 0 writes, prints and logs
+        score_claimed(group, runner, runner.batches(records, text=lambda record: record.text))
+        return 0
     t_start, start_unix_s = time.perf_counter(), time.time()  # wall clock: bench times a corpus run's ready
-    output = CorpusOutput(args.output, args.resume) if args.output and writer else None
+    output = CorpusOutput(args.output, args.resume) if args.output else None
     if output:
         Path(args.output + ".settings.json").write_text(json.dumps(corpus_settings(args)))
     scores, resumed = [], {"texts": 0, "tokens": 0, "predicted_tokens": 0, "nll_sum": 0.0}
@@ -2842,9 +2845,6 @@ def serve(args, protocol, group=None):
     runner.stats = {}
     try:
         batches = runner.batches(records, text=lambda record: record.text)
-        if not writer:
-            score_claimed(group, runner, batches)
-            return 0
         for batch, batch_scores, held in (claimed_in_order(group, runner, batches, output) if group else
                                           scored_batches(runner, batches, output)):
             if held is not None:  # --resume: already in OUT, checked against the input
@@ -2900,8 +2900,8 @@ def serve(args, protocol, group=None):
     corpus = f"mean NLL {mean_nll:.4f} a predicted token, perplexity {stats['perplexity']:.4g}" if predicted else \
         "no token predicted"
     log(f"{texts} texts, {tokens} tokens: {corpus}; scored {stats['scored_tokens']} tokens{earlier} in {elapsed:.2f} "
-        f"s{f' on {group.world} ranks' if group else ''}, {stats['tokens_per_s']:.0f} tokens/s ({phases}); streamed {run.get('streamed_bytes', 0) / 1e9:.1f} GB"
-        + (" (rank 0)" if group else ""))
+        f"s{f' on {group.world} ranks' if group else ''}, {stats['tokens_per_s']:.0f} tokens/s ({phases}); streamed "
+        f"{run.get('streamed_bytes', 0) / 1e9:.1f} GB" + (" (rank 0)" if group else ""))
     if args.stats:
         try:
             Path(args.stats).write_text(json.dumps(stats, indent=1))

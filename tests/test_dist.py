@@ -52,8 +52,8 @@ def test_two_ranks_write_the_one_process_file_and_protocol_output(model, tmp_pat
     texts.write_text(json.dumps(TEXTS * 4))
     solo = prefill(model, stdin=texts.read_text() + "\n")
     assert solo.returncode == 0 and len(solo.stdout.splitlines()) == 1 + 4 * len(TEXTS), solo.stderr
-    rc = interact.main(["--model", str(model), "--texts", str(texts), "--nproc", "2", "--json", str(tmp_path / "i.json"),
-                        "--", *ARGS])
+    rc = interact.main(["--model", str(model), "--texts", str(texts), "--nproc", "2",
+                        "--json", str(tmp_path / "i.json"), "--", *ARGS])
     record = json.loads((tmp_path / "i.json").read_text())
     assert rc == 0 and record["runner_cmd"][1:5] == ["-m", "torch.distributed.run", "--standalone",
                                                      "--nproc-per-node=2"]
