@@ -16,6 +16,7 @@ import array
 import collections
 import contextlib
 import ctypes
+import datetime
 import hashlib
 import importlib.metadata
 import itertools
@@ -2444,14 +2445,16 @@ class Group:
     """This process's rank among torchrun's, and the store the ranks share."""
 
     def __init__(self, env, device):
-        self.rank, self.world, self.local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+        try:
+            self.rank, self.world, self.local_rank = (int(env[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        except (KeyError, ValueError):
+            raise UserError("WORLD_SIZE > 1 but no RANK and LOCAL_RANK: start prefill.py with torchrun") from None
         self.nodes = self.world // int(env.get("LOCAL_WORLD_SIZE", self.world))
         if device != "cpu" and torch.cuda.is_available():  # `cuda` below is then this rank's GPU
             if self.local_rank >= torch.cuda.device_count():
                 raise UserError(f"LOCAL_RANK {self.local_rank}, but torch sees {torch.cuda.device_count()} GPU(s): "
                                 "give torchrun at most that --nproc-per-node")
             torch.cuda.set_device(self.local_rank)
-        import datetime
         try:
             store, _, _ = next(torch.distributed.rendezvous("env://", timeout=datetime.timedelta(seconds=60)))
         except (RuntimeError, ValueError) as e:
