@@ -159,7 +159,10 @@ class Blocker:
         name, what = ("host-blocker", "of host memory available") if host else ("blocker", "of the GPU free")
         what += "" if gpu is None else f" on GPU {gpu}"
         log(f"{name}: leaving {cap_gib:g} GiB {what}")
-        env = child_env() if gpu is None else {**child_env(), "CUDA_VISIBLE_DEVICES": str(gpu)}  # the blocker's GPU
+        env = child_env()
+        if gpu is not None:  # the blocker sees only GPU `gpu` of those this process sees
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
         with log.path.open("a") as err:
             self.proc = subprocess.Popen([sys.executable, STEPS, name, "--leave-gib" if host else "--cap-gib",
                                           str(cap_gib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
