@@ -5,6 +5,7 @@
     uv run interact.py --model DIR --dataset DS --n 100 --seed 3 -- --gpu-memory 48
     uv run interact.py --model DIR --make-reference ref.json    # transformers, no runner
     uv run interact.py --model DIR --check ref.json
+    uv run interact.py --model DIR --nproc 2    # the runner under torchrun, one process per GPU
 
 The protocol and the score are those of /work/shared/SPEC.md §2–3.
 """
@@ -743,6 +744,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="number of texts: default 100 for --dataset and the demo; with --texts, keep the first N (default all)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the dataset draw or the demo texts (default 0)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="start the runner under torchrun with N processes, one per GPU (`python -m torch.distributed.run "
+        "--standalone --nproc-per-node N RUNNER ...`; README: Several GPUs); default 1: plain `python RUNNER`",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds before the runner is killed (default 1800)")
     p.add_argument(
         "--make-reference",
@@ -821,7 +830,12 @@ def main(argv: list[str] | None = None) -> int:
         runner = Path(args.runner)
         if not runner.is_file():
             raise UserError(f"runner {runner} does not exist")
-        cmd = [sys.executable, str(runner), "--model", str(model_dir), *runner_args]
+        if args.nproc < 1:
+            raise UserError(f"--nproc {args.nproc}: must be >= 1")
+        launcher = [sys.executable]
+        if args.nproc > 1:  # torchrun's module form: the same interpreter, no console script needed on PATH
+            launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+        cmd = [*launcher, str(runner), "--model", str(model_dir), *runner_args]
         print("runner:", " ".join(cmd), flush=True)
         try:
             result = run_runner(cmd, texts, args.timeout)

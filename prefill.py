@@ -12,8 +12,11 @@ the compute stream runs the layer before. Each streamed layer crosses PCIe once 
 huge request is split into waves).
 """
 import argparse
+import array
+import collections
 import contextlib
 import ctypes
+import datetime
 import hashlib
 import importlib.metadata
 import itertools
@@ -24,6 +27,7 @@ import os
 import queue
 import shlex
 import signal
+import socket
 import sys
 import threading
 import time
@@ -46,6 +50,8 @@ class UserError(Exception):
 
 
 def log(msg, end="\n"):
+    if QUIET["on"]:
+        return
     print(f"prefill: {msg}", end=end, file=sys.stderr, flush=True)
 
 
@@ -1769,6 +1775,12 @@ class Score:
     nll_sum: float  # their float64 sum (0.0 below 2 tokens): sums and token counts combine into a corpus's mean
 
 
+def scores_of(batch, sums):
+    # the texts' NLL sums say all the rest: a rank other than the one that ran a batch rebuilds the same Scores
+    return [Score(index, len(ids), total / (len(ids) - 1) if len(ids) >= 2 else None, total)
+            for (index, ids, _), total in zip(batch, sums)]
+
+
 def sequence_nll(h, lm_head, final_norm, targets, seq_index, n_seqs, eps, chunk_tokens, kernels):
     # h: [tokens, hidden]; targets: [tokens] (next token, -100 after each sequence's last); seq_index: [tokens] on the
     # host. Returns [n_seqs] float64 sums, added on the host in token order: index_add_ on a GPU adds with atomics in
@@ -1878,7 +1890,8 @@ class Runner:
             self.side_done_s[name] = time.perf_counter() - t0
             return result
 
-        self.picks = Picks(default_picks_path() if picks is None else picks, machine_key(self.device, cfg))
+        self.picks = picks if isinstance(picks, Picks) else Picks(default_picks_path() if picks is None else picks,
+                                                                  machine_key(self.device, cfg))
         with ThreadPoolExecutor(4) as side:
             # the tokenizer (0.3 s from tokenizer.json, seconds when transformers is imported) overlaps the loading
             tokenizer = side.submit(side_task, "tokenizer", load_tokenizer, model_dir)
@@ -2184,8 +2197,7 @@ class Runner:
             for seq, total in zip(wave.seqs, wave_sums.tolist()):
                 sums[seq] = total
             timer.mark("end")
-        scores = [Score(index, len(ids), total / (len(ids) - 1) if len(ids) >= 2 else None, total)
-                  for (index, ids, _), total in zip(batch, sums)]
+        scores = scores_of(batch, sums)
         tally = {"texts": len(batch), "tokens": sum(map(len, token_lists)), "waves": int(wave is not None),
                  "texts_over_wave": int(wave is not None and wave.ids.numel() > plan.wave_tokens),  # beyond the plan
                  "predicted_tokens": sum(len(ids) - 1 for ids in token_lists if len(ids) >= 2),
@@ -2632,6 +2644,212 @@ class Progress:
             self.bar.close()
 
 
+# ----------------------------------------------------------------------------- distributed
+# Under torchrun (WORLD_SIZE > 1; README: Several GPUs) every rank loads the model on its own GPU (LOCAL_RANK) with its
+# own memory plan, reads and tokenizes the same input, and so cuts the same batches (batches() looks at token counts
+# alone). The ranks claim whole batches from a shared counter as they become free. A batch runs whole on one rank, so
+# its numbers are those of a 1-process run on the same GPU model, bit for bit (the same GEMM shapes), whichever rank
+# ran it. Rank 0 alone speaks: it prints `ready` once every rank is ready, reads the request, writes OUT in input order
+# and logs; the other ranks compute, publish and stay silent (their errors reach the user through rank 0's line).
+# What crosses between ranks is a few bytes a batch (its texts' float64 NLL sums), the request line and rank 0's
+# picks. They go through torchrun's own TCPStore (torch.distributed.rendezvous("env://")), not a process group: it
+# works the same with CPU, CUDA and ROCm builds (no NCCL/RCCL, so none of their 10-minute timeouts), its atomic add
+# makes claiming race-free, and torchrun's agent hosts it, so it outlives a dying rank, whose error stays readable.
+# A rank that dies on this node is seen by its torchrun agent within --monitor-interval (0.1 s) and the others get
+# SIGTERM (the 143 path: after the batch being written, with the resume line). A rank on another node that dies
+# without a word stops its heartbeat, and the ranks waiting on it stop after PEER_SILENT_S.
+
+POLL_S = 0.05         # how often a waiting rank looks at the store (TCPStore.wait's timeout logs a C++ warning)
+BEAT_S = 1.0
+PEER_SILENT_S = 30.0  # a rank whose heartbeat has not moved for this long is gone (its node down, or hung)
+QUIET = {"on": False}  # ranks > 0 log nothing: rank 0 speaks for all
+
+
+class PeerFailed(Exception):
+    """Another rank failed or fell silent; the message names it and, where known, why."""
+
+
+class Group:
+    """This process's rank among torchrun's, and the store the ranks share."""
+
+    def __init__(self, env, device):
+        try:
+            self.rank, self.world, self.local_rank = (int(env[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        except (KeyError, ValueError):
+            raise UserError("WORLD_SIZE > 1 but no RANK and LOCAL_RANK: start prefill.py with torchrun") from None
+        self.nodes = self.world // int(env.get("LOCAL_WORLD_SIZE", self.world))
+        if device != "cpu" and torch.cuda.is_available():  # `cuda` below is then this rank's GPU
+            if self.local_rank >= torch.cuda.device_count():
+                raise UserError(f"LOCAL_RANK {self.local_rank}, but torch sees {torch.cuda.device_count()} GPU(s): "
+                                "give torchrun at most that --nproc-per-node")
+            torch.cuda.set_device(self.local_rank)
+        try:
+            store, _, _ = next(torch.distributed.rendezvous("env://", timeout=datetime.timedelta(seconds=60)))
+        except (RuntimeError, ValueError) as e:
+            raise UserError(f"cannot reach torchrun's store: {e}") from None
+        # a prefix per torchrun restart: a restarted group must not read the keys of the one before
+        self.store = torch.distributed.PrefixStore(f"prefill/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
+        self.store.set(f"proc/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+        self.beats, self.stopping = {}, threading.Event()
+        threading.Thread(target=self._beat, args=(self.store.clone(),), name="prefill-heartbeat", daemon=True).start()
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a side thread waiting on the store must let go too
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                signal.signal(signum, lambda signum, frame, then=handler: (self.stopping.set(), then(signum, frame)))
+
+    @staticmethod
+    def from_env(device):
+        return Group(os.environ, device) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+
+    def _beat(self, store):
+        with contextlib.suppress(Exception):  # the store has gone: so has the run
+            while True:
+                store.add(f"beat/{self.rank}", 1)
+                time.sleep(BEAT_S)
+
+    def set(self, key, value=b""):
+        self.store.set(key, value)
+
+    def claim(self):
+        return self.store.add("claimed", 1) - 1
+
+    def has(self, key):
+        return self.store.check([key])
+
+    def wait(self, key):
+        """The value of key once a rank has set it; PeerFailed if a rank fails or falls silent first."""
+        checked = 0.0
+        while not self.store.check([key]):
+            if time.monotonic() - checked >= BEAT_S:
+                self.check_peers()
+                checked = time.monotonic()
+            time.sleep(POLL_S)
+        return self.store.get(key)
+
+    def check_peers(self):
+        if self.stopping.is_set():
+            raise PeerFailed("stopped by a signal")
+        if self.store.check(["failed"]):
+            raise PeerFailed(self.store.get("failed").decode())
+        now = time.monotonic()
+        for rank in range(self.world):
+            if rank == self.rank or self.store.check([f"done/{rank}"]):
+                continue
+            count = self.store.add(f"beat/{rank}", 0)
+            if self.beats.get(rank, (None,))[0] != count:
+                self.beats[rank] = (count, now)
+            elif count and now - self.beats[rank][1] > PEER_SILENT_S:  # from its first beat: imports can be slow
+                raise PeerFailed(f"rank {rank} has been silent for {PEER_SILENT_S:.0f} s (its node down, or hung)")
+
+    def fail(self, line):  # the first rank to fail is the one the others report
+        with contextlib.suppress(Exception):
+            self.store.compare_set("failed", "", f"rank {self.rank}: {line}")
+
+    def cause(self):
+        """Why the run is being stopped, as far as this rank can tell: the first failure a rank recorded, else a rank
+        of this node whose process has gone without recording one (SIGKILL, the OOM killer), else None."""
+        with contextlib.suppress(Exception):
+            if self.store.check(["failed"]):
+                return self.store.get("failed").decode()
+            for rank in range(self.world):
+                if rank != self.rank and self.store.check([f"proc/{rank}"]):
+                    host, pid = self.store.get(f"proc/{rank}").decode().split()
+                    if host == socket.gethostname() and not process_alive(int(pid)):
+                        return f"rank {rank} (pid {pid}) ended without an error: killed by a signal or the OOM killer?"
+        return None
+
+    def relaunch(self):  # how this run was started, for the resume line
+        return ["torchrun", f"--nproc-per-node={self.world // self.nodes}"] + (
+            [f"--nnodes={self.nodes}", "<the same rendezvous options>"] if self.nodes > 1 else [])
+
+
+def process_alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except (OSError, IndexError):
+        return False
+
+
+class RankZeroPicks(Picks):
+    """Ranks > 0 take rank 0's timing-based choices: timed on several GPUs at once, they could differ, and with them the
+    numbers. Rank 0 publishes its choices once loaded; this rank's check of the candidates runs meanwhile."""
+
+    def __init__(self, group):
+        super().__init__(None, None)  # nothing is read, written or timed here
+        self.group = group
+
+    def get(self, what):
+        return json.loads(self.group.wait("picks")).get(what)
+
+
+def publish_picks(group, runner, attention):
+    kept = {f"attention {attention} {label}": name for label, name in runner.attention.items()}
+    group.set("picks", json.dumps(dict(kept, blas=runner.blas)))
+
+
+def all_ready(group):
+    group.set(f"ready/{group.rank}")
+    for rank in range(group.world):
+        group.wait(f"ready/{rank}")
+
+
+def scored_batches(runner, batches, output):
+    """(batch, its Scores, None) of each batch, in order, or (batch, None, records) for those OUT holds (--resume)."""
+    for batch in batches:
+        held = output.holds(batch) if output else None
+        yield batch, (None if held is not None else runner.score_batch(batch)), held
+
+
+def claimed_in_order(group, runner, batches, output):
+    """Rank 0: scored_batches over every rank. It checks what OUT holds (--resume), tells the ranks where scoring
+    starts, then claims and scores batches like every rank, and yields each batch in order once its scores are here."""
+    pending, start, mine, k = collections.deque(), None, None, -1  # pending: [k, batch, Scores or None], in order
+
+    def ready(k, batch, scores):
+        if scores is None:  # another rank's: its NLL sums, and this rank's tally of what was scored
+            sums = array.array("d", group.wait(f"sums/{k}")).tolist()
+            group.store.delete_key(f"sums/{k}")
+            scores = scores_of(batch, sums)
+            tally = {"texts": len(batch), "tokens": sum(s.tokens for s in scores), "nll_sum": math.fsum(sums),
+                     "predicted_tokens": sum(s.tokens - 1 for s in scores if s.tokens >= 2)}
+            for key, value in tally.items():
+                runner.stats[key] = runner.stats.get(key, 0) + value
+        return batch, scores, None
+
+    for k, batch in enumerate(batches):
+        if start is None:
+            held = output.holds(batch) if output else None
+            if held is not None:
+                yield batch, None, held
+                continue
+            start = k
+            group.set("start", str(start))
+            mine = start + group.claim()
+        scores = None
+        if k == mine:
+            scores = runner.score_batch(batch)
+            mine = start + group.claim()
+        pending.append((k, batch, scores))
+        while pending and (pending[0][2] is not None or group.has(f"sums/{pending[0][0]}")):
+            yield ready(*pending.popleft())
+    if start is None:  # OUT held every batch (or there were none)
+        group.set("start", str(k + 1))
+    while pending:
+        yield ready(*pending.popleft())
+
+
+def score_claimed(group, runner, batches):
+    """Ranks > 0: the batches this rank claims, scored, their NLL sums published for rank 0."""
+    start = int(group.wait("start"))
+    mine = start + group.claim()
+    for k, batch in enumerate(batches):
+        if k == mine:
+            group.set(f"sums/{k}", array.array("d", (s.nll_sum for s in runner.score_batch(batch))).tobytes())
+            mine = start + group.claim()
+        group.check_peers()  # rank 0 gone on another node: stop rather than score for nobody
+    group.set(f"done/{group.rank}")
+
+
 # ----------------------------------------------------------------------------- protocol / CLI
 
 def parse_request(data, source="stdin"):
@@ -2675,10 +2893,11 @@ def parse_args(argv):
                     "in GPU memory. Without --input: prints `ready`, reads one JSON array of strings on stdin, "
                     "prints one loss per text (nan for texts of < 2 tokens) and exits. With --input FILE: the same "
                     "losses for FILE's texts, without the handshake. With --input FILE --output OUT.jsonl: scores a "
-                    "corpus of any size into OUT, one JSON line per text, resumable with --resume.",
-        epilog="Exit codes: 0 done; 1 stdin closed before the request, stdout closed before the last loss, or an "
-               "unexpected error; 2 a bad option, input, request, output or checkpoint (one line on stderr names "
-               "it); 130 SIGINT; 143 SIGTERM (with --output: after the batch being written, saying how many texts "
+                    "corpus of any size into OUT, one JSON line per text, resumable with --resume. Started by "
+                    "torchrun: one process per GPU, rank 0 speaking for all (README: Several GPUs).",
+        epilog="Exit codes: 0 done; 1 stdin closed before the request, stdout closed before the last loss, another "
+               "torchrun rank failed, or an unexpected error; 2 a bad option, input, request, output or checkpoint "
+               "(one line on stderr names it); 130 SIGINT; 143 SIGTERM (with --output: after the batch being written, saying how many texts "
                "are done and the command that resumes).")
     p.add_argument("--model", "--model_path", dest="model", required=True, metavar="DIR",
                    help="folder with config.json, *.safetensors (+ index) and the tokenizer files")
@@ -2796,10 +3015,14 @@ def check_output(args):
                         "the same ones")
 
 
-def serve(args, protocol):
+def serve(args, protocol, group=None):
+    writer = group is None or group.rank == 0  # rank 0 alone writes OUT and speaks the protocol
     records = total = None
+    if args.doctor and group:
+        raise UserError("--doctor reports on one process: run it without torchrun")
     if args.output:
-        check_output(args)
+        if writer:
+            check_output(args)
     elif args.resume:
         raise UserError("--resume needs --output OUT")
     if args.input:  # the input opens and its first records (all of them without --output) parse before the load
@@ -2812,14 +3035,19 @@ def serve(args, protocol):
             total = counter.submit(count_records, args.input)
             counter.shutdown(wait=False)
         records = itertools.chain(head, records)
-    if args.stats:
+    if args.stats and writer:
         check_writable(args.stats)
     runner = Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
                     kernels=args.kernels, chunk_tokens=args.chunk_tokens, wave_tokens=args.wave_tokens,
-                    load=args.load, pin=args.pin, picks=args.picks, host_memory_gib=args.host_memory)
+                    load=args.load, pin=args.pin, host_memory_gib=args.host_memory,
+                    picks=args.picks if writer else RankZeroPicks(group))
+    if group and writer:
+        publish_picks(group, runner, args.attention)
     t0 = time.perf_counter()
     runner.warm_up()
     warm_up_s = time.perf_counter() - t0
+    if group:
+        all_ready(group)
     if args.doctor:
         lines, figures, problems = doctor(runner)
         protocol.write("".join(line + "\n" for line in lines))
@@ -2828,7 +3056,9 @@ def serve(args, protocol):
             Path(args.stats).write_text(json.dumps(dict(figures, lines=lines), indent=1))
         return 2 if problems else 0
     runner.since_start_s["ready"] = since_process_start()
-    if records is None:
+    if records is None and not writer:
+        line = group.wait("request")  # rank 0's request line, parsed here too: a bad one fails every rank alike
+    elif records is None:
         ready_s = runner.since_start_s["ready"]
         log(f"ready (warm-up {warm_up_s:.1f} s" + (f"; {ready_s:.1f} s since the process started)" if ready_s else ")"))
         protocol.write("ready\n")
@@ -2837,9 +3067,15 @@ def serve(args, protocol):
         if not line:
             log("stdin closed before a request arrived")
             return 1
+        if group:
+            group.set("request", line)
+    if records is None:
         records = [Record(text) for text in parse_request(line)]
         total = len(records)
-    t_start = time.perf_counter()
+    if not writer:  # computes and publishes; rank 0 writes, prints and logs
+        score_claimed(group, runner, runner.batches(records, text=lambda record: record.text))
+        return 0
+    t_start, start_unix_s = time.perf_counter(), time.time()  # wall clock: bench times a corpus run's ready
     output = CorpusOutput(args.output, args.resume) if args.output else None
     if output:
         Path(args.output + ".settings.json").write_text(json.dumps(corpus_settings(args)))
@@ -2847,8 +3083,9 @@ def serve(args, protocol):
     progress = Progress(total.result() if hasattr(total, "result") else total)
     runner.stats = {}
     try:
-        for batch in runner.batches(records, text=lambda record: record.text):
-            held = output.holds(batch) if output else None
+        batches = runner.batches(records, text=lambda record: record.text)
+        for batch, batch_scores, held in (claimed_in_order(group, runner, batches, output) if group else
+                                          scored_batches(runner, batches, output)):
             if held is not None:  # --resume: already in OUT, checked against the input
                 for r in held:
                     resumed.update(texts=resumed["texts"] + 1, tokens=resumed["tokens"] + r["tokens"],
@@ -2856,7 +3093,6 @@ def serve(args, protocol):
                                    nll_sum=resumed["nll_sum"] + r["nll_sum"])
                 progress.add(len(batch), 0)
                 continue
-            batch_scores = runner.score_batch(batch)
             if output:
                 output.append(batch_scores, batch)
             else:
@@ -2864,9 +3100,10 @@ def serve(args, protocol):
             progress.add(len(batch), sum(s.tokens for s in batch_scores))
         if output:
             output.close()
-    except (KeyboardInterrupt, Terminated) as e:
+    except (KeyboardInterrupt, Terminated, PeerFailed) as e:
         if output:
-            command = shlex.join(["prefill.py", *args.argv] + ([] if args.resume else ["--resume"]))
+            command = shlex.join((group.relaunch() if group else []) + ["prefill.py", *args.argv]
+                                 + ([] if args.resume else ["--resume"]))
             e.add_note(f"{output.records} of {progress.total or 'all'} texts done in {args.output}; resume with: "
                        f"{command}")
         raise
@@ -2890,7 +3127,8 @@ def serve(args, protocol):
                  resident_layers=len(runner.plan.resident_layers), streamed_layers=len(runner.plan.streamed_layers),
                  attention=runner.attention, kernels=runner.kernels.name, blas=runner.blas,
                  pin_method=runner.pin_method, budget_bytes=runner.plan.budget_bytes,
-                 planned_bytes=runner.plan.total_bytes)
+                 planned_bytes=runner.plan.total_bytes, gpus=group.world if group else 1,
+                 start_unix_s=start_unix_s)
     stats["phases"] = dict(tokenizer_wait=run.get("tokenizer_wait_s", 0.0), **run.get("phases", {}))
     if runner.device.type == "cuda":
         stats["peak_gpu_bytes"] = torch.cuda.max_memory_reserved(runner.device)
@@ -2902,7 +3140,8 @@ def serve(args, protocol):
     corpus = f"mean NLL {mean_nll:.4f} a predicted token, perplexity {stats['perplexity']:.4g}" if predicted else \
         "no token predicted"
     log(f"{texts} texts, {tokens} tokens: {corpus}; scored {stats['scored_tokens']} tokens{earlier} in {elapsed:.2f} "
-        f"s, {stats['tokens_per_s']:.0f} tokens/s ({phases}); streamed {run.get('streamed_bytes', 0) / 1e9:.1f} GB")
+        f"s{f' on {group.world} ranks' if group else ''}, {stats['tokens_per_s']:.0f} tokens/s ({phases}); streamed "
+        f"{run.get('streamed_bytes', 0) / 1e9:.1f} GB" + (" (rank 0)" if group else ""))
     if args.stats:
         try:
             Path(args.stats).write_text(json.dumps(stats, indent=1))
@@ -2921,30 +3160,39 @@ class Terminated(BaseException):
 
 
 def main(argv=None):
+    group = None
+    QUIET["on"] = int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0 and \
+        not os.environ.get("PREFILL_DEBUG")  # an option error every rank makes is rank 0's one line
     args = parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv  # for the --resume command an interrupted run prints
     protocol = take_stdout()
+
+    def failed(line, code):  # under torchrun rank 0 speaks for all; the first rank to fail is the one it names
+        if group:
+            group.fail(line)
+        log(line)
+        return code
+
     try:
-        return serve(args, protocol)
+        group = Group.from_env(args.device)
+        return serve(args, protocol, group)
     except UserError as e:
-        log(f"error: {one_line(str(e))}")
-        return 2
+        return failed(f"error: {one_line(str(e))}", 2)
     except torch.cuda.OutOfMemoryError:
-        log("error: out of GPU memory; give a smaller --gpu-memory or --chunk-tokens")
-        return 1
+        return failed("error: out of GPU memory; give a smaller --gpu-memory or --chunk-tokens", 1)
     except BrokenPipeError:  # the reader of the losses is gone; keep the exit's flush of stdout from failing again
         os.dup2(os.open(os.devnull, os.O_WRONLY), protocol.fileno())
-        log("stdout closed before every loss was written")
-        return 1
-    except (KeyboardInterrupt, Terminated) as e:  # a corpus run's note says how far it got and how to resume
-        sigint = isinstance(e, KeyboardInterrupt)
-        log("; ".join(["interrupted (SIGINT)" if sigint else "terminated (SIGTERM)", *getattr(e, "__notes__", [])]))
-        return 130 if sigint else 143
+        return failed("stdout closed before every loss was written", 1)
+    except (KeyboardInterrupt, Terminated, PeerFailed) as e:  # a corpus run's note: how far it got, how to resume
+        why = "interrupted (SIGINT)" if isinstance(e, KeyboardInterrupt) else \
+            "terminated (SIGTERM)" if isinstance(e, Terminated) else "error: stopped"
+        cause = str(e) if isinstance(e, PeerFailed) else group.cause() if group else None
+        log("; ".join([why + (f": {cause}" if cause else ""), *getattr(e, "__notes__", [])]))
+        return 130 if isinstance(e, KeyboardInterrupt) else 143 if isinstance(e, Terminated) else 1
     except Exception as e:
         if os.environ.get("PREFILL_DEBUG"):
             traceback.print_exc()
-        log(f"error: {type(e).__name__}: {one_line(str(e))} (PREFILL_DEBUG=1 shows where)")
-        return 1
+        return failed(f"error: {type(e).__name__}: {one_line(str(e))} (PREFILL_DEBUG=1 shows where)", 1)
 
 
 if __name__ == "__main__":

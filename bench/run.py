@@ -5,6 +5,8 @@
     python bench/run.py --texts 2000 --workload corpus-2000 --corpus-waves 65536,16384 --skip-reference \
         --baseline-texts 0                                                    # corpus mode against the protocol
     python bench/run.py --tokenizer .cache/tokenizer --long --texts 32 --baseline-texts 0   # long-32: 1k-32k tokens
+    python bench/run.py --texts 2000 --workload corpus-2000-2gpu --gpus 2 --corpus-waves 16384 --skip-runner \
+        --skip-reference --baseline-texts 0                                   # 1 GPU against 2 under torchrun
 
 Steps (each heavy one in a subprocess of its own, so that its memory is freed before the next):
   a. gemm       bf16 GEMM rate at the model's projection shapes; pinned and pageable host->device bandwidth
@@ -16,6 +18,8 @@ Steps (each heavy one in a subprocess of its own, so that its memory is freed be
                 interact.py runs prefill.py as the contest harness does, checked against the reference
   d'. corpus    with --corpus-waves: prefill.py --input texts.jsonl --output OUT under the same cap, once per wave
                 size: its time against the runner's T and its losses against the runner's (same waves, same bits)
+  d''. gpus     with --gpus N: the texts as a corpus on 1 GPU, then on N under torchrun (each GPU capped by a
+                blocker of its own): speedup, times to ready, host memory, byte-identical outputs
   e. baseline   the contest handout's runner (transformers + accelerate device_map="auto") under the same cap,
                 on the first --baseline-texts texts, extrapolated to all
   f. report     bench/results/<date>-<machine>-<workload>.json (and a copy in $OUT), a table printed last
@@ -154,13 +158,18 @@ class Blocker:
     """A process holding memory while the runner and the baseline run: all but cap GiB of the GPU (steps.py
     blocker), or with host=True all but cap GiB of the host's available memory (steps.py host-blocker)."""
 
-    def __init__(self, cap_gib: float, log: Log, host: bool = False):
+    def __init__(self, cap_gib: float, log: Log, host: bool = False, gpu: int | None = None):
         name, what = ("host-blocker", "of host memory available") if host else ("blocker", "of the GPU free")
+        what += "" if gpu is None else f" on GPU {gpu}"
         log(f"{name}: leaving {cap_gib:g} GiB {what}")
+        env = child_env()
+        if gpu is not None:  # the blocker sees only GPU `gpu` of those this process sees
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
         with log.path.open("a") as err:
             self.proc = subprocess.Popen([sys.executable, STEPS, name, "--leave-gib" if host else "--cap-gib",
                                           str(cap_gib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                         cwd=REPO, env=child_env(), text=True)
+                                         cwd=REPO, env=env, text=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], BLOCKER_READY_S)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
@@ -426,6 +435,89 @@ def step_corpus(args, ckpt: dict, texts_path: Path, protocol: dict, work: Path, 
     return runs
 
 
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+class MemoryLow:
+    """The lowest MemAvailable seen while it runs (sampled every 0.2 s on a thread): host memory a run takes,
+    with every rank's pinned copies and page-locked page cache in it (page cache itself stays available)."""
+
+    def __init__(self):
+        import threading
+        self.before = self.low = mem_available()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        while not self.stop.wait(0.2):
+            self.low = min(self.low, mem_available())
+
+    def drop(self) -> int:
+        self.stop.set()
+        self.thread.join()
+        return self.before - self.low
+
+
+def step_gpus(args, ckpt: dict, texts_path: Path, work: Path, deadline: Deadline, log: Log) -> dict:
+    """--gpus N: the same corpus scored by one prefill.py process on GPU 0, then by N under torchrun (one a GPU,
+    every GPU capped at --cap-gib by a blocker of its own), in one run: throughput from the end of every rank's
+    warm-up to the last record (prefill's elapsed_s), time to ready from spawn (start_unix_s), the host memory each
+    takes (MemAvailable's drop), and whether the two outputs are byte for byte the same."""
+    jsonl = work / "texts.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t, "id": i}, ensure_ascii=False) + "\n"
+                             for i, t in enumerate(json.loads(texts_path.read_text()))))
+    wave = args.corpus_waves[0] if args.corpus_waves else 65536
+    device = ["--device", "cpu"] if args.device == "cpu" else []
+    # A short run first, so that the timing-based picks are kept in the picks file before either measured run:
+    # else the first would time them before its `ready` and the second not
+    few = work / "texts-10.jsonl"
+    few.write_text("".join(jsonl.read_text().splitlines(keepends=True)[:10]))
+    run_child("gpus-picks", [sys.executable, str(REPO / "prefill.py"), "--model", ckpt["path"], "--input", str(few),
+                             *device, *shlex.split(args.runner_args)], deadline.left() - RESERVE_S, log)
+    blockers = [Blocker(args.cap_gib, log, gpu=g) for g in range(1, args.gpus)] if args.device == "cuda" else []
+    runs = {}
+    try:
+        for n in (1, args.gpus):
+            out, stats = work / f"gpus{n}.jsonl", work / f"gpus{n}-stats.json"
+            for stale in (out, stats, Path(f"{out}.settings.json")):
+                stale.unlink(missing_ok=True)
+            launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+                                           if n > 1 else [])
+            cmd = [*launcher, str(REPO / "prefill.py"), "--model", ckpt["path"], "--input", str(jsonl), "--output",
+                   str(out), "--wave-tokens", str(wave), "--stats", str(stats)]
+            if args.runner_gpu_memory is not None:
+                cmd += ["--gpu-memory", str(args.runner_gpu_memory)]
+            cmd += device + shlex.split(args.runner_args)
+            memory, spawned = MemoryLow(), time.time()
+            try:
+                seconds, _ = run_child(f"gpus-{n}", cmd, deadline.left() - RESERVE_S, log)
+            finally:
+                host_bytes = memory.drop()
+            st = json.loads(stats.read_text())
+            runs[n] = {"elapsed_s": st["elapsed_s"], "tokens_per_s": st["tokens_per_s"], "tokens": st["tokens"],
+                       "waves": st.get("waves"), "time_to_ready_s": st["start_unix_s"] - spawned,
+                       "process_s": round(seconds, 2), "host_memory_drop_bytes": host_bytes,
+                       "pinned_host_bytes_rank0": st.get("pinned_host_bytes"), "load_mode": st.get("load_mode"),
+                       "resident_layers": st.get("resident_layers"), "gpus": st.get("gpus")}
+            log(f"gpus {n}: {st['elapsed_s']:.2f} s, {st['tokens_per_s']:.0f} tokens/s, ready after "
+                f"{runs[n]['time_to_ready_s']:.1f} s, host memory {host_bytes / GiB:.1f} GiB")
+    finally:
+        for b in blockers:
+            b.close()
+    one, many = runs[1], runs[args.gpus]
+    result = {"gpus": args.gpus, "wave_tokens": wave, "one_gpu": one, "n_gpus": many,
+              "byte_identical": (work / "gpus1.jsonl").read_bytes() == (work / f"gpus{args.gpus}.jsonl").read_bytes(),
+              "speedup_vs_1gpu": _div(one["elapsed_s"], many["elapsed_s"]),
+              "process_speedup_vs_1gpu": _div(one["process_s"], many["process_s"]),
+              "time_to_ready_ratio": _div(many["time_to_ready_s"], one["time_to_ready_s"])}
+    log(f"gpus: {args.gpus} GPUs {result['speedup_vs_1gpu']:.2f}x the throughput of 1, time to ready "
+        f"{result['time_to_ready_ratio']:.2f}x, outputs byte-identical: {result['byte_identical']}")
+    return result
+
+
 def baseline_estimate_s(cfg: dict, gpu_gib: float, pageable_gbps: float | None) -> tuple[float, float]:
     """(load seconds, seconds per text) expected for the handout runner, from the checkpoint's size and the
     share of it that accelerate offloads to the CPU (moved across PCIe, pageable, at every forward)."""
@@ -601,6 +693,14 @@ def fill_report(res: dict, cfg: dict, figures: dict) -> None:
     for run in corpus:
         run["over_protocol"] = _div(run["elapsed_s"], t)
 
+    gpus = figures.get("gpus")
+    if gpus:  # --gpus N: keys gpus and speedup_vs_1gpu at the top, the two runs under multi_gpu
+        res.update(gpus=gpus["gpus"], speedup_vs_1gpu=gpus["speedup_vs_1gpu"], multi_gpu=gpus)
+        if not gpus["byte_identical"]:
+            msg = f"gpus: the {gpus['gpus']}-GPU output differs from the 1-GPU output"
+            if msg not in res["errors"]:
+                res["errors"].append(msg)
+
     res["w7800_estimate"] = {
         "label": "estimate",
         "basis": (f"SPEC §4 figures, not a measurement: {W7800_GEMM_TFLOPS:g} TFLOP/s achievable bf16 GEMM, "
@@ -725,6 +825,14 @@ def print_table(res: dict) -> None:
                                               f" ({f(r.get('tokens_per_s'), '{:.0f}')} tokens/s, {r.get('waves')} "
                                               f"waves, identical {r.get('identical_to_protocol')})"
                                               for r in res.get("corpus") or []) or "-"),
+        ("GPUs (corpus, torchrun)", "-" if not res.get("multi_gpu") else
+            f"{res['gpus']} GPUs: {f('speedup_vs_1gpu', '{:.3f}', 'x')} 1 GPU's throughput "
+            f"({f(res['multi_gpu']['n_gpus']['tokens_per_s'], '{:.0f}')} vs "
+            f"{f(res['multi_gpu']['one_gpu']['tokens_per_s'], '{:.0f}')} tokens/s), time to ready "
+            f"{f(res['multi_gpu']['time_to_ready_ratio'], '{:.2f}', 'x')}, host memory "
+            f"{f(_div(res['multi_gpu']['n_gpus']['host_memory_drop_bytes'], GiB), '{:.1f}')} vs "
+            f"{f(_div(res['multi_gpu']['one_gpu']['host_memory_drop_bytes'], GiB), '{:.1f}')} GiB, "
+            f"byte-identical {res['multi_gpu']['byte_identical']}"),
         ("errors", "; ".join(res["errors"]) or "none"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -759,6 +867,10 @@ def parse_args(argv: list[str] | None):
                     help="after the runner, score the same texts as a corpus (prefill.py --input JSONL --output OUT) "
                          "once per --wave-tokens value given, against the protocol run's time and losses; the first "
                          "should be the runner's own (65536 by default)")
+    ap.add_argument("--gpus", type=int, default=1, metavar="N",
+                    help="also score the texts as a corpus with 1 GPU and then N under torchrun (every GPU capped at "
+                         "--cap-gib), waves of the first --corpus-waves value (default 65536): keys gpus, "
+                         "speedup_vs_1gpu, multi_gpu (times, times to ready, host memory, byte-identical outputs)")
     ap.add_argument("--doctor", action="store_true",
                     help="also run prefill.py --doctor under the cap; its report becomes <date>-<machine>-doctor.json")
     ap.add_argument("--baseline-texts", type=int, default=10,
@@ -911,6 +1023,8 @@ def main(argv: list[str] | None = None) -> int:
                 if args.corpus_waves and figures.get("runner"):
                     figures["corpus"] = attempt("corpus", step_corpus, args, ckpt, texts_path, figures["runner"],
                                                 work, deadline, log)
+                if args.gpus > 1:
+                    figures["gpus"] = attempt("gpus", step_gpus, args, ckpt, texts_path, work, deadline, log)
                 if args.doctor:
                     doctor = attempt("doctor", step_doctor, args, ckpt, work, deadline, log)
                     if doctor:

@@ -1,0 +1,117 @@
+"""prefill.py under torchrun on the CPU (gloo-free: the ranks share torchrun's store): 2 ranks write what 1 process
+writes, byte for byte, in corpus and protocol mode; a rank killed mid-run stops the run within seconds with one line
+naming it, and the output it leaves resumes (under torchrun) to the uninterrupted run's."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import interact
+from test_prefill import CORPUS_ARGS, NEWLINE, TEXTS, batch_ends, corpus_file, write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = ["--device", "cpu", "--attention", "sdpa", *map(str, CORPUS_ARGS)]  # waves of 64 tokens: many batches
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist-model")
+    write_checkpoint(out, interact.qwen_tokenizer_dir(), sharded=True)
+    return out
+
+
+def prefill(model, *args, ranks=1, stdin="", timeout=180, env=None):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
+        if ranks > 1 else [sys.executable]
+    return subprocess.run([*launcher, str(ROOT / "prefill.py"), "--model", str(model), *ARGS, *map(str, args)],
+                          input=stdin, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="2", **(env or {})))
+
+
+def own_lines(stderr):  # prefill's lines, not torchrun's report of a failed worker
+    return [line for line in stderr.splitlines() if line.startswith("prefill:")]
+
+
+def test_two_ranks_write_the_one_process_file_and_protocol_output(model, tmp_path):
+    texts = corpus_file(tmp_path / "in.jsonl", 80)
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    assert prefill(model, "--input", texts, "--output", one).returncode == 0
+    p = prefill(model, "--input", texts, "--output", two, ranks=2)
+    assert p.returncode == 0 and p.stdout == "", p.stderr
+    assert len(batch_ends(one)) >= 10 and two.read_bytes() == one.read_bytes()
+    assert "80 texts, " in own_lines(p.stderr)[-1] and " on 2 ranks, " in own_lines(p.stderr)[-1]
+    assert len(own_lines(p.stderr)) == 3  # rank 0's load, plan and summary lines; rank 1 says nothing
+
+    # the protocol, 2 ranks started by interact.py --nproc 2 as the contest harness would talk to them
+    texts = tmp_path / "texts.json"
+    texts.write_text(json.dumps(TEXTS * 4))
+    solo = prefill(model, stdin=texts.read_text() + "\n")
+    assert solo.returncode == 0 and len(solo.stdout.splitlines()) == 1 + 4 * len(TEXTS), solo.stderr
+    rc = interact.main(["--model", str(model), "--texts", str(texts), "--nproc", "2",
+                        "--json", str(tmp_path / "i.json"), "--", *ARGS])
+    record = json.loads((tmp_path / "i.json").read_text())
+    assert rc == 0 and record["runner_cmd"][1:5] == ["-m", "torch.distributed.run", "--standalone",
+                                                     "--nproc-per-node=2"]
+    assert [repr(x) for x in record["losses"]] == solo.stdout.splitlines()[1:]  # nan too: repr(nan) == 'nan'
+
+
+@pytest.mark.parametrize("args, stdin, message", [
+    (("--input", "missing.jsonl"), "", "cannot read missing.jsonl"),  # before the load, on every rank
+    ((), '["a", 3]\n', "stdin: element 1 is int"),                    # after `ready`, on every rank
+])
+def test_an_error_every_rank_makes_is_one_line(model, args, stdin, message):
+    p = prefill(model, *args, stdin=stdin, ranks=2)
+    errors = [line for line in own_lines(p.stderr) if "error" in line]
+    assert p.returncode != 0 and len(errors) == 1 and message in errors[0], p.stderr
+    assert p.stdout == ("ready\n" if stdin else "")
+
+
+def rank_pid(marker, rank, timeout=60):
+    """The pid of the worker of rank `rank` among the processes whose environment holds `marker`."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for proc in Path("/proc").iterdir():
+            try:
+                env = (proc / "environ").read_bytes().split(b"\0")
+            except (OSError, ValueError):
+                continue
+            if marker.encode() in env and f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
+                return int(proc.name)
+        time.sleep(0.05)
+    raise AssertionError(f"no rank {rank} worker found")
+
+
+def test_a_killed_rank_stops_the_run_in_seconds_with_one_line_and_the_output_resumes(model, tmp_path):
+    texts = corpus_file(tmp_path / "in.jsonl", 200)
+    full, out = tmp_path / "full.jsonl", tmp_path / "out.jsonl"
+    assert prefill(model, "--input", texts, "--output", full).returncode == 0
+    want, ends = full.read_bytes(), batch_ends(full)
+    marker = f"PREFILL_TEST_RUN={tmp_path}"
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(ROOT / "prefill.py"), "--model", str(model), *ARGS, "--input", str(texts), "--output",
+                          str(out)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=dict(os.environ, OMP_NUM_THREADS="2", PREFILL_TEST_RUN=str(tmp_path)))
+    victim = rank_pid(marker, 1)
+    while (out.stat().st_size if out.exists() else 0) == 0 and p.poll() is None:  # rank 0 has written a batch
+        time.sleep(0.002)
+    assert p.poll() is None, p.communicate()
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    stdout, stderr = p.communicate(timeout=60)
+    assert time.monotonic() - killed < 15, stderr  # torchrun's agent sees it within 0.1 s; rank 0 ends its batch
+    lines = own_lines(stderr)
+    assert p.returncode != 0 and stdout == "", stderr
+    assert f"rank 1 (pid {victim}) ended without an error" in lines[-1] and "resume with: torchrun" in lines[-1]
+    assert sum("rank 1" in line for line in lines) == 1, stderr
+    size = out.stat().st_size
+    assert 0 < size < len(want) and size in ends and want.startswith(out.read_bytes())  # whole batches
+    cut = ends[ends.index(size) + 1]  # as if killed amid the next batch's write: whole records, then a cut line
+    out.write_bytes(want[:want.rindex(b"\n", 0, cut - 1) + 9])
+    p = prefill(model, "--input", texts, "--output", out, "--resume", ranks=2)
+    assert p.returncode == 0 and out.read_bytes() == want, p.stderr
+    assert f"({want[:size].count(NEWLINE)} texts were in {out} already)" in own_lines(p.stderr)[-1]
