@@ -130,17 +130,22 @@ def test_attention_pick_follows_the_kept_choice_else_the_fixed_order(cfg, tmp_pa
 
 def test_bucket_picks_are_timed_once_per_bucket_then_kept(cfg, tmp_path, monkeypatch):
     stand_in_flash(monkeypatch, windowed_attention(10 ** 6))
+    exact = windowed_attention(10 ** 6)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward",  # a second stand-in: torch-flash
+                        lambda q, k, v, cu, *_: (exact(q, k, v, cu.tolist()),), raising=False)
     monkeypatch.setattr(prefill, "TIMED_DEVICES", ("cpu",))
     timed = []
 
-    def time_attention(entries, label, device, config, fast={"<=1024": "flash", "<=4096": "sdpa", ">4096": "sdpa"}):
+    def time_attention(entries, label, device, config,
+                       fast={"<=1024": "flash", "<=4096": "torch-flash", ">4096": "torch-flash"}):
         timed.append(label)
+        assert "sdpa" not in [e["name"] for e in entries]  # the fallback is never timed where others run
         for e in entries:  # the bucket's winner 1 ms, the others 2 ms; a first call (plan) amortised over the layers
             e.setdefault("time_ms", {})[label] = 1.0 if e["name"] == fast[label] else 2.0
             e.setdefault("first_ms", {})[label] = e["time_ms"][label]
     monkeypatch.setattr(prefill, "time_attention", time_attention)
     picks = prefill.Picks(tmp_path / "picks.json", prefill.machine_key(CPU, cfg))
-    want = {"<=1024": "flash", "<=4096": "sdpa", ">4096": "sdpa"}
+    want = {"<=1024": "flash", "<=4096": "torch-flash", ">4096": "torch-flash"}
     names, attend, _ = prefill.pick_attention("auto", CPU, cfg, picks)
     assert names == want and timed == prefill.BUCKET_LABELS
     assert {label: picks.get(f"attention auto {label}") for label in prefill.BUCKET_LABELS} == want
