@@ -716,21 +716,21 @@ RING_SLOTS = 3  # storage ring: one layer being copied out, the next read, one m
 @dataclass
 class HostPlan:
     """Where the streamed layers live on the host: their pages of the checkpoint's page cache locked in place (load
-    "map"), pinned
-    copies (load "copy"), or, for what the budget cannot hold, nowhere: read from storage every wave into a ring of
+    "map"), pinned copies (load "copy"), or, for what the budget cannot hold, nowhere: read from storage every wave into a ring of
     pinned buffers. Prefill is layer-major, so storage is read once per wave, never once per text."""
     budget_bytes: object     # host memory the plan may lock; None: no limit (not known, or the CPU by default)
     load: str                # "map" or "copy"
     pinned_layers: tuple     # streamed layers held as pinned copies ("copy")
     storage_layers: tuple    # streamed layers read from storage every wave, spread evenly among the streamed ones
     ring_slots: int          # the storage ring's buffers, one layer each
-    locked_bytes: int        # page cache locked in place ("map")
+    locked_bytes: int        # what locking the streamed layers' pages takes from the budget ("map"; 0 on tmpfs)
     pinned_bytes: int        # the loading threads' staging buffers, pinned copies, the ring
     layer_bytes: int
 
     def describe(self):
         budget = "no limit" if self.budget_bytes is None else f"{self.budget_bytes / GiB:.1f} GiB"
-        held = (f"{self.locked_bytes / GiB:.1f} GiB of page cache locked in place" if self.load == "map" else
+        held = (f"the streamed layers' page cache locked in place ({self.locked_bytes / GiB:.1f} GiB of the budget: "
+                "0 where the files are on tmpfs, already held)" if self.load == "map" else
                 f"{self.pinned_bytes / GiB:.1f} GiB pinned ({len(self.pinned_layers)} layers"
                 + (f", a ring of {self.ring_slots}" if self.ring_slots else "") + ")")
         return (f"host {budget}: {held}; {len(self.storage_layers) * self.layer_bytes / GiB:.1f} GiB read from "
@@ -2673,6 +2673,22 @@ class PeerFailed(Exception):
     """Another rank failed or fell silent; the message names it and, where known, why."""
 
 
+def only_rank_gpu(env, local_rank, hip):
+    """Leaves this rank's GPU (LOCAL_RANK of those visible) the only one the runtime will see, as device 0; returns
+    the variable set. torch.cuda.set_device would not do: the current device is per thread, and the start-up checks,
+    loading threads, copier and Triton launches would work on GPU 0 (seen on the 2-GPU H200: rank 1's start-up
+    allocated on GPU 0 and rank 0 ran out of memory). Read once, when the runtime starts: before any CUDA call. HIP
+    reads HIP_VISIBLE_DEVICES (ROCm docs, reference/env-variables: HIP GPU isolation variables; whether it also reads
+    CUDA_VISIBLE_DEVICES differs between ROCm versions), relative to ROCR_VISIBLE_DEVICES where that is set."""
+    name = "HIP_VISIBLE_DEVICES" if hip else "CUDA_VISIBLE_DEVICES"
+    visible = [v for v in env.get(name, "").split(",") if v.strip()]
+    if visible and local_rank >= len(visible):
+        raise UserError(f"LOCAL_RANK {local_rank}, but {name}={env[name]} names {len(visible)} GPU(s): give torchrun "
+                        "at most that --nproc-per-node")
+    env[name] = visible[local_rank].strip() if visible else str(local_rank)
+    return name
+
+
 class Group:
     """This process's rank among torchrun's, and the store the ranks share."""
 
@@ -2682,11 +2698,11 @@ class Group:
         except (KeyError, ValueError):
             raise UserError("WORLD_SIZE > 1 but no RANK and LOCAL_RANK: start prefill.py with torchrun") from None
         self.nodes = self.world // int(env.get("LOCAL_WORLD_SIZE", self.world))
-        if device != "cpu" and torch.cuda.is_available():  # `cuda` below is then this rank's GPU
-            if self.local_rank >= torch.cuda.device_count():
-                raise UserError(f"LOCAL_RANK {self.local_rank}, but torch sees {torch.cuda.device_count()} GPU(s): "
-                                "give torchrun at most that --nproc-per-node")
-            torch.cuda.set_device(self.local_rank)
+        if device != "cpu":  # `cuda` below is then this rank's GPU, in every thread
+            name = only_rank_gpu(env, self.local_rank, hip=torch.version.hip is not None)
+            if not torch.cuda.is_available() and any(os.path.exists(path) for path, _ in GPU_DEVICE_FILES):
+                raise UserError(f"LOCAL_RANK {self.local_rank}: no such GPU here ({name}={env[name]}); give torchrun "
+                                "at most as many --nproc-per-node as there are GPUs")
         try:
             store, _, _ = next(torch.distributed.rendezvous("env://", timeout=datetime.timedelta(seconds=60)))
         except (RuntimeError, ValueError) as e:

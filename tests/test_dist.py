@@ -115,3 +115,18 @@ def test_a_killed_rank_stops_the_run_in_seconds_with_one_line_and_the_output_res
     p = prefill(model, "--input", texts, "--output", out, "--resume", ranks=2)
     assert p.returncode == 0 and out.read_bytes() == want, p.stderr
     assert f"({want[:size].count(NEWLINE)} texts were in {out} already)" in own_lines(p.stderr)[-1]
+
+
+@pytest.mark.parametrize("hip", [False, True])
+def test_each_rank_sees_only_its_own_gpu(hip):
+    # the variable the runtime reads is narrowed to LOCAL_RANK's entry of what was visible: a rank's side threads then
+    # cannot reach another rank's GPU
+    import prefill
+    name = "HIP_VISIBLE_DEVICES" if hip else "CUDA_VISIBLE_DEVICES"
+    env = {}
+    assert prefill.only_rank_gpu(env, 1, hip) == name and env == {name: "1"}
+    env = {name: "4, 6,7"}
+    prefill.only_rank_gpu(env, 1, hip)
+    assert env == {name: "6"}
+    with pytest.raises(prefill.UserError, match="names 3 GPU"):
+        prefill.only_rank_gpu({name: "4,6,7"}, 3, hip)
