@@ -17,7 +17,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 START, END = "<!-- bench-table -->", "<!-- /bench-table -->"
 
-COLUMNS = ("date", "commit", "machine", "workload", "texts", "tokens", "T (s)", "compute floor (s)", "T / floor",
+COLUMNS = ("date", "commit", "machine", "workload", "GPUs (speedup)", "texts", "tokens", "T (s)", "compute floor (s)", "T / floor",
            "sustained floor (s)", "T / sustained floor", "transfer floor (s)", "time to ready (s)", "ready / ready floor",
            "peak GPU (GiB)", "max rel err", "repeat max Δ", "baseline T (s)", "W7800 estimate (s)")
 
@@ -36,7 +36,8 @@ def row(r: dict) -> list[str]:
         # The larger of the two floors (copies hidden under compute), from SPEC figures: an estimate.
         w7800 = f"≥ {_num(est.get('t_floor_s', est['t_compute_s']), '{:.1f}')} (est.)"
     return [
-        r.get("date", "–"), f"`{str(r.get('commit', '–'))[:7]}`", r.get("machine", "–"), r.get("workload", "–"), _num(r.get("texts"), "{}"),
+        r.get("date", "–"), f"`{str(r.get('commit', '–'))[:7]}`", r.get("machine", "–"), r.get("workload", "–"),
+        f"{r['gpus']} ({r['speedup_vs_1gpu']:.2f}× 1 GPU)" if r.get("gpus") else "1", _num(r.get("texts"), "{}"),
         _num(r.get("tokens"), "{}"), _num(r.get("t_seconds"), "{:.2f}"), _num(r.get("compute_floor_s"), "{:.2f}"),
         _num(r.get("t_over_compute_floor"), "{:.2f}×"), _num(r.get("compute_floor_sustained_s"), "{:.2f}"),
         _num(r.get("t_over_compute_floor_sustained"), "{:.2f}×"),
