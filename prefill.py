@@ -1016,7 +1016,7 @@ class Chunk:
     max_len: int
 
 
-SDPA_SCORES = 1 << 26  # scores one SDPA call may hold: its math backend keeps several float32 copies of them
+SDPA_SCORES = 1 << 24  # scores one SDPA call may hold (64 MB in float32): its math backend keeps a few copies
 
 
 def attention_sdpa(q, k, v, chunk):
