@@ -729,8 +729,8 @@ class HostPlan:
 
     def describe(self):
         budget = "no limit" if self.budget_bytes is None else f"{self.budget_bytes / GiB:.1f} GiB"
-        held = (f"the streamed layers' page cache locked in place ({self.locked_bytes / GiB:.1f} GiB of the budget: "
-                "0 where the files are on tmpfs, already held)" if self.load == "map" else
+        held = (f"the streamed layers' pages locked in place ({self.locked_bytes / GiB:.1f} GiB taken from the budget)"
+                if self.load == "map" else
                 f"{self.pinned_bytes / GiB:.1f} GiB pinned ({len(self.pinned_layers)} layers"
                 + (f", a ring of {self.ring_slots}" if self.ring_slots else "") + ")")
         return (f"host {budget}: {held}; {len(self.storage_layers) * self.layer_bytes / GiB:.1f} GiB read from "
