@@ -393,3 +393,21 @@ def test_gpu_family_from_the_rocm_arch_name(hip, monkeypatch):
     monkeypatch.setattr(torch.version, "hip", None)
     assert prefill.gpu_arch(types.SimpleNamespace(gcnArchName="NVIDIA H200", major=9, minor=0)) == "sm_90"
     assert prefill.gpu_family(torch.device("cuda")) == "nvidia" and prefill.gpu_family(CPU) == "cpu"
+
+
+def test_a_first_run_plans_room_for_the_scratch_of_the_attention_timings(tmp_path, monkeypatch):
+    # timing every candidate while the weights load holds more GPU memory than a kept pick's check: only then the
+    # plan leaves PICK_SCRATCH more
+    gpu = torch.device("cuda")
+    picks = prefill.Picks(tmp_path / "picks.json", "this machine")
+    assert prefill.attention_to_time("auto", gpu, picks)
+    assert not prefill.attention_to_time("auto", CPU, picks)  # nothing is timed on the CPU
+    assert not prefill.attention_to_time("auto", gpu, prefill.Picks(None, None))  # nor without a picks file
+    for label in prefill.BUCKET_LABELS:
+        picks.put(f"attention auto {label}", "triton 64x64")
+    assert not prefill.attention_to_time("auto", gpu, picks)
+    assert prefill.attention_to_time("triton", gpu, picks)  # another request: its own picks
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * 2**30, 48 * 2**30))
+    first, later = (types.SimpleNamespace(device=gpu, times_attention=t) for t in (True, False))
+    assert prefill.Runner._budget(later, None) - prefill.Runner._budget(first, None) == prefill.PICK_SCRATCH
+    assert prefill.Runner._budget(first, 20) == prefill.Runner._budget(later, 20) == 20 * 2**30  # as asked
