@@ -64,6 +64,16 @@ def test_demo_texts_are_deterministic_rendered_chats(qwen_tokenizer):
     assert any("\\frac" in t for t in texts) and any("\\boxed" in t for t in texts)
 
 
+def test_long_workload_is_documents_of_1k_to_32k_tokens_deterministic_in_its_seed(qwen_tokenizer):
+    from bench.workload import LONG_TOKENS, make_long_texts, token_counts
+    texts = make_long_texts(6, 0, qwen_tokenizer)
+    counts = token_counts(texts, qwen_tokenizer)
+    # each document reaches its drawn length by whole contest texts (the joins may merge a token or two)
+    assert all(LONG_TOKENS[0] - 8 <= n <= LONG_TOKENS[1] for n in counts), counts
+    assert make_long_texts(4, 0, qwen_tokenizer) == texts[:4] and make_long_texts(6, 1, qwen_tokenizer) != texts
+    assert all(t.startswith("<|im_start|>user\n") and t.count("<|im_start|>user\n") >= 2 for t in texts)  # joined
+
+
 def test_texts_file_array_and_json_lines(tmp_path):
     texts = ["a", 'b "quoted"\nline', "ü∑"]
     array = tmp_path / "a.json"
