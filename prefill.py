@@ -716,8 +716,8 @@ RING_SLOTS = 3  # storage ring: one layer being copied out, the next read, one m
 @dataclass
 class HostPlan:
     """Where the streamed layers live on the host: their pages of the checkpoint's page cache locked in place (load
-    "map"), pinned copies (load "copy"), or, for what the budget cannot hold, nowhere: read from storage every wave into a ring of
-    pinned buffers. Prefill is layer-major, so storage is read once per wave, never once per text."""
+    "map"), pinned copies (load "copy"), or, for what the budget cannot hold, nowhere: read from storage every wave
+    into a ring of pinned buffers. Prefill is layer-major, so storage is read once per wave, never once per text."""
     budget_bytes: object     # host memory the plan may lock; None: no limit (not known, or the CPU by default)
     load: str                # "map" or "copy"
     pinned_layers: tuple     # streamed layers held as pinned copies ("copy")
@@ -1853,6 +1853,10 @@ class PhaseTimer:
 GPU_DEVICE_FILES = [("/dev/kfd", "AMD"), ("/dev/nvidiactl", "NVIDIA")]
 
 
+def gpu_vendor_here():
+    return next((vendor for path, vendor in GPU_DEVICE_FILES if os.path.exists(path)), None)
+
+
 def choose_device(requested):
     """--device, else the GPU torch sees, else the CPU: but never the CPU by accident. Where a GPU was asked for, or
     the machine has one that this torch build cannot see (the default CUDA wheel on an AMD machine, a CPU-only wheel),
@@ -1861,7 +1865,7 @@ def choose_device(requested):
         return torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda")
-    gpu = next((vendor for path, vendor in GPU_DEVICE_FILES if os.path.exists(path)), None)
+    gpu = gpu_vendor_here()
     if requested == "cuda" or gpu:
         build = (f"ROCm {torch.version.hip}" if torch.version.hip else
                  f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only")
@@ -1933,7 +1937,7 @@ class Runner:
             self.kernels, self.kernel_errors = picked_kernels.result()
             self.blas, self.blas_tflops = picked_blas.result()
             lap("kernels_wait")
-        if self.device.type == "cuda":  # the checks' and timings' scratch (~0.7 GiB cached): back to the device
+        if self.device.type == "cuda":  # the checks' and timings' scratch (2 GiB reserved with kept picks on the H200)
             torch.cuda.empty_cache()
         # The embedding lives on the device: a host-side gather would cost a pageable copy of every token's row
         # inside the timed window (66 ms for 45k tokens on the H200).
@@ -2713,7 +2717,7 @@ class Group:
         self.nodes = self.world // int(env.get("LOCAL_WORLD_SIZE", self.world))
         if device != "cpu":  # `cuda` below is then this rank's GPU, in every thread
             name = only_rank_gpu(env, self.local_rank, hip=torch.version.hip is not None)
-            if not torch.cuda.is_available() and any(os.path.exists(path) for path, _ in GPU_DEVICE_FILES):
+            if not torch.cuda.is_available() and gpu_vendor_here():
                 raise UserError(f"LOCAL_RANK {self.local_rank}: no such GPU here ({name}={env[name]}); give torchrun "
                                 "at most as many --nproc-per-node as there are GPUs")
         try:
@@ -2930,8 +2934,8 @@ def parse_args(argv):
                     "torchrun: one process per GPU, rank 0 speaking for all (README: Several GPUs).",
         epilog="Exit codes: 0 done; 1 stdin closed before the request, stdout closed before the last loss, another "
                "torchrun rank failed, or an unexpected error; 2 a bad option, input, request, output or checkpoint "
-               "(one line on stderr names it); 130 SIGINT; 143 SIGTERM (with --output: after the batch being written, saying how many texts "
-               "are done and the command that resumes).")
+               "(one line on stderr names it); 130 SIGINT; 143 SIGTERM (with --output: after the batch being written, "
+               "saying how many texts are done and the command that resumes).")
     p.add_argument("--model", "--model_path", dest="model", required=True, metavar="DIR",
                    help="folder with config.json, *.safetensors (+ index) and the tokenizer files")
     p.add_argument("--input", metavar="FILE",
