@@ -2683,6 +2683,7 @@ class Progress:
 POLL_S = 0.05         # how often a waiting rank looks at the store (TCPStore.wait's timeout logs a C++ warning)
 BEAT_S = 1.0
 PEER_SILENT_S = 30.0  # a rank whose heartbeat has not moved for this long is gone (its node down, or hung)
+SPEAK_WAIT_S = 10.0   # how long a failing rank > 0 waits for rank 0 to report the failure
 QUIET = {"on": False}  # ranks > 0 log nothing: rank 0 speaks for all
 
 
@@ -2727,8 +2728,10 @@ class Group:
         # a prefix per torchrun restart: a restarted group must not read the keys of the one before
         self.store = torch.distributed.PrefixStore(f"prefill/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
         self.store.set(f"proc/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
-        self.beats, self.stopping = {}, threading.Event()
-        threading.Thread(target=self._beat, args=(self.store.clone(),), name="prefill-heartbeat", daemon=True).start()
+        self.beats, self.stopping, self.closed = {}, threading.Event(), threading.Event()
+        self.beater = threading.Thread(target=self._beat, args=(self.store.clone(),), name="prefill-heartbeat",
+                                       daemon=True)
+        self.beater.start()
         for signum in (signal.SIGINT, signal.SIGTERM):  # a side thread waiting on the store must let go too
             handler = signal.getsignal(signum)
             if callable(handler):
@@ -2740,9 +2743,26 @@ class Group:
 
     def _beat(self, store):
         with contextlib.suppress(Exception):  # the store has gone: so has the run
-            while True:
+            while not self.closed.is_set():
                 store.add(f"beat/{self.rank}", 1)
-                time.sleep(BEAT_S)
+                self.closed.wait(BEAT_S)
+
+    def close(self):
+        # the heartbeat ends before the interpreter does: a daemon thread inside the store's C++ client at exit can
+        # abort the process ("terminate called without an active exception", seen in CI on a rank's error exit)
+        self.closed.set()
+        self.beater.join(timeout=2 * BEAT_S)
+
+    def spoke(self):  # rank 0 has said why the run ends
+        self.set("spoken")
+
+    def await_rank_zero(self):
+        # a rank > 0 that fails waits (bounded) for rank 0 to say why, on stderr, before its own exit makes torchrun
+        # SIGTERM rank 0, which may still be importing torch and die without a word
+        end = time.monotonic() + SPEAK_WAIT_S
+        with contextlib.suppress(Exception):
+            while not self.store.check(["spoken"]) and time.monotonic() < end:
+                time.sleep(POLL_S)
 
     def set(self, key, value=b""):
         self.store.set(key, value)
@@ -3208,6 +3228,8 @@ def main(argv=None):
     def failed(line, code):  # under torchrun rank 0 speaks for all; the first rank to fail is the one it names
         if group:
             group.fail(line)
+            if group.rank > 0:
+                group.await_rank_zero()
         log(line)
         return code
 
@@ -3231,6 +3253,11 @@ def main(argv=None):
         if os.environ.get("PREFILL_DEBUG"):
             traceback.print_exc()
         return failed(f"error: {type(e).__name__}: {one_line(str(e))} (PREFILL_DEBUG=1 shows where)", 1)
+    finally:
+        if group:
+            if group.rank == 0:
+                group.spoke()
+            group.close()
 
 
 if __name__ == "__main__":
