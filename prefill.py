@@ -2182,9 +2182,9 @@ class Runner:
             producer.join(timeout=1.0)
 
     @torch.inference_mode()
-    def score_batch(self, batch):
-        """One batch from batches(), as one wave through every layer: its texts' Scores, in order. Adds to
-        self.stats."""
+    def score_batch(self, batch, layers=None):
+        """One batch from batches(), as one wave through every layer (or only `layers`: the warm-up's): its texts'
+        Scores, in order. Adds to self.stats."""
         cfg, plan, dev = self.cfg, self.plan, self.device
         token_lists = [ids for _, ids, _ in batch]
         sums = [0.0] * len(batch)
@@ -2203,7 +2203,7 @@ class Runner:
             cos, sin = rope_tables(positions.to(dev), cfg)  # [tokens, head_dim] each
             for chunk in wave.chunks:
                 chunk.cu_seqlens = torch.tensor(chunk.seq_bounds, dtype=torch.int32, device=dev)
-            for layer in range(cfg.num_hidden_layers):
+            for layer in range(cfg.num_hidden_layers) if layers is None else layers:
                 w = self.streamer.acquire(layer)
                 for c in wave.chunks:  # attention needs whole sequences; the MLP (80% of FLOPs) does not, so
                     attention_block(x[c.start:c.end], w, cos[c.start:c.end], sin[c.start:c.end], c, cfg,
@@ -2234,11 +2234,12 @@ class Runner:
         return scores
 
     def warm_up(self):
-        """Runs every kernel at the timed pass's shapes (a chunk-sized batch through every layer, the loss, each
-        flash-attn max_seqlen bucket) so compilation and allocator growth stay out of the timed window. The streamed
-        layers run on the weights their slots already hold, through a streamer of their own that copies nothing:
-        the warm-up's numbers are thrown away, and streaming would add a pass of copies to it (21.5 GB at 48 GiB,
-        ~0.4 s on the H200, about what its compute takes); the copy path itself ran when the slots were filled."""
+        """Runs every kernel at the timed pass's shapes (a chunk-sized batch through a layer, the loss, each
+        flash-attn max_seqlen bucket) so compilation and allocator growth stay out of the timed window. One layer:
+        every layer runs the same kernels at the same shapes, and all 64 took 0.56 s of the H200's time to ready
+        (0.02 s for one; bench/results/primitives/2026-12-01-h200-load-phases.json). It runs on a streamer of its
+        own that copies nothing, streamed layers on the weights their slots already hold: the warm-up's numbers are
+        thrown away, and the copy path itself ran when the slots were filled."""
         gen = torch.Generator().manual_seed(0)
         n = min(self.plan.chunk_tokens, 4096) if self.device.type == "cuda" else 64
         lengths = [n // 2, n // 2 - n // 8, n // 8 - 1]
@@ -2250,7 +2251,10 @@ class Runner:
                                                                          enumerate(streamer.order)}},
                                        HeldLayers({}), (), self.device)
         try:
-            self.losses([torch.randint(self.cfg.vocab_size, (k,), generator=gen).tolist() for k in lengths])
+            self.stats = {}
+            token_lists = [torch.randint(self.cfg.vocab_size, (k,), generator=gen).tolist() for k in lengths]
+            for batch in batches(((i, ids, None) for i, ids in enumerate(token_lists)), self.plan.wave_tokens):
+                self.score_batch(batch, layers=(0,))
         finally:
             self.streamer = streamer
         if "flash" in self.attention.values():  # a chunk of several texts has max_len <= chunk_tokens: 128, 256, ...
