@@ -2237,7 +2237,7 @@ class Runner:
         """Runs every kernel at the timed pass's shapes (a chunk-sized batch through a layer, the loss, each
         flash-attn max_seqlen bucket) so compilation and allocator growth stay out of the timed window. One layer:
         every layer runs the same kernels at the same shapes, and all 64 took 0.56 s of the H200's time to ready
-        (0.02 s for one; bench/results/primitives/2026-12-01-h200-load-phases.json). It runs on a streamer of its
+        (0.02 s for one; bench/results/primitives/2026-12-01-h200-load-phases-probe.json). It runs on a streamer of its
         own that copies nothing, streamed layers on the weights their slots already hold: the warm-up's numbers are
         thrown away, and the copy path itself ran when the slots were filled."""
         gen = torch.Generator().manual_seed(0)
