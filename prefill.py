@@ -2117,11 +2117,12 @@ class Runner:
         for batch in self.batches(texts):
             yield from self.score_batch(batch)
 
-    def losses(self, token_lists):
-        """Mean losses (nan below 2 tokens) of token lists already tokenized, in the same batches as score."""
+    def losses(self, token_lists, layers=None):
+        """Mean losses (nan below 2 tokens) of token lists already tokenized, in the same batches as score (layers:
+        see score_batch)."""
         self.stats = {}
         scores = [s for b in batches(((i, ids, None) for i, ids in enumerate(token_lists)), self.plan.wave_tokens)
-                  for s in self.score_batch(b)]
+                  for s in self.score_batch(b, layers)]
         return [math.nan if s.loss is None else s.loss for s in scores]
 
     def batches(self, items, text=None):
@@ -2219,19 +2220,24 @@ class Runner:
                 sums[seq] = total
             timer.mark("end")
         scores = scores_of(batch, sums)
-        tally = {"texts": len(batch), "tokens": sum(map(len, token_lists)), "waves": int(wave is not None),
-                 "texts_over_wave": int(wave is not None and wave.ids.numel() > plan.wave_tokens),  # beyond the plan
-                 "predicted_tokens": sum(len(ids) - 1 for ids in token_lists if len(ids) >= 2),
-                 "nll_sum": math.fsum(sums), "streamed_bytes": self.streamer.streamed_bytes - streamed_before,
-                 "storage_bytes": self.streamer.storage_bytes - storage_before}  # of those, read from storage
-        for key, value in tally.items():
-            self.stats[key] = self.stats.get(key, 0) + value
+        self.add_stats(scores, waves=int(wave is not None),
+                       texts_over_wave=int(wave is not None and wave.ids.numel() > plan.wave_tokens),  # beyond the plan
+                       streamed_bytes=self.streamer.streamed_bytes - streamed_before,
+                       storage_bytes=self.streamer.storage_bytes - storage_before)  # of those, read from storage
         self.stats.update(host_budget_bytes=self.host_plan.budget_bytes,
                           storage_layers=len(self.host_plan.storage_layers))
         phases = self.stats.setdefault("phases", {})
         for phase, seconds in timer.totals().items():
             phases[phase] = phases.get(phase, 0.0) + seconds
         return scores
+
+    def add_stats(self, scores, **more):
+        # a batch's Scores into self.stats, wherever it ran (under torchrun rank 0 tallies the other ranks' batches)
+        tally = {"texts": len(scores), "tokens": sum(s.tokens for s in scores),
+                 "predicted_tokens": sum(s.tokens - 1 for s in scores if s.tokens >= 2),
+                 "nll_sum": math.fsum(s.nll_sum for s in scores), **more}
+        for key, value in tally.items():
+            self.stats[key] = self.stats.get(key, 0) + value
 
     def warm_up(self):
         """Runs every kernel at the timed pass's shapes (a chunk-sized batch through a layer, the loss, each
@@ -2251,10 +2257,8 @@ class Runner:
                                                                          enumerate(streamer.order)}},
                                        HeldLayers({}), (), self.device)
         try:
-            self.stats = {}
-            token_lists = [torch.randint(self.cfg.vocab_size, (k,), generator=gen).tolist() for k in lengths]
-            for batch in batches(((i, ids, None) for i, ids in enumerate(token_lists)), self.plan.wave_tokens):
-                self.score_batch(batch, layers=(0,))
+            self.losses([torch.randint(self.cfg.vocab_size, (k,), generator=gen).tolist() for k in lengths],
+                        layers=(0,))
         finally:
             self.streamer = streamer
         if "flash" in self.attention.values():  # a chunk of several texts has max_len <= chunk_tokens: 128, 256, ...
@@ -2871,10 +2875,7 @@ def claimed_in_order(group, runner, batches, output):
             sums = array.array("d", group.wait(f"sums/{k}")).tolist()
             group.store.delete_key(f"sums/{k}")
             scores = scores_of(batch, sums)
-            tally = {"texts": len(batch), "tokens": sum(s.tokens for s in scores), "nll_sum": math.fsum(sums),
-                     "predicted_tokens": sum(s.tokens - 1 for s in scores if s.tokens >= 2)}
-            for key, value in tally.items():
-                runner.stats[key] = runner.stats.get(key, 0) + value
+            runner.add_stats(scores)
         return batch, scores, None
 
     for k, batch in enumerate(batches):
