@@ -356,6 +356,48 @@ def _checkpoint_tensors(cfg: dict):
         yield "lm_head.weight", (cfg["vocab_size"], h), 0.0, LOGIT_STD / math.sqrt(h)
 
 
+# Everything in a Qwen3-MoE config.json besides the geometry (transformers 5.24's Qwen3MoeConfig): no layer kept
+# dense, and the renormalised top-k of the Qwen3-30B-A3B and 235B-A22B configs.
+QWEN3_MOE_CONFIG_DEFAULTS = {
+    **QWEN3_CONFIG_DEFAULTS,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+}
+
+
+def moe_layers(cfg: dict) -> list[int]:
+    """The layers whose MLP is a mixture of experts, by transformers' rule (Qwen3MoeDecoderLayer)."""
+    dense = set(cfg.get("mlp_only_layers") or [])
+    step = cfg.get("decoder_sparse_step") or 1
+    return [i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0]
+
+
+def _moe_checkpoint_tensors(cfg: dict):
+    """(name, shape, mean, std) of every tensor of a Qwen3-MoE checkpoint, in file order: the dense list, each MoE
+    layer's MLP replaced by its router and its experts under per-expert names (the Hub's checkpoints and transformers'
+    save_pretrained write those). A router row of std 1/sqrt(hidden) gives logits of std ~1: every expert is used."""
+    h, inter, experts = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"]
+    moe = set(moe_layers(cfg))
+    out_scale = 1 / math.sqrt(2 * cfg["num_hidden_layers"])
+    for name, shape, mean, std in _checkpoint_tensors(cfg):
+        parts = name.split(".")
+        if name.startswith("model.layers.") and int(parts[2]) in moe and parts[3] == "mlp":
+            if parts[4] == "gate_proj":  # the dense MLP's first tensor: the experts take its place
+                p = f"model.layers.{parts[2]}.mlp."
+                yield p + "gate.weight", (experts, h), 0.0, 1 / math.sqrt(h)
+                for e in range(experts):
+                    yield p + f"experts.{e}.gate_proj.weight", (inter, h), 0.0, 1 / math.sqrt(h)
+                    yield p + f"experts.{e}.up_proj.weight", (inter, h), 0.0, 1 / math.sqrt(h)
+                    yield p + f"experts.{e}.down_proj.weight", (h, inter), 0.0, out_scale / math.sqrt(inter)
+            continue
+        yield name, shape, mean, std
+
+
 def write_random_checkpoint(
     out_dir: str | Path,
     config: dict,
@@ -364,6 +406,7 @@ def write_random_checkpoint(
     device: str = "cpu",
     shard_bytes: int = 4 * 2**30,
     tokenizer_dir: str | Path | None = None,
+    tensors=_checkpoint_tensors,
 ) -> Path:
     """Write a random bf16 Qwen3 checkpoint that transformers loads, plus tokenizer files.
 
@@ -372,7 +415,8 @@ def write_random_checkpoint(
     real Qwen3 config.json may be given. tokenizer_dir defaults to the real Qwen3 tokenizer.
     Tensors are drawn on `device` from one seeded generator, so a (config, seed, device)
     triple always gives the same weights. At most two shards are in host memory at a time:
-    the one being filled and the one being written.
+    the one being filled and the one being written. tensors(cfg) lists (name, shape, mean, std)
+    in file order: a dense Qwen3's unless write_random_moe_checkpoint passes its own.
     """
     import torch
     from safetensors.torch import save_file
@@ -385,7 +429,7 @@ def write_random_checkpoint(
 
     # Plan the shards first: their file names carry the shard count.
     shards, size = [[]], 0
-    for spec in _checkpoint_tensors(cfg):
+    for spec in tensors(cfg):
         nbytes = math.prod(spec[1]) * 2
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
@@ -423,6 +467,13 @@ def write_random_checkpoint(
         if f.is_file():
             shutil.copy2(f, out / f.name)
     return out
+
+
+def write_random_moe_checkpoint(out_dir: str | Path, config: dict, **kwargs) -> Path:
+    """write_random_checkpoint for a Qwen3-MoE: config needs, besides the dense keys, num_experts,
+    num_experts_per_tok and moe_intermediate_size; any key of a real Qwen3-MoE config.json may be given."""
+    return write_random_checkpoint(out_dir, {**QWEN3_MOE_CONFIG_DEFAULTS, **config}, tensors=_moe_checkpoint_tensors,
+                                   **kwargs)
 
 
 # Bump DEMO_VERSION whenever DEMO_CONFIG or the weight recipe changes: it names the cache folder.

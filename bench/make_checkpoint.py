@@ -1,12 +1,13 @@
-"""Write a random bf16 checkpoint with Qwen3-32B's geometry (or a shallower / tiny one) for benchmarks.
+"""Write a random bf16 checkpoint with Qwen3-32B's or Qwen3-30B-A3B's geometry (or a shallower / tiny one).
 
     python bench/make_checkpoint.py --out /dev/shm/qwen3-32b-random --device cuda --tokenizer DIR
     python bench/make_checkpoint.py --out /tmp/q4 --layers 4 --device cuda --tokenizer DIR
+    python bench/make_checkpoint.py --out /dev/shm/qwen3-30b-a3b-random --geometry qwen3-30b-a3b --device cuda
 
-The weights come from interact.write_random_checkpoint (seeded; the same config, seed and device give the
-same weights).  A marker file, written last, records what was built: `--reuse` skips the build when the
-folder already holds a complete checkpoint of the same config and seed, so that a half-written folder
-(a run killed mid-write) is never taken for a finished one.
+The weights come from interact.write_random_checkpoint, or write_random_moe_checkpoint for the MoE geometries
+(seeded; the same config, seed and device give the same weights).  A marker file, written last, records what
+was built: `--reuse` skips the build when the folder already holds a complete checkpoint of the same config and
+seed, so that a half-written folder (a run killed mid-write) is never taken for a finished one.
 """
 
 from __future__ import annotations
@@ -53,7 +54,15 @@ QWEN3_32B = {
 TINY = {**QWEN3_32B, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
 
-GEOMETRIES = {"qwen3-32b": QWEN3_32B, "tiny": TINY}
+# Qwen3-30B-A3B's config.json (SPEC §11; transformers' Qwen3MoeConfig defaults are its geometry but for 24 layers):
+# 48 layers of 1.25 GB, 97% of it experts; 61 GB in all. interact.QWEN3_MOE_CONFIG_DEFAULTS supplies the rest
+# (no dense layer, renormalised top-k).
+QWEN3_30B_A3B = {**QWEN3_32B, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
+                 "moe_intermediate_size": 768}
+TINY_MOE = {**TINY, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+
+GEOMETRIES = {"qwen3-32b": QWEN3_32B, "tiny": TINY, "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny-moe": TINY_MOE}
 
 
 def geometry(name: str, layers: int | None = None) -> dict:
@@ -63,19 +72,30 @@ def geometry(name: str, layers: int | None = None) -> dict:
     return cfg
 
 
+def moe_layer_count(cfg: dict) -> int:
+    return len(interact.moe_layers(cfg)) if "num_experts" in cfg else 0
+
+
 def matrix_shapes(cfg: dict) -> dict[str, tuple[int, int, int]]:
     """name -> (N, K, count): each projection as an N x K weight, and how many of it a token meets.
 
-    q/k/v and gate/up are listed fused, as a runner would run them (the FLOPs are the same either way)."""
+    q/k/v and gate/up are listed fused, as a runner would run them (the FLOPs are the same either way). In a MoE
+    geometry a token meets the router and its top-k experts of each MoE layer, and the dense MLP of the others."""
     h, heads, kv, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     layers = cfg["num_hidden_layers"]
-    return {
+    moe = moe_layer_count(cfg)
+    shapes = {
         "qkv": ((heads + 2 * kv) * hd, h, layers),
         "o": (h, heads * hd, layers),
-        "gate_up": (2 * cfg["intermediate_size"], h, layers),
-        "down": (h, cfg["intermediate_size"], layers),
+        "gate_up": (2 * cfg["intermediate_size"], h, layers - moe),
+        "down": (h, cfg["intermediate_size"], layers - moe),
         "lm_head": (cfg["vocab_size"], h, 1),
     }
+    if moe:
+        top_k, inter = cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+        shapes.update(router=(cfg["num_experts"], h, moe), expert_gate_up=(2 * inter, h, top_k * moe),
+                      expert_down=(h, inter, top_k * moe))
+    return shapes
 
 
 def flops_per_token(cfg: dict) -> float:
@@ -96,6 +116,9 @@ def checkpoint_bytes(cfg: dict) -> int:
     h = cfg["hidden_size"]
     shapes = matrix_shapes(cfg)
     layer_params = sum(n * k * count for name, (n, k, count) in shapes.items() if name != "lm_head")
+    if moe_layer_count(cfg):  # the experts no token of a layer meets are stored all the same
+        idle = cfg["num_experts"] - cfg["num_experts_per_tok"]
+        layer_params += idle * 3 * cfg["moe_intermediate_size"] * h * moe_layer_count(cfg)
     norm_params = cfg["num_hidden_layers"] * (2 * h + 2 * cfg["head_dim"]) + h
     embed_params = cfg["vocab_size"] * h * (1 if cfg["tie_word_embeddings"] else 2)
     return 2 * (layer_params + norm_params + embed_params)
@@ -124,7 +147,8 @@ def build(out: Path, cfg: dict, *, seed: int, device: str, tokenizer: str | None
         return {"path": str(out), "bytes": _dir_bytes(out), "seconds": 0.0, "reused": True}
     (out / MARKER).unlink(missing_ok=True)  # from here on the folder is unfinished until the marker is back
     t0 = time.perf_counter()
-    interact.write_random_checkpoint(out, cfg, seed=seed, device=device, tokenizer_dir=tokenizer)
+    write = interact.write_random_moe_checkpoint if "num_experts" in cfg else interact.write_random_checkpoint
+    write(out, cfg, seed=seed, device=device, tokenizer_dir=tokenizer)
     seconds = time.perf_counter() - t0
     (out / MARKER).write_text(json.dumps({"config": cfg, "seed": seed, "device": device}, indent=1) + "\n")
     return {"path": str(out), "bytes": _dir_bytes(out), "seconds": seconds, "reused": False}
