@@ -1363,6 +1363,414 @@ def attention_triton(q, k, v, chunk, tile):
 TRITON_KERNELS = Kernels("triton", rms_norm_triton, head_norm_rope_triton, silu_mul_triton, token_nll_triton)
 
 
+# ----------------------------------------------------------------------------- mixture of experts
+# Qwen3-MoE's feed-forward (transformers 5.24, models/qwen3_moe/modeling_qwen3_moe.py). The router (mlp.gate) is a bf16
+# linear whose logits go through a float32 softmax; each token keeps its top-k experts, their probabilities
+# renormalised to sum 1 when norm_topk_prob, cast to bf16. Each expert is a SwiGLU MLP moe_intermediate_size wide, no
+# bias, no shared expert. Layer i is MoE unless i is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0; those
+# layers keep the dense MLP (intermediate_size wide). The loss is the language-modelling loss alone: HF's .loss adds
+# the router's auxiliary loss only when output_router_logits is set, and prefill never adds it.
+#
+# Here a chunk's (token, slot) pairs are sorted by expert, stably, the experts run as two grouped GEMMs over those rows
+# (gate_up, then down), and each token's k outputs are summed in float32 in ascending expert order and rounded to bf16
+# once. transformers 5.24 runs its "grouped_mm" experts by default (integrations/moe.py: a float32 sum over the slots
+# in top-k order, each weighted output first rounded to bf16); its "eager" experts add in expert order into a bf16
+# tensor with index_add_, one rounding per expert. Every output row here is written by one program and every sum has
+# a fixed order: no atomics, the same bits every run.
+#
+# Place in a layer's flat buffer (moe_layout; phase 2 puts it after post_attention_layernorm): the router [experts,
+# hidden]; then each expert's gate_proj rows followed by its up_proj rows, expert after expert, as one [experts,
+# 2 moe_intermediate, hidden] block, so that expert e's fused gate_up is a view as the dense gate_up is; then each
+# expert's down_proj as one [experts, hidden, moe_intermediate] block. Only the three group starts are aligned.
+
+def moe_config_fields(raw, path, num_layers):
+    """The MoE fields of a Qwen3-MoE config.json, checked: num_experts (Hub configs say num_experts, configs that
+    transformers 5 saves say num_local_experts), num_experts_per_tok, moe_intermediate_size, norm_topk_prob (false
+    when absent, as transformers' default) and moe_layers, the indices of the layers whose MLP is MoE."""
+    def count(key, default=None):  # null means absent; bool is an int to Python, not to JSON
+        value = raw.get(key)
+        if value is None and default is None:
+            raise UserError(f"{path} lacks {key}")
+        value = default if value is None else value
+        if type(value) is not int or value <= 0:
+            raise UserError(f"{path}: {key} is {shown(value)}; expected a positive integer")
+        return value
+
+    spellings = {key: raw[key] for key in ("num_experts", "num_local_experts") if raw.get(key) is not None}
+    if len(set(map(repr, spellings.values()))) > 1:
+        raise UserError(f"{path}: num_experts and num_local_experts disagree ({spellings})")
+    experts = count(next(iter(spellings), "num_experts"))
+    top_k = count("num_experts_per_tok")
+    if top_k > experts:
+        raise UserError(f"{path}: num_experts_per_tok is {top_k}, more than the {experts} experts")
+    renormalize = raw.get("norm_topk_prob")
+    if renormalize is not None and type(renormalize) is not bool:
+        raise UserError(f"{path}: norm_topk_prob is {shown(renormalize)}; expected true or false")
+    step = count("decoder_sparse_step", 1)
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(type(i) is int and 0 <= i < num_layers for i in dense):
+        raise UserError(f"{path}: mlp_only_layers must be a list of layer indices below {num_layers}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=count("moe_intermediate_size"),
+                norm_topk_prob=bool(renormalize),
+                moe_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0))
+
+
+def moe_layout(cfg, offset):
+    """({name inside the layer: (offset, shape)}, end) of a MoE layer's router and experts from `offset` on, in the
+    order above, as Qwen3Config.layer_layout holds a layer's tensors: the names are the checkpoint's, without the
+    model.layers.{i}. prefix and the .weight suffix."""
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    layout = {}
+
+    def place(name, shape, start):
+        nonlocal offset
+        if start:
+            offset = -(-offset // 64) * 64
+        layout[name] = (offset, shape)
+        offset += math.prod(shape)
+
+    place("mlp.gate", (E, H), True)
+    for e in range(E):
+        place(f"mlp.experts.{e}.gate_proj", (I, H), e == 0)
+        place(f"mlp.experts.{e}.up_proj", (I, H), False)
+    for e in range(E):
+        place(f"mlp.experts.{e}.down_proj", (H, I), e == 0)
+    return layout, offset
+
+
+@dataclass
+class MoeWeights:
+    post_norm: torch.Tensor  # [hidden]
+    router: torch.Tensor     # [experts, hidden]
+    gate_up: torch.Tensor    # [experts, 2 moe_intermediate, hidden]: each expert's gate rows, then its up rows
+    down: torch.Tensor       # [experts, hidden, moe_intermediate]
+
+
+def moe_views(flat, layout, cfg):
+    # the MoE layer's feed-forward weights as views into its flat buffer, laid out as moe_layout says
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+
+    def view(name, shape):
+        offset = layout[name][0]
+        return flat[offset:offset + math.prod(shape)].view(shape)
+    return MoeWeights(post_norm=view("post_attention_layernorm", (H,)), router=view("mlp.gate", (E, H)),
+                      gate_up=view("mlp.experts.0.gate_proj", (E, 2 * I, H)),
+                      down=view("mlp.experts.0.down_proj", (E, H, I)))
+
+
+def route(h, router, k, renormalize):
+    # h: [tokens, hidden] -> (weights [tokens, k] in h's dtype, experts [tokens, k] int64, each row's experts ascending)
+    logits = F.linear(h, router)  # [tokens, experts], in bf16 as transformers
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, chosen = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    chosen, slot = chosen.sort(dim=-1)  # the order the outputs are summed in
+    return top.gather(1, slot).to(h.dtype), chosen
+
+
+def expert_rows(chosen, num_experts):
+    # chosen: [tokens, k] -> (pairs [tokens * k]: the flat (token, slot) index of each row, grouped by expert and by
+    # token within an expert; bounds [experts + 1] int64: expert e's rows are bounds[e]:bounds[e + 1]). No atomics: the
+    # bounds are searched for in the sorted experts, not counted.
+    flat = chosen.flatten()
+    pairs = torch.argsort(flat, stable=True)
+    experts = torch.arange(num_experts + 1, device=chosen.device)
+    return pairs, torch.searchsorted(flat[pairs], experts)
+
+
+def moe_ffn(h, w, k, renormalize, grouped, kernels):
+    # h: [tokens, hidden], the post-attention norm's output -> [tokens, hidden], the experts' weighted sum. grouped(a
+    # [rows, K] grouped by expert, weights [experts, N, K], bounds) -> [rows, N] is the expert compute picked at
+    # start-up (pick_experts).
+    weights, chosen = route(h, w.router, k, renormalize)
+    pairs, bounds = expert_rows(chosen, w.router.shape[0])
+    rows = h[pairs // k]  # [tokens * k, hidden], by expert
+    act = kernels.silu_mul(grouped(rows, w.gate_up, bounds))  # [tokens * k, moe_intermediate]
+    out = grouped(act, w.down, bounds)  # [tokens * k, hidden]
+    row_of = torch.argsort(pairs).view(-1, k)  # the inverse permutation: where each (token, slot) pair's row went
+    acc = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    for j in range(k):  # bf16 x bf16 is exact in float32: one rounding per add, in ascending expert order
+        acc.addcmul_(out[row_of[:, j]], weights[:, j:j + 1])
+    return acc.to(h.dtype)
+
+
+def moe_block(x, w, cfg, max_tokens, kernels, grouped):
+    # x: [tokens, hidden], updated in place in slices of max_tokens rows: the routing buffers hold max_tokens *
+    # num_experts_per_tok rows (moe_scratch_bytes), whatever the wave
+    for s in range(0, x.shape[0], max_tokens):
+        xs = x[s:s + max_tokens]
+        h = kernels.rms_norm(xs, w.post_norm, cfg.rms_norm_eps)
+        xs += moe_ffn(h, w, cfg.num_experts_per_tok, cfg.norm_topk_prob, grouped, kernels)
+
+
+# --- expert compute: the grouped GEMM out[rows of e] = a[rows of e] @ w[e].T for every expert e
+
+def grouped_loop(a, w, bounds):
+    # the fallback: one GEMM per expert that has rows (a host sync for the bounds)
+    out = a.new_empty(a.shape[0], w.shape[1])
+    ends = bounds.tolist()
+    for e, (s, t) in enumerate(zip(ends[:-1], ends[1:])):
+        if t > s:
+            torch.mm(a[s:t], w[e].t(), out=out[s:t])
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, bounds_ptr, N, K, w_stride,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             EVEN_K: tl.constexpr):
+        # one program: BLOCK_M rows of one expert (tile_expert, -1 past the last tile) times BLOCK_N columns of its
+        # weights; a: [rows, K], w: [experts, N, K] (expert stride w_stride), out: [rows, N]. Rows past the expert's
+        # end belong to the next expert: masked.
+        tile, n_block = tl.program_id(0), tl.program_id(1)
+        expert = tl.load(tile_expert_ptr + tile)
+        if expert >= 0:
+            rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
+            cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+            ks = tl.arange(0, BLOCK_K)
+            row_ok = rows[:, None] < tl.load(bounds_ptr + expert + 1)
+            col_ok = cols[None, :] < N
+            a_at = a_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]  # [BLOCK_M, BLOCK_K]
+            w_at = (w_ptr + expert.to(tl.int64) * w_stride + cols[None, :].to(tl.int64) * K
+                    + ks[:, None])  # [BLOCK_K, BLOCK_N]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_at, mask=row_ok, other=0.0)
+                    b = tl.load(w_at, mask=col_ok, other=0.0)
+                else:
+                    a = tl.load(a_at, mask=row_ok & (k0 + ks[None, :] < K), other=0.0)
+                    b = tl.load(w_at, mask=col_ok & (k0 + ks[:, None] < K), other=0.0)
+                acc = tl.dot(a, b, acc)
+                a_at += BLOCK_K
+                w_at += BLOCK_K
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=row_ok & col_ok)
+
+
+def expert_tiles(bounds, block_m, rows):
+    # bounds [experts + 1] -> (tile_expert, tile_row) int32 for cdiv(rows, block_m) + experts programs, which is at
+    # least the tiles needed: each expert's rows in tiles of block_m, the expert (-1 for the surplus programs) and
+    # first row of each. On the device, with no host sync.
+    E = bounds.shape[0] - 1
+    tiles = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m  # [experts]
+    ends = tiles.cumsum(0)
+    t = torch.arange(-(-rows // block_m) + E, device=bounds.device)
+    expert = torch.searchsorted(ends, t, right=True)
+    e = expert.clamp(max=E - 1)
+    row = bounds[e] + (t - ends[e] + tiles[e]) * block_m
+    return torch.where(expert < E, e, -1).to(torch.int32), row.to(torch.int32)
+
+
+def grouped_triton(a, w, bounds, tile):
+    block_m, block_n, block_k, warps, stages = tile
+    (R, K), N = a.shape, w.shape[1]
+    assert a.is_contiguous() and w.stride(2) == 1 and w.stride(1) == K
+    out = torch.empty((R, N), dtype=a.dtype, device=a.device)
+    tile_expert, tile_row = expert_tiles(bounds, block_m, R)
+    _grouped_gemm_kernel[(tile_expert.shape[0], triton.cdiv(N, block_n))](
+        a, w, out, tile_expert, tile_row, bounds, N, K, w.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages)
+    return out
+
+
+def grouped_mm_native(device):
+    # whether torch's grouped GEMM is one kernel here. aten/src/ATen/native/cuda/GroupedBlas.cpp (_grouped_mm_cuda,
+    # read at pytorch 00d4eaf): CUTLASS's bf16 kernel on sm90 and sm100 only; on ROCm, CK's on gfx942/gfx950 when torch
+    # was built with USE_ROCM_CK_GEMM; everywhere else _grouped_mm_fallback (GroupedMMUtils.h), a loop of mm per group
+    # after copying the offsets to the host: the loop candidate's work, not faster.
+    if device.type != "cuda":
+        return False
+    props = torch.cuda.get_device_properties(device)
+    return gpu_arch(props) in ("gfx942", "gfx950") if torch.version.hip else props.major in (9, 10)
+
+
+# The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, else prefill's Triton one;
+# the loop last. On the CPU "auto" offers no Triton: its interpreter (tests) multiplies bf16 tiles as raw integers.
+EXPERT_KINDS = ["grouped_mm", "triton", "loop"]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the Triton grouped GEMM per GPU family, none of them measured yet:
+# NVIDIA's are the usual Triton GEMM tiles for Hopper; RDNA3's compiled for gfx1100 under Triton 3.9 without spills
+# (159 and 98 VGPRs; of ten tiles tried up to 128x128x64, which took 235, none spilled), and the timing at start-up
+# picks between them. tests/test_gfx1100_compile.py compiles them.
+EXPERT_TILES = {
+    "nvidia": [(128, 128, 64, 8, 3), (64, 128, 64, 4, 3)],
+    "rdna3": [(128, 128, 32, 8, 1), (64, 64, 32, 4, 2)],
+    "cpu": [(32, 32, 32, 4, 1)],  # Triton's interpreter (tests)
+}
+EXPERT_TILES["amd"] = EXPERT_TILES["rdna3"]
+
+
+def make_experts(kind, tile=None):
+    """The grouped GEMM (a [rows, K] grouped by expert, w [experts, N, K], bounds [experts + 1]) -> [rows, N]."""
+    if kind == "loop":
+        return grouped_loop
+    if kind == "triton":
+        if triton is None:
+            raise RuntimeError("triton is not installed")
+        return lambda a, w, bounds: grouped_triton(a, w, bounds, tile)
+    if kind == "grouped_mm":
+        grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # torch >= 2.10, >= 2.8
+        if grouped_mm is None:
+            raise RuntimeError(f"torch {torch.__version__} has no grouped_mm")
+        return lambda a, w, bounds: grouped_mm(a, w.transpose(1, 2), offs=bounds[1:].to(torch.int32))
+    raise UserError(f"unknown expert kernel {kind!r}")
+
+
+def expert_candidates(requested, device):
+    # (name, kind, tile) of each expert kernel that `requested` names: "auto", a kind, or a name pick_experts returned
+    family = gpu_family(device)
+    kinds = EXPERT_KINDS if grouped_mm_native(device) else ["triton", "grouped_mm", "loop"]
+    named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}x{tile[2]}", kind, tile) for kind in kinds
+             if not (kind == "triton" and requested == "auto" and device.type != "cuda")
+             for tile in (EXPERT_TILES[family] if kind == "triton" else [None])]
+    chosen = [c for c in named if requested in ("auto", c[0], c[1])]
+    if not chosen:
+        raise UserError(f"unknown expert kernel {requested!r}")
+    return chosen
+
+
+def moe_reference(h, logits, gate_up, down, k, renormalize):
+    # float32 math written out: softmax, top-k, renormalisation, each expert's SwiGLU on its tokens, weighted sum.
+    # logits are the router's own bf16 output, and the k are torch.topk's, as transformers': bf16 logits tie often (in
+    # the check's 600 tokens a few ties sit between the k-th and the (k+1)-th expert), and which of two equal
+    # probabilities topk keeps is its own rule (not the lower index); a logit rounded otherwise would swap experts too.
+    top, chosen = logits.float().softmax(-1).topk(k, dim=-1)
+    if renormalize:
+        top = top / top.sum(-1, keepdim=True)
+    out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    for e in range(gate_up.shape[0]):
+        tokens, slots = (chosen == e).nonzero(as_tuple=True)
+        if len(tokens):
+            gate, up = (h[tokens].float() @ gate_up[e].float().T).chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ down[e].float().T
+            out[tokens] += top[tokens, slots, None] * y  # a token meets expert e at most once
+    return out
+
+
+def expert_inputs(device, cfg, seed, tokens, experts):
+    """(h, MoeWeights) with cfg's hidden and moe_intermediate sizes, `experts` experts and `tokens` tokens routed by
+    a random router so that their rows are uneven: expert 0 takes half the tokens (several tiles of rows, a partial
+    last one), the last expert none."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+
+    def randn(*shape, std=1.0):
+        return (torch.randn(shape, generator=gen, device=device) * std).to(DTYPE)
+    h = torch.randn(tokens, H, generator=gen, device=device)
+    router = torch.randn(experts, H, generator=gen, device=device) / math.sqrt(H)  # logits ~ N(0, 1)
+    common = torch.randn(H, generator=gen, device=device)
+    common /= common.norm()
+    h += 3 * common  # a direction every token shares and the last expert's router row opposes: logit ~ -12
+    router[-1] = -4 * common
+    h[:tokens // 2] += 6 * router[0] / router[0].norm()  # expert 0's logit +6 for half the tokens
+    w = MoeWeights(post_norm=torch.ones(H, device=device, dtype=DTYPE), router=router.to(DTYPE),
+                   gate_up=randn(experts, 2 * I, H, std=H ** -0.5), down=randn(experts, H, I, std=I ** -0.5))
+    return h.to(DTYPE), w
+
+
+def check_experts(candidates, device, cfg):
+    """Each (name, kind, tile) candidate, run twice through moe_ffn on uneven routing: a list of dicts with name,
+    grouped (None where refused), error and, where refused, reason."""
+    k = min(cfg.num_experts_per_tok, 2)
+    h, w = expert_inputs(device, cfg, seed=0, tokens=600, experts=min(cfg.num_experts, 8))
+    want = moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, cfg.norm_topk_prob)
+    return [checked({"name": name, "grouped": None, "error": None}, "grouped", lambda: make_experts(kind, tile),
+                    lambda grouped: moe_ffn(h, w, k, cfg.norm_topk_prob, grouped, TORCH_KERNELS), want, "experts")
+            for name, kind, tile in candidates]
+
+
+def experts_ms(grouped, inputs, repeats=5):
+    # mean ms of a chunk's two grouped GEMMs (gate_up, down) after one warm-up, on a stream of its own
+    rows, act, w, bounds = inputs
+    stream = torch.cuda.Stream(rows.device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        for i in range(repeats + 1):
+            if i == 1:
+                start.record()
+            grouped(rows, w.gate_up, bounds)
+            grouped(act, w.down, bounds)
+        end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def expert_timing_inputs(device, cfg, chunk_tokens, experts=8):
+    # one chunk's rows as a run sees them, for `experts` of the model's experts (their shapes decide the speed; all of
+    # them would be a layer's bytes of scratch): chunk_tokens * top-k / num_experts rows each on average, uneven
+    h, w = expert_inputs(device, cfg, seed=1, tokens=max(2, chunk_tokens * experts // cfg.num_experts), experts=experts)
+    _, chosen = route(h, w.router, min(cfg.num_experts_per_tok, experts), cfg.norm_topk_prob)
+    pairs, bounds = expert_rows(chosen, experts)
+    rows = h[pairs // chosen.shape[1]]
+    act = torch.randn(rows.shape[0], cfg.moe_intermediate_size, device=device).to(DTYPE)
+    return rows, act, w, bounds
+
+
+def pick_experts(requested, device, cfg, picks, chunk_tokens=4096):
+    """(name, grouped, report): of the candidates that pass the check, the one this machine's picks name; else, on a
+    GPU with a writable picks file, the fastest on a chunk's shapes (then kept); else the first in EXPERT_KINDS's
+    order. Where the kept one is known, only it is checked."""
+    candidates = expert_candidates(requested, device)
+    kept = picks.get(f"experts {requested}")
+    report = check_experts([c for c in candidates if c[0] == kept] or candidates, device, cfg)
+    if not any(e["grouped"] for e in report) and len(report) < len(candidates):  # the kept one failed
+        report += check_experts([c for c in candidates if c[0] != kept], device, cfg)
+    passed = [e for e in report if e["grouped"] is not None]
+    if not passed:
+        reasons = "; ".join(f"{e['name']}: {e['reason']}" for e in report)
+        raise UserError(f"expert kernel {requested!r} is unusable on {device}: {reasons}")
+    if len(passed) > 1 and device.type in TIMED_DEVICES and picks.writable():
+        inputs = expert_timing_inputs(device, cfg, chunk_tokens)
+        for entry in passed:
+            entry["time_ms"] = experts_ms(entry["grouped"], inputs)
+        passed.sort(key=lambda e: e["time_ms"])
+        picks.put(f"experts {requested}", passed[0]["name"])
+    return passed[0]["name"], passed[0]["grouped"], report
+
+
+# --- plan arithmetic: what a streamed MoE layer costs to copy and to compute
+
+def moe_layer_bytes(cfg):
+    # bf16 bytes of a MoE layer: attention (q, k, v, o), its norms, the router and every expert
+    H, D, E, I = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size
+    attention = H * (2 * cfg.q_size + 2 * cfg.kv_size) + 2 * H + 2 * D
+    return (attention + E * H + E * 3 * I * H) * DTYPE.itemsize
+
+
+def moe_layer_flops(cfg, tokens, attended=0):
+    # matrix FLOPs of a MoE layer over `tokens` tokens: attention projections, router, the k active experts' SwiGLU,
+    # and attention's scores and values for `attended` keys per query on average (half the mean text length)
+    H, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    per_token = (2 * H * (2 * cfg.q_size + 2 * cfg.kv_size) + 2 * cfg.num_experts * H + k * 6 * I * H
+                 + 4 * attended * cfg.q_size)
+    return tokens * per_token
+
+
+def moe_balance(cfg, wave_tokens, h2d_gbps, tflops, attended=0):
+    """(copy ms, compute ms) of one streamed MoE layer at a wave of wave_tokens: the layer's bytes over the
+    host->device rate against its FLOPs at the GEMM rate. Copy above compute means the wave is PCIe-bound."""
+    return (moe_layer_bytes(cfg) / (h2d_gbps * 1e9) * 1e3,
+            moe_layer_flops(cfg, wave_tokens, attended) / (tflops * 1e12) * 1e3)
+
+
+def moe_hiding_tokens(cfg, h2d_gbps, tflops, attended=0):
+    # the smallest wave at which a streamed MoE layer's compute hides its copy (compute is linear in the tokens)
+    copy_ms, compute_ms = moe_balance(cfg, 1, h2d_gbps, tflops, attended)
+    return math.ceil(copy_ms / compute_ms)
+
+
+def moe_scratch_bytes(cfg, chunk_tokens):
+    # device memory moe_block holds at most for one chunk besides the wave's hidden states (an upper bound: all of it
+    # alive at once): per token the norm's output and its float32 temporaries, the router's bf16 logits and float32
+    # probabilities, the int64 routing indices, k rows of input, gate_up, activation and output (bf16), and the
+    # float32 sum with one gathered output row
+    H, I, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    per_token = 2 * H + 12 * H + 6 * E + 8 * 8 * k + 2 * k * (2 * H + 3 * I) + 6 * H
+    return chunk_tokens * per_token
+
+
 # ----------------------------------------------------------------------------- start-up checks and picks
 # Every kernel prefill may run is checked at start-up against float32 math written out with plain matmuls: neither
 # the fused kernels nor SDPA (on ROCm the bf16 SDPA is AOTriton, the same code as the torch-flash candidate; SPEC §8)
@@ -1435,28 +1843,32 @@ def attention_summary(names):
     return ", ".join(f"{name} ({label})" for label, name in names.items())
 
 
+def checked(entry, key, make, run, want, what):
+    """A check entry's verdict on one candidate: entry[key] = make()'s kernel when run(kernel) is within
+    CHECK_TOLERANCE of the float32 `want` and gives the same bits a second time, else entry["reason"] says why."""
+    try:
+        kernel = make()
+        got = run(kernel)
+        entry["error"] = check_error(got, want)
+        if not entry["error"] <= CHECK_TOLERANCE:
+            entry["reason"] = f"differs from float32 {what} by {entry['error']:.3g} (relative)"
+        elif not torch.equal(got, run(kernel)):  # torch flags cuDNN SDPA as nondeterministic
+            entry["reason"] = "gave other bits for the same input the second time"
+        else:
+            entry[key] = kernel
+    except Exception as e:
+        entry["reason"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return entry
+
+
 def check_attention(candidates, device, cfg):
     """Each (name, kind, tile) candidate, run twice on texts of CHECK_LENGTHS: a list of dicts with name, attend (None
     where refused), error and, where refused, reason."""
     q, k, v, chunk = attention_inputs(device, cfg, CHECK_LENGTHS, seed=0)
     reference = attention_reference(q, k, v, chunk)
-    report = []
-    for name, kind, tile in candidates:
-        entry = {"name": name, "attend": None, "error": None}
-        try:
-            attend = make_attention(kind, tile)
-            got = attend(q, k, v, chunk)
-            entry["error"] = check_error(got, reference)
-            if not entry["error"] <= CHECK_TOLERANCE:
-                entry["reason"] = f"differs from float32 attention by {entry['error']:.3g} (relative)"
-            elif not torch.equal(got, attend(q, k, v, chunk)):  # torch flags cuDNN SDPA as nondeterministic
-                entry["reason"] = "gave other bits for the same input the second time"
-            else:
-                entry["attend"] = attend
-        except Exception as e:
-            entry["reason"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        report.append(entry)
-    return report
+    return [checked({"name": name, "attend": None, "error": None}, "attend", lambda: make_attention(kind, tile),
+                    lambda attend: attend(q, k, v, chunk), reference, "attention")
+            for name, kind, tile in candidates]
 
 
 def passes_bucket(entry, label, device, cfg):

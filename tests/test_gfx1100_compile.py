@@ -31,12 +31,13 @@ import torch
 
 import interact
 import prefill
-from bench.make_checkpoint import QWEN3_32B
+from bench.make_checkpoint import QWEN3_30B_A3B, QWEN3_32B
 
 # Qwen3-0.6B's geometry (its config.json): the block sizes that follow the hidden size and head count differ
 MODELS = {"Qwen3-32B": QWEN3_32B,
           "Qwen3-0.6B": {**QWEN3_32B, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                          "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True}}
+MOE_MODEL = "Qwen3-30B-A3B"  # the grouped GEMM's constexprs are its tile alone: one geometry covers 235B-A22B too
 KNOWN_SPILLING_TILE = (64, 64, 4, 2)  # spills 205 VGPRs under Triton 3.9, 16 under 3.6 (and SPEC §8 saw 137)
 LDS_BYTES = 65536  # per workgroup on RDNA3
 TOKENS = 3  # no launch parameter depends on the token count
@@ -89,7 +90,10 @@ def bind(fn, target, args, kwargs):
 def model_config(geometry):
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps({**interact.QWEN3_CONFIG_DEFAULTS, **geometry}))
-        return prefill.Qwen3Config.from_dir(d)
+        cfg = prefill.Qwen3Config.from_dir(d)
+    if "num_experts" in geometry:  # the MoE fields beside the dense ones, as the model config will hold them
+        vars(cfg).update(prefill.moe_config_fields(geometry, MOE_MODEL, cfg.num_hidden_layers))
+    return cfg
 
 
 @contextlib.contextmanager
@@ -133,6 +137,26 @@ def prefill_launches(target, model, tiles):
         prefill.sequence_nll(x, lm_head, final_norm, targets, torch.zeros(TOKENS, dtype=torch.int64), 1,
                              cfg.rms_norm_eps, TOKENS, prefill.TRITON_KERNELS)
     return list(dict.fromkeys(launches)), kernels
+
+
+def moe_launches(target, tiles):
+    """The distinct kernel launches of one MoE feed-forward (moe_block) with each grouped GEMM tile in tiles."""
+    cfg = model_config(QWEN3_30B_A3B)
+    E, H, I = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size  # as many experts as a token meets
+    w = prefill.MoeWeights(post_norm=torch.ones(H, dtype=prefill.DTYPE), router=torch.zeros(E, H, dtype=prefill.DTYPE),
+                           gate_up=torch.empty(E, 2 * I, H, dtype=prefill.DTYPE),
+                           down=torch.empty(E, H, I, dtype=prefill.DTYPE))
+    x = torch.zeros(TOKENS, H, dtype=prefill.DTYPE)
+    launches = []
+    with launches_recorded(target, MOE_MODEL, launches):
+        for tile in tiles:
+            prefill.moe_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS, prefill.make_experts("triton", tile))
+    return list(dict.fromkeys(launches))
+
+
+def expert_tile(launch):
+    c, o = launch.named_constexprs(), dict(launch.options)
+    return c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], o["num_warps"], o["num_stages"]
 
 
 # ----------------------------------------------------------------------------- compiling and reading the registers
@@ -192,12 +216,13 @@ def fresh_triton_cache(tmp_path_factory):
 # ----------------------------------------------------------------------------- tests
 
 def offered_launches(target):
-    """Every distinct launch of prefill's kernels for both models, with the attention tiles offered on RDNA3."""
+    """Every distinct launch of prefill's kernels for both models, with the attention tiles offered on RDNA3, and of
+    the MoE feed-forward with the grouped GEMM tiles offered there."""
     launches = []
     for model in MODELS:
         found, kernels = prefill_launches(target, model, prefill.ATTENTION_TILES["rdna3"])
         launches += found
-    return launches, kernels
+    return launches + moe_launches(target, prefill.EXPERT_TILES["rdna3"]), kernels
 
 
 def test_every_kernel_prefill_launches_compiles_for_gfx1100_without_spills(fresh_triton_cache):
@@ -209,6 +234,8 @@ def test_every_kernel_prefill_launches_compiles_for_gfx1100_without_spills(fresh
     assert set(kernels) == launched | called, f"never launched by prefill's layers: {set(kernels) - launched - called}"
     tiles = {(launch.model, attention_tile(launch)) for launch in launches if launch.kernel == "_attention_kernel"}
     assert tiles == {(model, tile) for model in MODELS for tile in prefill.ATTENTION_TILES["rdna3"]}
+    assert ({expert_tile(launch) for launch in launches if launch.kernel == "_grouped_gemm_kernel"}
+            == set(prefill.EXPERT_TILES["rdna3"]))
     failures = [p for launch in launches for p in problems(launch, gfx1100_registers(launch))]
     assert not failures, f"gfx1100, Triton {triton.__version__}:\n" + "\n".join(failures)
 
