@@ -951,7 +951,7 @@ class WeightStreamer:
             self.copier.stop()
 
 
-# ----------------------------------------------------------------------------- Qwen3 math
+# ----------------------------------------------------------------------------- model math
 
 def rms_norm(x, weight, eps):
     # as transformers: normalize in float32, cast back, then scale in the model dtype
@@ -1014,114 +1014,6 @@ class Chunk:
     seq_bounds: list    # host: cumulative sequence lengths inside the chunk, [0, ..., end - start]
     cu_seqlens: object  # the same on the device, int32 (varlen kernels)
     max_len: int
-
-
-SDPA_SCORES = 1 << 24  # scores one SDPA call may hold (64 MB in float32): its math backend keeps a few copies
-
-
-def attention_sdpa(q, k, v, chunk):
-    # q: [tokens, heads, D], k/v: [tokens, kv_heads, D]; causal SDPA per sequence, in blocks of query rows once a
-    # sequence's scores would pass SDPA_SCORES. Unblocked, the start-up check and timing of this candidate peaked at
-    # 5.6 GiB (texts up to 3000 tokens) and 38.8 GiB (8292) on the H200, the size of float32 scores: SDPA fell back
-    # to its math backend there. They run while the weights fill the GPU.
-    out = torch.empty_like(q)
-    heads, group = q.shape[1], q.shape[1] // k.shape[1]
-    for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
-        n = e - s
-        ks = k[s:e].transpose(0, 1).repeat_interleave(group, dim=0)  # query head h reads kv head h // group
-        vs = v[s:e].transpose(0, 1).repeat_interleave(group, dim=0)
-        rows = max(1, SDPA_SCORES // (heads * n))
-        for r in range(0, n, rows):
-            stop = min(r + rows, n)
-            qs = q[s + r:s + stop].transpose(0, 1)  # [heads, rows, D]
-            if stop - r == n:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-            else:  # query r + i sees keys 0 .. r + i; every block the same shape, so the allocator reuses its blocks
-                seen = torch.ones(stop - r, n, dtype=torch.bool, device=q.device).tril(r)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen)
-            out[s + r:s + stop] = o.transpose(0, 1)
-    return out
-
-
-def max_len_bucket(n):
-    # flash-attn's Triton AMD kernels compile once per max_seqlen: round it up to a power of two (>= 128)
-    return max(128, 1 << (n - 1).bit_length())
-
-
-# The order decides where nothing was timed (no writable picks file): prefill's own kernel first, the fastest on the
-# H200 and, on RDNA3, compiled spill-free for gfx1100, where flash-attn 2.8.3's default config spills (SPEC §8).
-ATTENTION_KINDS = ["triton", "flash", "torch-flash", "cudnn", "sdpa"]
-# Kinds offered only on some GPU families. cuDNN: torch's can_use_cudnn_attention returns false on every ROCm build
-# ("#if defined(USE_ROCM) || !AT_CUDNN_ENABLED()", aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) and needs
-# sm80-sm121 (check_cudnn_hardware_support there): it is never offered on AMD, and the start-up check refuses it where
-# torch cannot run it.
-ATTENTION_FAMILIES = {"cudnn": ("nvidia",)}
-
-
-def make_attention(kind, tile=None):
-    """An attention function (q, k, v, chunk) -> [tokens, heads, D] for the named backend."""
-    if kind == "sdpa":
-        return attention_sdpa
-    if kind == "flash":
-        from flash_attn import flash_attn_varlen_func
-
-        def attention_flash(q, k, v, chunk):
-            n = max_len_bucket(chunk.max_len)
-            return flash_attn_varlen_func(q, k, v, chunk.cu_seqlens, chunk.cu_seqlens, n, n, causal=True)
-        return attention_flash
-    if kind == "triton":
-        if triton is None:
-            raise RuntimeError("triton is not installed")
-        return lambda q, k, v, chunk: attention_triton(q, k, v, chunk, tile)
-    if kind == "cudnn":
-        # torch's cuDNN SDPA, one call per text, GQA without repeating the KV heads (enable_gqa). On the H200 it ran
-        # 589-637 TFLOP/s on single 8k-32k texts against Triton's 456-476, but is launch-bound on short texts (48 on
-        # eight 512-token texts against Triton's 234): hence the pick per length bucket.
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        def attention_cudnn(q, k, v, chunk):
-            out = torch.empty_like(q)
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # this backend or an error, never a silent other one
-                for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
-                    o = F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1)[None] for t in (q, k, v)),
-                                                       is_causal=True, enable_gqa=True)  # [1, heads, n, D]
-                    out[s:e] = o[0].transpose(0, 1)
-            return out
-        return attention_cudnn
-    if kind == "torch-flash":
-        # torch's own flash kernel, called directly: its varlen_attn wrapper (torch 2.11) has no GQA and would need
-        # the KV heads repeated 8x, which cost 0.2 s of copies and attention per 45k-token request on the H200
-        flash_forward = torch.ops.aten._flash_attention_forward
-
-        def attention_torch_flash(q, k, v, chunk):
-            cu = chunk.cu_seqlens
-            return flash_forward(q, k, v, cu, cu, chunk.max_len, chunk.max_len, 0.0, True, False)[0]
-        return attention_torch_flash
-    raise UserError(f"unknown attention backend {kind!r}")
-
-
-def attention_inputs(device, cfg, lens, seed):
-    # random q, k, v for texts of the given lengths, drawn on the device (a 4096-token set is 42M values)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    heads, kv_heads, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    T = sum(lens)
-    q, k, v = (torch.randn(T, h, D, generator=gen, device=device, dtype=DTYPE) for h in (heads, kv_heads, kv_heads))
-    bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
-    return q, k, v, Chunk(0, T, bounds, torch.tensor(bounds, dtype=torch.int32, device=device), max(lens))
-
-
-def attention_candidates(requested, family):
-    # (name, kind, tile) of each backend and Triton tile (those offered for this GPU family) that `requested` names:
-    # "auto", a kind, or a name that pick_attention returned (so that a second Runner can use exactly that kernel)
-    named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}", kind, tile)
-             for kind in ATTENTION_KINDS if family in ATTENTION_FAMILIES.get(kind, (family,))
-             for tile in (ATTENTION_TILES[family] if kind == "triton" else [None])]
-    chosen = [c for c in named if requested in ("auto", c[0], c[1])]
-    if not chosen and requested in ATTENTION_KINDS:
-        raise UserError(f"attention backend {requested!r} is not offered on this GPU family ({family})")
-    if not chosen:
-        raise UserError(f"unknown attention backend {requested!r}")
-    return chosen
 
 
 def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels):
@@ -1311,6 +1203,120 @@ def token_nll_triton(logits, targets):
     return out
 
 
+TRITON_KERNELS = Kernels("triton", rms_norm_triton, head_norm_rope_triton, silu_mul_triton, token_nll_triton)
+
+
+# ----------------------------------------------------------------------------- attention backends
+# Every backend computes attention(q, k, v, chunk) -> [tokens, heads, D] over the chunk's texts, causal, GQA.
+
+SDPA_SCORES = 1 << 24  # scores one SDPA call may hold (64 MB in float32): its math backend keeps a few copies
+
+
+def attention_sdpa(q, k, v, chunk):
+    # q: [tokens, heads, D], k/v: [tokens, kv_heads, D]; causal SDPA per sequence, in blocks of query rows once a
+    # sequence's scores would pass SDPA_SCORES. Unblocked, the start-up check and timing of this candidate peaked at
+    # 5.6 GiB (texts up to 3000 tokens) and 38.8 GiB (8292) on the H200, the size of float32 scores: SDPA fell back
+    # to its math backend there. They run while the weights fill the GPU.
+    out = torch.empty_like(q)
+    heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
+        n = e - s
+        ks = k[s:e].transpose(0, 1).repeat_interleave(group, dim=0)  # query head h reads kv head h // group
+        vs = v[s:e].transpose(0, 1).repeat_interleave(group, dim=0)
+        rows = max(1, SDPA_SCORES // (heads * n))
+        for r in range(0, n, rows):
+            stop = min(r + rows, n)
+            qs = q[s + r:s + stop].transpose(0, 1)  # [heads, rows, D]
+            if stop - r == n:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+            else:  # query r + i sees keys 0 .. r + i; every block the same shape, so the allocator reuses its blocks
+                seen = torch.ones(stop - r, n, dtype=torch.bool, device=q.device).tril(r)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen)
+            out[s + r:s + stop] = o.transpose(0, 1)
+    return out
+
+
+def max_len_bucket(n):
+    # flash-attn's Triton AMD kernels compile once per max_seqlen: round it up to a power of two (>= 128)
+    return max(128, 1 << (n - 1).bit_length())
+
+
+# The order decides where nothing was timed (no writable picks file): prefill's own kernel first, the fastest on the
+# H200 and, on RDNA3, compiled spill-free for gfx1100, where flash-attn 2.8.3's default config spills (SPEC §8).
+ATTENTION_KINDS = ["triton", "flash", "torch-flash", "cudnn", "sdpa"]
+# Kinds offered only on some GPU families. cuDNN: torch's can_use_cudnn_attention returns false on every ROCm build
+# ("#if defined(USE_ROCM) || !AT_CUDNN_ENABLED()", aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) and needs
+# sm80-sm121 (check_cudnn_hardware_support there): it is never offered on AMD, and the start-up check refuses it where
+# torch cannot run it.
+ATTENTION_FAMILIES = {"cudnn": ("nvidia",)}
+
+
+def make_attention(kind, tile=None):
+    """An attention function (q, k, v, chunk) -> [tokens, heads, D] for the named backend."""
+    if kind == "sdpa":
+        return attention_sdpa
+    if kind == "flash":
+        from flash_attn import flash_attn_varlen_func
+
+        def attention_flash(q, k, v, chunk):
+            n = max_len_bucket(chunk.max_len)
+            return flash_attn_varlen_func(q, k, v, chunk.cu_seqlens, chunk.cu_seqlens, n, n, causal=True)
+        return attention_flash
+    if kind == "triton":
+        if triton is None:
+            raise RuntimeError("triton is not installed")
+        return lambda q, k, v, chunk: attention_triton(q, k, v, chunk, tile)
+    if kind == "cudnn":
+        # torch's cuDNN SDPA, one call per text, GQA without repeating the KV heads (enable_gqa). On the H200 it ran
+        # 589-637 TFLOP/s on single 8k-32k texts against Triton's 456-476, but is launch-bound on short texts (48 on
+        # eight 512-token texts against Triton's 234): hence the pick per length bucket.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def attention_cudnn(q, k, v, chunk):
+            out = torch.empty_like(q)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # this backend or an error, never a silent other one
+                for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
+                    o = F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1)[None] for t in (q, k, v)),
+                                                       is_causal=True, enable_gqa=True)  # [1, heads, n, D]
+                    out[s:e] = o[0].transpose(0, 1)
+            return out
+        return attention_cudnn
+    if kind == "torch-flash":
+        # torch's own flash kernel, called directly: its varlen_attn wrapper (torch 2.11) has no GQA and would need
+        # the KV heads repeated 8x, which cost 0.2 s of copies and attention per 45k-token request on the H200
+        flash_forward = torch.ops.aten._flash_attention_forward
+
+        def attention_torch_flash(q, k, v, chunk):
+            cu = chunk.cu_seqlens
+            return flash_forward(q, k, v, cu, cu, chunk.max_len, chunk.max_len, 0.0, True, False)[0]
+        return attention_torch_flash
+    raise UserError(f"unknown attention backend {kind!r}")
+
+
+def attention_inputs(device, cfg, lens, seed):
+    # random q, k, v for texts of the given lengths, drawn on the device (a 4096-token set is 42M values)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    heads, kv_heads, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    T = sum(lens)
+    q, k, v = (torch.randn(T, h, D, generator=gen, device=device, dtype=DTYPE) for h in (heads, kv_heads, kv_heads))
+    bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
+    return q, k, v, Chunk(0, T, bounds, torch.tensor(bounds, dtype=torch.int32, device=device), max(lens))
+
+
+def attention_candidates(requested, family):
+    # (name, kind, tile) of each backend and Triton tile (those offered for this GPU family) that `requested` names:
+    # "auto", a kind, or a name that pick_attention returned (so that a second Runner can use exactly that kernel)
+    named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}", kind, tile)
+             for kind in ATTENTION_KINDS if family in ATTENTION_FAMILIES.get(kind, (family,))
+             for tile in (ATTENTION_TILES[family] if kind == "triton" else [None])]
+    chosen = [c for c in named if requested in ("auto", c[0], c[1])]
+    if not chosen and requested in ATTENTION_KINDS:
+        raise UserError(f"attention backend {requested!r} is not offered on this GPU family ({family})")
+    if not chosen:
+        raise UserError(f"unknown attention backend {requested!r}")
+    return chosen
+
+
 # (BLOCK_M, BLOCK_N, warps, stages) offered for the attention kernel, per GPU family (gpu_family below).
 # NVIDIA: on the H200 the first was the fastest of ten (bench/results/primitives/…-attention*.json; 128-row tiles were
 # 13-120% slower), the second within 1% of it.
@@ -1358,9 +1364,6 @@ def attention_triton(q, k, v, chunk, tile):
                             KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
                             num_stages=stages)
     return out
-
-
-TRITON_KERNELS = Kernels("triton", rms_norm_triton, head_norm_rope_triton, silu_mul_triton, token_nll_triton)
 
 
 # ----------------------------------------------------------------------------- start-up checks and picks
