@@ -16,6 +16,7 @@ kernel metadata.
     PYTHONPATH=. python tests/test_gfx1100_compile.py OUT.json   # the same compiles and a few more tiles: a table
 """
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -87,9 +88,7 @@ def bind(fn, target, args, kwargs):
 
 
 def model_config(geometry):
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "config.json").write_text(json.dumps({**interact.QWEN3_CONFIG_DEFAULTS, **geometry}))
-        return prefill.Qwen3Config.from_dir(d)
+    return prefill.ModelConfig.from_json({**interact.QWEN3_CONFIG_DEFAULTS, **geometry})
 
 
 @contextlib.contextmanager
@@ -104,7 +103,7 @@ def launches_recorded(target, model, into):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: into.append(Launch(self.name, model, *bind(self.fn, target, args, kwargs)))
 
-    linear = lambda x, w: torch.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype)
+    linear = lambda x, w, bias=None: torch.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype)
     with contextlib.ExitStack() as stack:
         for name, fn in kernels.items():
             stack.enter_context(mock.patch.object(prefill, name, Recorder(name, fn)))
@@ -119,19 +118,19 @@ def prefill_launches(target, model, tiles):
     flat = torch.empty(cfg.layer_numel, dtype=prefill.DTYPE)  # never touched: only its views' shapes and offsets
     w = prefill.layer_views(flat, cfg)
     x = torch.zeros(TOKENS, cfg.hidden_size, dtype=prefill.DTYPE)
-    cos, sin = prefill.rope_tables(torch.arange(TOKENS), cfg)
+    cos, sin = prefill.rope_tables(torch.arange(TOKENS), cfg.ropes[0], cfg.head_dim)
     chunk = prefill.Chunk(0, TOKENS, [0, TOKENS], torch.tensor([0, TOKENS], dtype=torch.int32), TOKENS)
     lm_head = torch.empty((), dtype=prefill.DTYPE).expand(cfg.vocab_size, cfg.hidden_size)
     targets = torch.zeros(TOKENS, dtype=torch.int64)
     launches = []
     with launches_recorded(target, model, launches) as kernels:
-        for tile in tiles:
+        for tile, how in itertools.product(tiles, prefill.attention_settings(cfg)):
             attend = prefill.make_attention("triton", tile)
-            prefill.attention_block(x, w, cos, sin, chunk, cfg, attend, prefill.TRITON_KERNELS)
+            prefill.attention_block(x, w, cos, sin, chunk, cfg, attend, prefill.TRITON_KERNELS, how)
         prefill.mlp_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS)
         final_norm = torch.ones(cfg.hidden_size, dtype=prefill.DTYPE)
         prefill.sequence_nll(x, lm_head, final_norm, targets, torch.zeros(TOKENS, dtype=torch.int64), 1,
-                             cfg.rms_norm_eps, TOKENS, prefill.TRITON_KERNELS)
+                             cfg, TOKENS, prefill.TRITON_KERNELS)
     return list(dict.fromkeys(launches)), kernels
 
 
