@@ -233,8 +233,10 @@ def rope_of(params, where):
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_KINDS:
         raise UserError(f"{where}: RoPE type {shown(kind)} is not supported (only {', '.join(ROPE_KINDS)})")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UserError(f"{where}: partial_rotary_factor {shown(params['partial_rotary_factor'])} is not supported")
+    if params.get("partial_rotary_factor") is not None and not (type(params["partial_rotary_factor"]) in (int, float)
+                                                                and params["partial_rotary_factor"] == 1):
+        raise UserError(f"{where}: partial_rotary_factor is {shown(params['partial_rotary_factor'])}; RoPE on part of "
+                        "a head is not supported")
     theta = fields.positive("rope_theta")
     if kind == "default":
         return Rope(theta)
@@ -251,19 +253,21 @@ def read_ropes(raw, family, path):
     params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise UserError(f"{path}: rope_parameters (or rope_scaling) is {shown(params)}, not a JSON object")
+    part = {"partial_rotary_factor": raw["partial_rotary_factor"]} if "partial_rotary_factor" in raw else {}
     if family.two_ropes:
         nested = raw.get("rope_parameters") or {}
         if not isinstance(nested, dict) or not set(nested) <= set(LAYER_TYPES):
             raise UserError(f"{path}: rope_parameters must be nested by layer type ({', '.join(LAYER_TYPES)})")
-        full = dict(nested.get("full_attention") or {}, **(raw.get("rope_scaling") or {}))  # 4: it scales full layers
+        # transformers 4's rope_scaling scales the full layers
+        full = {**part, **(nested.get("full_attention") or {}), **(raw.get("rope_scaling") or {})}
         full.setdefault("rope_theta", raw.get("rope_theta", 1e6))
-        sliding = dict(nested.get("sliding_attention") or {})
+        sliding = {**part, **(nested.get("sliding_attention") or {})}
         sliding.setdefault("rope_theta", raw.get("rope_local_base_freq", 1e4))
         return {"full_attention": rope_of(full, f"{path}: full_attention RoPE"),
                 "sliding_attention": rope_of(sliding, f"{path}: sliding_attention RoPE")}
     if set(params) & set(LAYER_TYPES):
         raise UserError(f"{path}: rope_parameters nested by layer type: {raw.get('model_type')} has one RoPE")
-    return {None: rope_of(dict({"rope_theta": raw.get("rope_theta", 10000.0)}, **params), f"{path}: RoPE")}
+    return {None: rope_of({"rope_theta": raw.get("rope_theta", 10000.0), **part, **params}, f"{path}: RoPE")}
 
 
 @dataclass
@@ -373,10 +377,10 @@ class ModelConfig:
         if family is None:
             raise UserError(f"{path}: model_type is {shown(model_type)}; prefill runs dense "
                             f"{', '.join(FAMILIES)} (and gemma3 with a text_config) only")
-        for key, refused in (("use_bidirectional_attention", "prefill computes causal language-model losses"),
-                             ("partial_rotary_factor", "RoPE on part of a head is not supported")):
-            if raw.get(key) not in (None, False, 1, 1.0):
-                raise UserError(f"{path}: {key} is {shown(raw[key])}; {refused}")
+        if raw.get("use_bidirectional_attention") not in (None, False):  # (True == 1 in Python: compared by type too)
+            raise UserError(f"{path}: use_bidirectional_attention is {shown(raw['use_bidirectional_attention'])}; "
+                            "prefill computes causal language-model losses")
+
         hidden, heads, layers = fields.count("hidden_size"), fields.count("num_attention_heads"), \
             fields.count("num_hidden_layers")
         head_dim = fields.count("head_dim", family.head_dim or hidden // heads)
@@ -1900,8 +1904,8 @@ def check_attention(candidates, device, cfg):
 
 
 def describe_attention(how):
-    return ", ".join([f"window {how.window}"] * bool(how.window) + [f"softcap {how.softcap:g}"] * bool(how.softcap)
-                     ) or "full attention"
+    return ", ".join(([f"window {how.window}"] if how.window else []) + ([f"softcap {how.softcap:g}"] if how.softcap
+                                                                          else [])) or "full attention"
 
 
 def passes_bucket(entry, label, device, cfg):

@@ -190,7 +190,8 @@ def configs(draw):
         return json.dumps(draw(json_values)).encode()
     config = json.loads(json.dumps(draw(st.sampled_from(FAMILY_CONFIGS))))
     inner = config.get("text_config", config)
-    keys = sorted(inner) + ["rope_parameters", "layer_types", "sliding_window", "quantization_config"]
+    keys = sorted(inner) + ["rope_parameters", "rope_scaling", "layer_types", "sliding_window", "quantization_config",
+                            "partial_rotary_factor", "use_bidirectional_attention"]
     for key in draw(st.lists(st.sampled_from(keys), max_size=3)):
         change = draw(st.sampled_from(["drop", "value", "number"]))
         if change == "drop":
