@@ -1693,20 +1693,22 @@ def attention_inputs(device, cfg, lens, seed):
     return q, k, v, Chunk(0, T, bounds, torch.tensor(bounds, dtype=torch.int32, device=device), max(lens))
 
 
-def attention_candidates(requested, family, needs=frozenset()):
-    # (name, kind, tile) of each backend and Triton tile (those offered for this GPU family, with the features the
-    # model needs) that `requested` names: "auto", a kind, or a name that pick_attention returned (so that a second
-    # Runner can use exactly that kernel)
+def attention_candidates(requested, family, cfg=None):
+    # (name, kind, tile) of each backend and Triton tile (those offered for this GPU family and model, cfg: None for
+    # plain causal attention) that `requested` names: "auto", a kind, or a name that pick_attention returned (so
+    # that a second Runner can use exactly that kernel)
+    needs = attention_needs(cfg) if cfg is not None else set()
     named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}", kind, tile)
              for kind in ATTENTION_KINDS if family in ATTENTION_FAMILIES.get(kind, (family,))
              and needs <= ATTENTION_FEATURES[kind]
-             for tile in (ATTENTION_TILES[family] if kind == "triton" else [None])]
+             for tile in (attention_tiles(family, cfg) if kind == "triton" else [None])]
     chosen = [c for c in named if requested in ("auto", c[0], c[1])]
     if not chosen and requested in ATTENTION_KINDS and not needs <= ATTENTION_FEATURES[requested]:
-        raise UserError(f"attention backend {requested!r} has no {' or '.join(sorted(needs - ATTENTION_FEATURES[requested]))}, "
-                        "which this model needs")
+        missing = " or ".join(sorted(needs - ATTENTION_FEATURES[requested]))
+        raise UserError(f"attention backend {requested!r} has no {missing}, which this model needs")
     if not chosen and requested in ATTENTION_KINDS:
-        raise UserError(f"attention backend {requested!r} is not offered on this GPU family ({family})")
+        raise UserError(f"attention backend {requested!r} is not offered on this GPU family ({family})"
+                        + (f" for head_dim {cfg.head_dim}" if cfg is not None and requested == "triton" else ""))
     if not chosen:
         raise UserError(f"unknown attention backend {requested!r}")
     return chosen
@@ -1727,6 +1729,20 @@ ATTENTION_TILES = {
     "cpu": [(64, 64, 4, 2), (64, 32, 4, 2)],  # Triton's interpreter (tests): the NVIDIA tiles
 }
 ATTENTION_TILES["amd"] = ATTENTION_TILES["rdna3"]
+# RDNA3's tiles for the window and softcap variants: in 64-row tiles those spill under Triton 3.9 (window: 5-49 VGPRs,
+# window and softcap: 5-48, Gemma 3 and Gemma 2 27B), these two do not (221-253 VGPRs). A head_dim over 128 (Gemma 3
+# 4B-12B, Gemma 2 9B: 256) spills 190-560 VGPRs in every tile tried (16-64 rows): the kernel is not offered there.
+RDNA3_VARIANT_TILES = [(32, 16, 8, 1), (16, 16, 4, 1)]
+RDNA3_MAX_HEAD_DIM = 128
+
+
+def attention_tiles(family, cfg=None):
+    # the Triton attention tiles offered for this GPU family and model (cfg None: plain causal attention)
+    if family not in ("rdna3", "amd") or cfg is None:
+        return ATTENTION_TILES[family]
+    if cfg.head_dim > RDNA3_MAX_HEAD_DIM:
+        return []
+    return RDNA3_VARIANT_TILES if attention_needs(cfg) else ATTENTION_TILES[family]
 
 
 def gpu_family(device):
@@ -1980,7 +1996,7 @@ def pick_attention(requested, device, cfg, picks):
     family, exact = gpu_family(device), isinstance(requested, dict)
     if exact and sorted(requested) != sorted(BUCKET_LABELS):
         raise UserError(f"attention kernels per bucket must name each of {BUCKET_LABELS}")
-    options = {label: attention_candidates(requested[label] if exact else requested, family, attention_needs(cfg))
+    options = {label: attention_candidates(requested[label] if exact else requested, family, cfg)
                for label in BUCKET_LABELS}
     kept = {label: requested[label] if exact else picks.get(f"attention {requested} {label}")
             for label in BUCKET_LABELS}
@@ -2861,7 +2877,7 @@ def doctor(runner):
         fig["lock_s_per_gb"] = {m: lock_s / (GiB / 1e9) for m, (_, lock_s) in measured.items()}
         fig["h2d_gbps"] = measured[runner.pin_method][0]
     # every candidate offered here, checked and timed per bucket (the start-up checks only the kept ones where known)
-    report = check_attention(attention_candidates("auto", fig["gpu_family"], attention_needs(cfg)), dev, cfg)
+    report = check_attention(attention_candidates("auto", fig["gpu_family"], cfg), dev, cfg)
     for label in BUCKET_LABELS if cuda else ():
         time_attention([e for e in report if e["attend"] is not None], label, dev, cfg)
     fig["attention"] = runner.attention

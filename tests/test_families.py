@@ -288,7 +288,7 @@ def test_gemma3_saved_as_multimodal_is_its_text_model(family, tmp_path):
 # ----------------------------------------------------------------------------- what is refused
 
 def config_of(model_type, **changes):
-    return dict(GEOMETRY, model_type=model_type, head_dim=16, **changes)
+    return {**GEOMETRY, "model_type": model_type, "head_dim": 16, **changes}
 
 
 REFUSED = [
@@ -375,7 +375,7 @@ def test_the_start_up_check_refuses_a_window_one_key_off_or_a_dropped_softcap(cf
     # with N(0, 1) inputs a key more among 1024 moves a row by ~1e-3 and a cap of 50 nothing: the check's sharp inputs
     # make both O(1), on texts longer than the window
     def check():
-        [entry] = prefill.check_attention(prefill.attention_candidates("flash", "cpu", prefill.attention_needs(cfg)),
+        [entry] = prefill.check_attention(prefill.attention_candidates("flash", "cpu", cfg),
                                           CPU, cfg)
         return entry
     stand_in_flash(monkeypatch)
@@ -399,17 +399,25 @@ def test_the_check_runs_each_setting_diffuse_and_sharp_on_texts_longer_than_the_
 
 
 def test_backends_without_a_model_s_window_or_softcap_are_not_offered():
-    kinds = lambda cfg, family="nvidia": [kind for _, kind, _ in prefill.attention_candidates(
-        "auto", family, prefill.attention_needs(cfg))]
+    kinds = lambda cfg, family="nvidia": [kind for _, kind, _ in prefill.attention_candidates("auto", family, cfg)]
     plain = prefill.ModelConfig.from_json(config_of("llama"))
     assert kinds(plain).count("cudnn") == 1 and "torch-flash" in kinds(plain)
     assert "cudnn" not in kinds(WINDOWED) and "torch-flash" in kinds(WINDOWED)
     assert "cudnn" not in kinds(CAPPED) and "torch-flash" not in kinds(CAPPED) and "sdpa" in kinds(CAPPED)
     assert set(kinds(CAPPED, "rdna3")) == {"triton", "flash", "sdpa"}
     with pytest.raises(prefill.UserError, match="'torch-flash' has no softcap, which this model needs"):
-        prefill.attention_candidates("torch-flash", "nvidia", prefill.attention_needs(CAPPED))
+        prefill.attention_candidates("torch-flash", "nvidia", CAPPED)
     with pytest.raises(prefill.UserError, match="'cudnn' has no softcap or window"):
-        prefill.attention_candidates("cudnn", "nvidia", prefill.attention_needs(CAPPED))
+        prefill.attention_candidates("cudnn", "nvidia", CAPPED)
+    # on RDNA3 the window and softcap variants get the tiles that compile spill-free for them (test_gfx1100_compile),
+    # and a head_dim of 256 no Triton kernel at all
+    tiles = lambda cfg: [tile for _, kind, tile in prefill.attention_candidates("auto", "rdna3", cfg) if kind == "triton"]
+    assert tiles(plain) == prefill.ATTENTION_TILES["rdna3"] and tiles(CAPPED) == prefill.RDNA3_VARIANT_TILES
+    wide = prefill.ModelConfig.from_json(config_of("gemma3_text", head_dim=256))
+    assert tiles(wide) == [] and tiles(prefill.ModelConfig.from_json(config_of("llama", head_dim=256))) == []
+    assert prefill.attention_tiles("nvidia", wide) == prefill.ATTENTION_TILES["nvidia"]
+    with pytest.raises(prefill.UserError, match="'triton' is not offered on this GPU family .rdna3. for head_dim 256"):
+        prefill.attention_candidates("triton", "rdna3", wide)
 
 
 def test_sdpa_honours_the_window_the_scale_and_the_softcap():
