@@ -862,6 +862,7 @@ def checkpoint_file_faults(path, tmp_path):
     case("header length 18446744073709551615 runs past", {"t": entry}, bytes(12), header_len=2**64 - 1)
     case("header is list", [entry])
     case("tensor 't' has dtype 'I64'", {"t": dict(entry, dtype="I64")}, bytes(12))
+    case("tensor 't' has dtype 'F8_E4M3'", {"t": dict(entry, dtype="F8_E4M3", data_offsets=[0, 6])}, bytes(6))
     case("shape must be a list", {"t": dict(entry, shape="2x3")}, bytes(12))
     case("data_offsets must be two integers", {"t": dict(entry, data_offsets=[12, 0])}, bytes(12))
     case("do not fill the 12 bytes", {"t": dict(entry, shape=[3, 3])}, bytes(12))
@@ -915,8 +916,15 @@ def stats_faults(path, tmp_path):
 def model_faults(path, tmp_path):
     good = json.loads((path / "config.json").read_text())
     return [Fault("qwen3_moe", model=folder_with(tmp_path, "moe", dict(good, model_type="qwen3_moe"))),
-            Fault("rope scaling 'yarn'",
-                  model=folder_with(tmp_path, "yarn", dict(good, rope_parameters={"rope_type": "yarn"})))]
+            Fault("RoPE type 'yarn' is not supported",
+                  model=folder_with(tmp_path, "yarn", dict(good, rope_parameters={"rope_type": "yarn"}))),
+            Fault("quantized weights (quantization_config 'fp8')", model=folder_with(
+                tmp_path, "fp8", dict(good, quantization_config={"quant_method": "fp8"}))),
+            Fault("intermediate_size is a list (layers of different sizes)", model=folder_with(
+                tmp_path, "sizes", dict(good, intermediate_size=[160, 320, 160, 160]))),
+            Fault("layer_types in a mistral config", model=folder_with(
+                tmp_path, "mistral", dict(good, model_type="mistral", sliding_window=8,
+                                          layer_types=["full_attention"] * 4)))]
 
 
 def weight_faults(path, tmp_path):
