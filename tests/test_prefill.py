@@ -627,13 +627,18 @@ print(json.dumps(r.losses(r.tokenize(json.loads(sys.argv[3])))))
 """
 
 
+def interpreted(script, *args):
+    # script run by a fresh Python with Triton's interpreter on (skipped without Triton): the finished process
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=900,
+                          env=env)
+
+
 @pytest.mark.parametrize("variant", ["good", "broken"])
 def test_triton_kernels_match_transformers(gqa_checkpoint, variant):
-    pytest.importorskip("triton")
     path, reference = gqa_checkpoint
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", KERNEL_CHECK, str(path), variant, json.dumps(TEXTS)],
-                       capture_output=True, text=True, timeout=600, env=env)
+    p = interpreted(KERNEL_CHECK, path, variant, json.dumps(TEXTS))
     if variant == "broken":
         assert p.returncode != 0 and "--kernels triton is unusable" in p.stderr
     else:
@@ -668,9 +673,7 @@ print(json.dumps(report))
 
 
 def test_triton_attention_matches_sdpa_and_the_check_catches_wrong_heads_or_bounds():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", ATTENTION_CHECK], capture_output=True, text=True, timeout=600, env=env)
+    p = interpreted(ATTENTION_CHECK)
     assert p.returncode == 0, p.stderr[-2000:]
     report = json.loads(p.stdout)
     limit = 2**-5  # pick_attention's tolerance, relative to the output's scale
