@@ -582,6 +582,16 @@ def reference_placement(model_dir: str | Path, device: str | None = None, gpu_gi
     )
 
 
+def _softcapped(model_dir: str | Path) -> bool:
+    """Whether the model's attention softcaps its scores (Gemma 2), as prefill reads its config.json."""
+    import prefill
+
+    try:
+        return any(how.softcap for how in prefill.ModelConfig.from_dir(model_dir).attention)
+    except prefill.UserError:
+        return False  # a model prefill does not run: transformers' defaults
+
+
 def load_reference_model(model_dir: str | Path, device: str | None = None, gpu_gib: float | None = None):
     placement = reference_placement(model_dir, device, gpu_gib)  # a UserError comes before transformers' import
     print(placement.summary, flush=True)
@@ -589,6 +599,8 @@ def load_reference_model(model_dir: str | Path, device: str | None = None, gpu_g
     from transformers import AutoModelForCausalLM
 
     kwargs = {dtype_kwarg(): torch.bfloat16, **placement.kwargs}
+    if _softcapped(model_dir):  # SDPA has no softcap: transformers' SDPA path would leave Gemma 2's out
+        kwargs["attn_implementation"] = "eager"
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     if placement.move_to is not None:
         model = model.to(placement.move_to)

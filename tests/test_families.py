@@ -184,6 +184,13 @@ def test_family_matches_transformers(family, name):
     assert max_rel_err(r.losses(ids), transformers_losses(path, TEXTS, torch.bfloat16)) < same_math
 
 
+def test_interact_s_reference_computes_gemma_2_s_softcap(family):
+    # --make-reference loads the model as transformers would, but for a softcap: never through SDPA, which drops it
+    path, _, _ = family("gemma2")
+    assert interact.load_reference_model(path, "cpu").config._attn_implementation == "eager"
+    assert interact.load_reference_model(family("gemma3")[0], "cpu").config._attn_implementation != "eager"
+
+
 def replaced_layers(r, **fields):
     # every layer's weight views with these fields replaced (None: the tensor dropped), for an ablation
     return {i: dataclasses.replace(w, **fields) for i, w in r.streamer.resident.items()}
