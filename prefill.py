@@ -1890,7 +1890,8 @@ def check_attention(candidates, device, cfg):
     """Each (name, kind, tile) candidate, run twice on texts of CHECK_LENGTHS with each of the model's attention
     settings (check_cases): a list of dicts with name, attend (None where refused), error (the worst) and, where
     refused, reason."""
-    report = [{"name": name, "kind": kind, "tile": tile, "attend": None, "error": 0.0} for name, kind, tile in candidates]
+    report = [{"name": name, "kind": kind, "tile": tile, "attend": None, "error": 0.0}
+              for name, kind, tile in candidates]
     for entry in report:
         try:
             entry["attend"] = make_attention(entry.pop("kind"), entry.pop("tile"))
@@ -2428,8 +2429,8 @@ class Runner:
                                        plan.streamed_layers, self.device)
         weakref.finalize(self, self.streamer.stop)  # its threads end with this Runner, or before the process exits
         self.stats = {}
-        log(f"loaded {cfg.num_hidden_layers}-layer {cfg.model_type} ({self._model_bytes() / 1e9:.1f} GB) from {model_dir} "
-            f"in {time.perf_counter() - t0:.1f} s on {self.device}, {self.load_mode} ({self.load_seconds}); "
+        log(f"loaded {cfg.num_hidden_layers}-layer {cfg.model_type} ({self._model_bytes() / 1e9:.1f} GB) from "
+            f"{model_dir} in {time.perf_counter() - t0:.1f} s on {self.device}, {self.load_mode} ({self.load_seconds}); "
             f"attention: {attention_summary(self.attention)}, elementwise kernels: {self.kernels.name}"
             + (f", BLAS: {self.blas}" if self.blas else ""))
         log(f"{plan.describe()}; {self.host_plan.describe()}")

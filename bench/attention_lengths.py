@@ -19,9 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = [4500, 5001, 8292, 12000, 24795]  # each new to the process; 24795: long-32's longest text
-GEOMETRY = dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-                num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1e6,
-                tie_word_embeddings=False)
+GEOMETRY = dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+                rope_theta=1e6, tie_word_embeddings=False)
 
 
 def measure() -> dict:

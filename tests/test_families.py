@@ -102,7 +102,8 @@ def sharpen(model, gemma):
                 p.normal_((2.0 if qk else SHARP[f"gemma_{role}"]) if gemma else (3.0 if qk else 1.0), 0.2)
         model.get_input_embeddings().weight.normal_(0, SHARP["tied"] if tied else 0.1)
         if not tied:
-            model.get_output_embeddings().weight.normal_(0, SHARP["head"] / model.config.get_text_config().hidden_size ** 0.5)
+            hidden = model.config.get_text_config().hidden_size
+            model.get_output_embeddings().weight.normal_(0, SHARP["head"] / hidden ** 0.5)
 
 
 def as_transformers_4(folder):
@@ -348,7 +349,7 @@ def test_options_each_family_reads_are_implemented_not_ignored():
     assert (gemma3.ropes[0].theta, gemma3.ropes[5].theta) == (1e4, 1e6) and gemma3.final_softcap is None
 
 
-# ----------------------------------------------------------------------------- attention backends and the start-up check
+# ----------------------------------------------------------------------------- attention backends, the start-up check
 
 CPU = torch.device("cpu")
 # real windows and caps: Gemma 3's 1024, Gemma 2's cap 50 (its window, 4096, shortened to keep the CPU's check short)
@@ -395,7 +396,8 @@ def test_the_start_up_check_refuses_a_window_one_key_off_or_a_dropped_softcap(cf
 def test_the_check_runs_each_setting_diffuse_and_sharp_on_texts_longer_than_the_window():
     mistral = prefill.ModelConfig.from_json(config_of("mistral", sliding_window=4096))  # past the longest check text
     [(how, diffuse, lengths), (_, sharp, same)] = prefill.check_cases(mistral)
-    assert how.window == 4096 and (diffuse, sharp) == (False, True) and lengths == same == prefill.CHECK_LENGTHS + [4396]
+    assert how.window == 4096 and (diffuse, sharp) == (False, True)
+    assert lengths == same == prefill.CHECK_LENGTHS + [4396]
     gemma3 = prefill.ModelConfig.from_json(config_of("gemma3_text", sliding_window=1024, num_hidden_layers=6))
     assert [(how.window, sharp, max(lengths)) for how, sharp, lengths in prefill.check_cases(gemma3)] == [
         (1024, False, 3000), (1024, True, 3000), (None, False, 3000)]  # five sliding layers to one full
@@ -416,7 +418,8 @@ def test_backends_without_a_model_s_window_or_softcap_are_not_offered():
         prefill.attention_candidates("cudnn", "nvidia", CAPPED)
     # on RDNA3 the window and softcap variants get the tiles that compile spill-free for them (test_gfx1100_compile),
     # and a head_dim of 256 no Triton kernel at all
-    tiles = lambda cfg: [tile for _, kind, tile in prefill.attention_candidates("auto", "rdna3", cfg) if kind == "triton"]
+    tiles = lambda cfg: [tile for _, kind, tile in prefill.attention_candidates("auto", "rdna3", cfg)
+                         if kind == "triton"]
     assert tiles(plain) == prefill.ATTENTION_TILES["rdna3"] and tiles(CAPPED) == prefill.RDNA3_VARIANT_TILES
     wide = prefill.ModelConfig.from_json(config_of("gemma3_text", head_dim=256))
     assert tiles(wide) == [] and tiles(prefill.ModelConfig.from_json(config_of("llama", head_dim=256))) == []
