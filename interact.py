@@ -328,13 +328,29 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
+# Everything in a Qwen3-MoE config.json besides the geometry (transformers 5.24's Qwen3MoeConfig): no layer kept
+# dense, and the renormalised top-k of the Qwen3-30B-A3B and 235B-A22B configs.
+QWEN3_MOE_CONFIG_DEFAULTS = {
+    **QWEN3_CONFIG_DEFAULTS,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+}
+
+
 def config_json(config: dict) -> dict:
     """A whole config.json for config (a geometry and any keys of its family's config.json; model_type defaults to
-    qwen3, whose other keys come from QWEN3_CONFIG_DEFAULTS)."""
+    qwen3, whose other keys come from QWEN3_CONFIG_DEFAULTS; qwen3_moe's from QWEN3_MOE_CONFIG_DEFAULTS)."""
     model_type = config.get("model_type", "qwen3")
     if model_type == "qwen3":
         cfg = {**QWEN3_CONFIG_DEFAULTS, **config}
         cfg.setdefault("max_window_layers", cfg["num_hidden_layers"])
+    elif model_type == "qwen3_moe":
+        cfg = {**QWEN3_MOE_CONFIG_DEFAULTS, **config}
     else:
         cfg = {"architectures": [ARCHITECTURES[model_type]], "torch_dtype": "bfloat16", **config}
     cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
@@ -354,10 +370,10 @@ def _checkpoint_tensors(cfg: dict):
     import prefill
 
     model = prefill.ModelConfig.from_json(cfg)
-    h, inter, layers = model.hidden_size, model.intermediate_size, model.num_hidden_layers
+    h, layers = model.hidden_size, model.num_hidden_layers
     out_scale = 1 / math.sqrt(2 * layers)
     norm_mean = 0.0 if model.norm_offset else 1.0  # Gemma's norms scale by 1 + w
-    matrix_std = {"o_proj": out_scale / math.sqrt(model.q_size), "down_proj": out_scale / math.sqrt(inter)}
+    out_std = {"o_proj", "down_proj"}  # the residual's writers: out_scale / sqrt(their input width), experts' too
     yield "model.embed_tokens.weight", (model.vocab_size, h), 0.0, LOGIT_STD / math.sqrt(h)
     for i in range(layers):
         for name, (_, shape) in model.layer_layout.items():
@@ -366,53 +382,11 @@ def _checkpoint_tensors(cfg: dict):
             elif name.endswith(".bias"):
                 yield f"model.layers.{i}.{name}", shape, 0.0, NORM_NOISE
             else:
-                std = matrix_std.get(name.split(".")[1], 1 / math.sqrt(h))
+                std = out_scale / math.sqrt(shape[1]) if name.split(".")[-2] in out_std else 1 / math.sqrt(h)
                 yield f"model.layers.{i}.{name}", shape, 0.0, std
     yield "model.norm.weight", (h,), norm_mean, NORM_NOISE
     if not model.tie_word_embeddings:
         yield "lm_head.weight", (model.vocab_size, h), 0.0, LOGIT_STD / math.sqrt(h)
-
-
-# Everything in a Qwen3-MoE config.json besides the geometry (transformers 5.24's Qwen3MoeConfig): no layer kept
-# dense, and the renormalised top-k of the Qwen3-30B-A3B and 235B-A22B configs.
-QWEN3_MOE_CONFIG_DEFAULTS = {
-    **QWEN3_CONFIG_DEFAULTS,
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "model_type": "qwen3_moe",
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "norm_topk_prob": True,
-    "output_router_logits": False,
-    "router_aux_loss_coef": 0.001,
-}
-
-
-def moe_layers(cfg: dict) -> list[int]:
-    """The layers whose MLP is a mixture of experts, by transformers' rule (Qwen3MoeDecoderLayer)."""
-    dense = set(cfg.get("mlp_only_layers") or [])
-    step = cfg.get("decoder_sparse_step") or 1
-    return [i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0]
-
-
-def _moe_checkpoint_tensors(cfg: dict):
-    """(name, shape, mean, std) of every tensor of a Qwen3-MoE checkpoint, in file order: the dense list, each MoE
-    layer's MLP replaced by its router and its experts under per-expert names (the Hub's checkpoints and transformers'
-    save_pretrained write those). A router row of std 1/sqrt(hidden) gives logits of std ~1: every expert is used."""
-    h, inter, experts = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"]
-    moe = set(moe_layers(cfg))
-    out_scale = 1 / math.sqrt(2 * cfg["num_hidden_layers"])
-    for name, shape, mean, std in _checkpoint_tensors(cfg):
-        parts = name.split(".")
-        if name.startswith("model.layers.") and int(parts[2]) in moe and parts[3] == "mlp":
-            if parts[4] == "gate_proj":  # the dense MLP's first tensor: the experts take its place
-                p = f"model.layers.{parts[2]}.mlp."
-                yield p + "gate.weight", (experts, h), 0.0, 1 / math.sqrt(h)
-                for e in range(experts):
-                    yield p + f"experts.{e}.gate_proj.weight", (inter, h), 0.0, 1 / math.sqrt(h)
-                    yield p + f"experts.{e}.up_proj.weight", (inter, h), 0.0, 1 / math.sqrt(h)
-                    yield p + f"experts.{e}.down_proj.weight", (h, inter), 0.0, out_scale / math.sqrt(inter)
-            continue
-        yield name, shape, mean, std
 
 
 def write_random_checkpoint(
@@ -434,7 +408,7 @@ def write_random_checkpoint(
     Tensors are drawn on `device` from one seeded generator, so a (config, seed, device)
     triple always gives the same weights. At most two shards are in host memory at a time:
     the one being filled and the one being written. tensors(cfg) lists (name, shape, mean, std)
-    in file order: a dense Qwen3's unless write_random_moe_checkpoint passes its own.
+    in file order: by default the tensors prefill's config of the family lists.
     """
     import torch
     from safetensors.torch import save_file
@@ -483,13 +457,6 @@ def write_random_checkpoint(
         if f.is_file():
             shutil.copy2(f, out / f.name)
     return out
-
-
-def write_random_moe_checkpoint(out_dir: str | Path, config: dict, **kwargs) -> Path:
-    """write_random_checkpoint for a Qwen3-MoE: config needs, besides the dense keys, num_experts,
-    num_experts_per_tok and moe_intermediate_size; any key of a real Qwen3-MoE config.json may be given."""
-    return write_random_checkpoint(out_dir, {**QWEN3_MOE_CONFIG_DEFAULTS, **config}, tensors=_moe_checkpoint_tensors,
-                                   **kwargs)
 
 
 # Bump DEMO_VERSION whenever DEMO_CONFIG or the weight recipe changes: it names the cache folder.

@@ -6,10 +6,10 @@ Llama-3.1-70B's layers, Qwen3-30B-A3B; or a shallower / tiny one) for benchmarks
     python bench/make_checkpoint.py --out /dev/shm/gemma3 --geometry gemma3-27b --device cuda
     python bench/make_checkpoint.py --out /dev/shm/qwen3-30b-a3b-random --geometry qwen3-30b-a3b --device cuda
 
-The weights come from interact.write_random_checkpoint, or write_random_moe_checkpoint for the MoE geometries
-(seeded; the same config, seed and device give the same weights).  A marker file, written last, records what
-was built: `--reuse` skips the build when the folder already holds a complete checkpoint of the same config and
-seed, so that a half-written folder (a run killed mid-write) is never taken for a finished one.
+The weights come from interact.write_random_checkpoint (seeded; the same config, seed and device give the same
+weights).  A marker file, written last, records what was built: `--reuse` skips the build when the folder already
+holds a complete checkpoint of the same config and seed, so that a half-written folder (a run killed mid-write) is
+never taken for a finished one.
 """
 
 from __future__ import annotations
@@ -115,10 +115,6 @@ def geometry(name: str, layers: int | None = None) -> dict:
     return cfg
 
 
-def moe_layer_count(cfg: dict) -> int:
-    return len(interact.moe_layers(cfg)) if "num_experts" in cfg else 0
-
-
 def matrix_shapes(cfg: dict) -> dict[str, tuple[int, int, int]]:
     """name -> (N, K, count): each projection as an N x K weight, and how many of it a token meets.
 
@@ -127,7 +123,7 @@ def matrix_shapes(cfg: dict) -> dict[str, tuple[int, int, int]]:
     h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or h // heads
     layers = cfg["num_hidden_layers"]
-    moe = moe_layer_count(cfg)
+    moe = layers if cfg.get("num_experts") else 0  # prefill runs Qwen3-MoE with every layer MoE
     shapes = {
         "qkv": ((heads + 2 * kv) * hd, h, layers),
         "o": (h, heads * hd, layers),
@@ -192,8 +188,7 @@ def build(out: Path, cfg: dict, *, seed: int, device: str, tokenizer: str | None
         return {"path": str(out), "bytes": _dir_bytes(out), "seconds": 0.0, "reused": True}
     (out / MARKER).unlink(missing_ok=True)  # from here on the folder is unfinished until the marker is back
     t0 = time.perf_counter()
-    write = interact.write_random_moe_checkpoint if "num_experts" in cfg else interact.write_random_checkpoint
-    write(out, cfg, seed=seed, device=device, tokenizer_dir=tokenizer)
+    interact.write_random_checkpoint(out, cfg, seed=seed, device=device, tokenizer_dir=tokenizer)
     seconds = time.perf_counter() - t0
     (out / MARKER).write_text(json.dumps({"config": cfg, "seed": seed, "device": device}, indent=1) + "\n")
     return {"path": str(out), "bytes": _dir_bytes(out), "seconds": seconds, "reused": False}

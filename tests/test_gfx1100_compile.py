@@ -150,9 +150,9 @@ def moe_launches(target, tiles):
     """The distinct kernel launches of one MoE feed-forward (moe_block) with each grouped GEMM tile in tiles."""
     cfg = model_config(QWEN3_30B_A3B)
     E, H, I = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size  # as many experts as a token meets
-    w = prefill.MoeWeights(post_norm=torch.ones(H, dtype=prefill.DTYPE), router=torch.zeros(E, H, dtype=prefill.DTYPE),
-                           gate_up=torch.empty(E, 2 * I, H, dtype=prefill.DTYPE),
-                           down=torch.empty(E, H, I, dtype=prefill.DTYPE))
+    w = prefill.LayerWeights(mlp_norm=torch.ones(H, dtype=prefill.DTYPE), router=torch.zeros(E, H, dtype=prefill.DTYPE),
+                             gate_up=torch.empty(E, 2 * I, H, dtype=prefill.DTYPE),
+                             down=torch.empty(E, H, I, dtype=prefill.DTYPE))
     x = torch.zeros(TOKENS, H, dtype=prefill.DTYPE)
     launches = []
     with launches_recorded(target, MOE_MODEL, launches):
