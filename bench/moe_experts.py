@@ -8,7 +8,7 @@ slice holds): the start-up check of every expert kernel candidate (prefill.check
 passing candidate's two grouped GEMMs (gate_up, down) on the chunk's real routing, in ms and TFLOP/s, against one
 dense GEMM of the same rows (what a grouped GEMM could at best reach); routing (router GEMM, softmax, top-k, sort,
 row gather), the SwiGLU and the combination, each alone; moe_block whole per candidate; its peak device memory
-against prefill.moe_scratch_bytes; and whether a repeat gives the same bits. Then the plan arithmetic at this
+against prefill.moe_scratch_per_token; and whether a repeat gives the same bits. Then the plan arithmetic at this
 machine's measured rates: pinned host->device GB/s (prefill.h2d_gbps on one layer's bytes) and the best candidate's
 rate: copy and compute ms of one streamed layer at a 45k-token wave, and the wave at which compute hides the copy.
 Prints a table last and writes it as JSON to --out.
@@ -26,18 +26,13 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # as make_checkpoint.py: no shadowing
 sys.path.insert(0, str(HERE.parent))
 
+import interact  # noqa: E402
 import prefill  # noqa: E402
 from bench.make_checkpoint import GEOMETRIES  # noqa: E402
 
 
 def config(geometry):
-    # the dense fields of prefill's config plus the MoE ones, as phase 2's model config will hold them
-    raw = GEOMETRIES[geometry]
-    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "vocab_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
-    cfg = prefill.Qwen3Config(**{k: raw[k] for k in fields})
-    vars(cfg).update(prefill.moe_config_fields({"norm_topk_prob": True, **raw}, geometry, cfg.num_hidden_layers))
-    return cfg
+    return prefill.ModelConfig.from_json(interact.config_json(GEOMETRIES[geometry]))
 
 
 def ms(fn, device, repeats):
@@ -58,9 +53,9 @@ def layer_weights(cfg, device):
 
     def randn(*shape, std):
         return (torch.randn(shape, generator=gen, device=device) * std).to(prefill.DTYPE)
-    return prefill.MoeWeights(post_norm=torch.ones(H, device=device, dtype=prefill.DTYPE),
-                              router=randn(E, H, std=H ** -0.5), gate_up=randn(E, 2 * I, H, std=H ** -0.5),
-                              down=randn(E, H, I, std=I ** -0.5))
+    return prefill.LayerWeights(mlp_norm=torch.ones(H, device=device, dtype=prefill.DTYPE),
+                                router=randn(E, H, std=H ** -0.5), gate_up=randn(E, 2 * I, H, std=H ** -0.5),
+                                down=randn(E, H, I, std=I ** -0.5))
 
 
 def chunk_rows(cfg, w, h):
@@ -73,19 +68,20 @@ def measure_chunk(cfg, w, tokens, entries, device, repeats):
     H, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     gen = torch.Generator(device=device).manual_seed(tokens)
     x = torch.randn(tokens, H, generator=gen, device=device).to(prefill.DTYPE)
-    h = prefill.rms_norm(x, w.post_norm, cfg.rms_norm_eps)
+    h = prefill.rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
     weights, chosen, pairs, bounds, rows = chunk_rows(cfg, w, h)
     counts = (bounds[1:] - bounds[:-1]).tolist()
     R, flops = rows.shape[0], 2 * rows.shape[0] * 3 * I * H
-    act = prefill.TORCH_KERNELS.silu_mul(prefill.grouped_loop(rows, w.gate_up, bounds))
+    act = prefill.TORCH_KERNELS.gated_act(prefill.grouped_loop(rows, w.gate_up, bounds), "silu")
     out = prefill.grouped_loop(act, w.down, bounds)
     dense_gate_up, dense_down = w.gate_up[0], w.down[0]
     row = {
         "tokens": tokens, "rows": R, "rows_per_expert_min_mean_max": [min(counts), R / len(counts), max(counts)],
         "experts_without_rows": sum(c == 0 for c in counts), "expert_gflop": flops / 1e9,
         "route_sort_gather_ms": ms(lambda: chunk_rows(cfg, w, h), device, repeats),
-        "silu_mul_ms": ms(lambda: prefill.TORCH_KERNELS.silu_mul(torch.empty(R, 2 * I, device=device,
-                                                                               dtype=prefill.DTYPE)), device, repeats),
+        "silu_mul_ms": ms(lambda: prefill.TORCH_KERNELS.gated_act(torch.empty(R, 2 * I, device=device,
+                                                                                dtype=prefill.DTYPE), "silu"),
+                          device, repeats),
         "dense_same_rows_ms": ms(lambda: (F.linear(rows, dense_gate_up), F.linear(act, dense_down)), device, repeats),
         "candidates": {},
     }
@@ -115,7 +111,7 @@ def measure_chunk(cfg, w, tokens, entries, device, repeats):
         row["candidates"][entry["name"]] = {
             "grouped_gemms_ms": gemms, "grouped_tflops": flops / gemms / 1e9, "moe_block_ms": block,
             "moe_block_peak_bytes": peak, "same_bits_twice": torch.equal(block_x, again)}
-    row["scratch_bytes_planned"] = prefill.moe_scratch_bytes(cfg, tokens)
+    row["scratch_bytes_planned"] = tokens * prefill.moe_scratch_per_token(cfg)
     return row
 
 
@@ -145,15 +141,15 @@ def main(argv=None):
     del w
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        gbps, _ = prefill.h2d_gbps(device, prefill.pin_method(), prefill.moe_layer_bytes(cfg))
+        gbps, _ = prefill.h2d_gbps(device, prefill.pin_method(), cfg.layer_bytes)
     else:
         gbps = 55.0  # SPEC §6's H200 figure: the CPU has no host->device copy
     best = max((c["grouped_tflops"], name) for chunk in report["chunks"] for name, c in chunk["candidates"].items())
-    copy, compute = prefill.moe_balance(cfg, 45_000, gbps, best[0], attended=225)
+    copy, compute = prefill.layer_balance(cfg, 45_000, gbps, best[0], attended=225)
     report["plan"] = {"h2d_gbps": gbps, "h2d_measured": device.type == "cuda", "best_grouped_tflops": best[0],
-                      "best_candidate": best[1], "layer_bytes": prefill.moe_layer_bytes(cfg),
+                      "best_candidate": best[1], "layer_bytes": cfg.layer_bytes,
                       "copy_ms_per_layer": copy, "compute_ms_per_layer_at_45k": compute,
-                      "hiding_wave_tokens": prefill.moe_hiding_tokens(cfg, gbps, best[0], attended=225)}
+                      "hiding_wave_tokens": prefill.hiding_tokens(cfg, gbps, best[0], attended=225)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     for name, verdict in report["check"].items():
