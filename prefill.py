@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""prefill: the per-text language-modelling loss of a Llama, Mistral, Qwen2/2.5, Qwen3 or Gemma 2/3 model whose
-weights need not fit in GPU memory.
+"""prefill: the per-text language-modelling loss of a Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3 or Qwen3-MoE model
+whose weights need not fit in GPU memory.
 
     python prefill.py --model DIR      prints `ready`, reads one JSON array of texts from stdin,
                                        prints one loss per text (in order) and exits.
@@ -3908,9 +3908,9 @@ MAX_TOKENS = 2**31 - 1  # cu_seqlens are int32
 
 def parse_args(argv):
     p = ArgumentParser(
-        description="Per-text loss of a dense Llama, Mistral, Qwen2/2.5, Qwen3 or Gemma 2/3 checkpoint (safetensors; "
-                    "model_type llama, mistral, qwen2, qwen3, gemma2, gemma3_text, or gemma3 saved as multimodal: its "
-                    "text model), streaming the layers that do not fit "
+        description="Per-text loss of a dense Llama, Mistral, Qwen2/2.5, Qwen3 or Gemma 2/3 checkpoint, or a "
+                    "Qwen3-MoE (safetensors; model_type llama, mistral, qwen2, qwen3, gemma2, gemma3_text, gemma3 "
+                    "saved as multimodal: its text model, or qwen3_moe), streaming the layers that do not fit "
                     "in GPU memory. Without --input: prints `ready`, reads one JSON array of strings on stdin, "
                     "prints one loss per text (nan for texts of < 2 tokens) and exits. With --input FILE: the same "
                     "losses for FILE's texts, without the handshake. With --input FILE --output OUT.jsonl: scores a "
@@ -3988,7 +3988,8 @@ def parse_args(argv):
                         "place (exact size) or torch's pinned allocator (power-of-two sizes); auto: register on CUDA, "
                         "alloc on ROCm")
     p.add_argument("--picks", metavar="FILE",
-                   help="where the choices only timing can make (attention backend; on ROCm, rocBLAS or hipBLASLt) "
+                   help="where the choices only timing can make (attention backend, expert kernel; on ROCm, rocBLAS or "
+                        "hipBLASLt) "
                         "are kept per machine, so that every later run computes the same numbers; without a "
                         "writable file nothing is timed and a fixed order decides (default: "
                         "$XDG_CACHE_HOME/prefill/picks.json, else ~/.cache/prefill/picks.json)")
