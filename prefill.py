@@ -2113,9 +2113,9 @@ def moe_reference(h, logits, gate_up, down, k, renormalize):
 
 
 def expert_inputs(device, cfg, seed, tokens, experts):
-    """(h, LayerWeights of the feed-forward alone) with cfg's hidden and moe_intermediate sizes, `experts` experts and `tokens` tokens routed by
-    a random router so that their rows are uneven: expert 0 takes half the tokens (several tiles of rows, a partial
-    last one), the last expert none."""
+    """(h, LayerWeights of the feed-forward alone) with cfg's hidden and moe_intermediate sizes, `experts` experts and
+    `tokens` tokens routed by a random router so that their rows are uneven: expert 0 takes half the tokens (several
+    tiles of rows, a partial last one), the last expert none."""
     gen = torch.Generator(device=device).manual_seed(seed)
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
 

@@ -86,8 +86,13 @@ def measure_rates(cfg, device, chunk_tokens):
                                                torch.randn(N, K).to(prefill.DTYPE).T, device, 2) / 1e12
                  for name, M, N, K in prefill.gemm_shapes(cfg, min(chunk_tokens, 256))}
     del layer
-    # one whole layer's experts, random, with a chunk routed by a random router (uneven, as real routing is)
-    h, w = prefill.expert_inputs(device, cfg, seed=1, tokens=chunk_tokens, experts=cfg.num_experts)
+    # one whole layer's experts, random, with a chunk routed by a random router of logits ~ N(0, 1) (the check's
+    # inputs send half the tokens to expert 0: fine for a check, not for a rate)
+    _, w = prefill.expert_inputs(device, cfg, seed=1, tokens=2, experts=cfg.num_experts)
+    gen = torch.Generator(device=device).manual_seed(2)
+    h = torch.randn(chunk_tokens, cfg.hidden_size, generator=gen, device=device).to(prefill.DTYPE)
+    w.router = (torch.randn(cfg.num_experts, cfg.hidden_size, generator=gen, device=device)
+                / math.sqrt(cfg.hidden_size)).to(prefill.DTYPE)
     _, chosen = prefill.route(h, w.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     pairs, bounds = prefill.expert_rows(chosen, cfg.num_experts)
     rows = h[pairs // cfg.num_experts_per_tok]

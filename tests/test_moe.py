@@ -214,7 +214,8 @@ from safetensors.torch import load_file
 data = load_file(sys.argv[1])
 report = {}
 for i in json.loads(sys.argv[2]):
-    w = prefill.LayerWeights(**{n: data[f"{i}.{n}"].to(torch.float16) for n in ("mlp_norm", "router", "gate_up", "down")})
+    w = prefill.LayerWeights(**{n: data[f"{i}.{n}"].to(torch.float16)
+                                for n in ("mlp_norm", "router", "gate_up", "down")})
     h = data[f"{i}.h"].to(torch.float16)
     want = prefill.moe_reference(h, torch.nn.functional.linear(h, w.router), w.gate_up, w.down, 2, True)
     for tile in sorted({t for family in prefill.EXPERT_TILES.values() for t in family}):
@@ -254,10 +255,12 @@ def test_triton_experts_match_float32_experts_in_the_interpreter(moe_checkpoint,
 
 # ----------------------------------------------------------------------------- the whole model
 
-def test_whole_model_through_the_runner_matches_transformers(moe_runner, reference):
+def test_whole_model_through_the_runner_matches_transformers(moe_checkpoint, moe_runner, reference):
     # measured: 5.3e-3 (transformers' own bf16: 5.0e-3; "ok", two predictions, the worst of both)
     assert moe_runner.experts == "grouped_mm" and moe_runner.grouped is not None
     assert max_rel_err(moe_runner.losses(moe_runner.tokenize(TEXTS)), reference) < TOLERANCE
+    loop = runner(moe_checkpoint[0], experts="loop")  # --experts: the fallback, asked for by kind
+    assert loop.experts == "loop" and max_rel_err(loop.losses(loop.tokenize(TEXTS)), reference) < TOLERANCE
 
 
 def test_every_layer_streamed_equals_every_layer_resident(moe_checkpoint, moe_runner):
