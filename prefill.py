@@ -3804,9 +3804,9 @@ class RankZeroPicks(Picks):
         return json.loads(self.group.wait("picks")).get(what)
 
 
-def publish_picks(group, runner, attention):
+def publish_picks(group, runner, attention, experts):
     kept = {f"attention {attention} {label}": name for label, name in runner.attention.items()}
-    group.set("picks", json.dumps(dict(kept, blas=runner.blas)))
+    group.set("picks", json.dumps(dict(kept, blas=runner.blas, **{f"experts {experts}": runner.experts})))
 
 
 def all_ready(group):
@@ -3964,7 +3964,8 @@ def parse_args(argv):
                    help="tokens kept on the GPU across all layers; larger requests run in several waves, "
                         f"each streaming the layers again (default {WAVE_STEP}; for a mixture of experts with "
                         "--input, the smallest multiple of it whose compute hides the wave's copies at the GPU "
-                        "family's nominal rates, as large as memory allows: one stderr line says which bound)")
+                        "family's nominal rates, as large as memory allows: one stderr line says which bound; not "
+                        "under torchrun)")
     p.add_argument("--experts", default="auto", choices=["auto"] + EXPERT_KINDS,
                    help="a mixture of experts' grouped GEMMs: torch's grouped_mm, prefill's Triton kernel, or one "
                         "GEMM per expert (default: of those that match float32 experts at start-up, the one kept in "
@@ -4020,7 +4021,7 @@ def corpus_settings(args):
     the file itself holds records only."""
     return {"model": str(Path(args.model).resolve()), "text_field": args.text_field, "id_field": args.id_field,
             "chunk_tokens": args.chunk_tokens, "wave_tokens": args.wave_tokens, "attention": args.attention,
-            "kernels": args.kernels, "experts": args.experts, "device": args.device or "auto"}
+            "kernels": args.kernels, "device": args.device or "auto"}
 
 
 def check_output(args):
@@ -4051,6 +4052,10 @@ def check_output(args):
 def serve(args, protocol, group=None):
     writer = group is None or group.rank == 0  # rank 0 alone writes OUT and speaks the protocol
     records = total = None
+    if args.wave_tokens is None:  # None (the Runner plans it): a mixture of experts' corpus, on one process (the
+        # planned wave is one rank's, from its own free memory, and every rank must cut the same batches)
+        moe = args.input and not group and ModelConfig.from_dir(args.model).num_experts
+        args.wave_tokens = None if moe else WAVE_STEP
     if args.doctor and group:
         raise UserError("--doctor reports on one process: run it without torchrun")
     if args.output:
@@ -4072,11 +4077,11 @@ def serve(args, protocol, group=None):
         check_writable(args.stats)
     runner = Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
                     kernels=args.kernels, chunk_tokens=args.chunk_tokens,
-                    wave_tokens=args.wave_tokens if args.input else args.wave_tokens or WAVE_STEP,
+                    wave_tokens=args.wave_tokens,
                     load=args.load, pin=args.pin, host_memory_gib=args.host_memory, experts=args.experts,
                     picks=args.picks if writer else RankZeroPicks(group))
     if group and writer:
-        publish_picks(group, runner, args.attention)
+        publish_picks(group, runner, args.attention, args.experts)
     t0 = time.perf_counter()
     runner.warm_up()
     warm_up_s = time.perf_counter() - t0
@@ -4168,8 +4173,8 @@ def serve(args, protocol, group=None):
     if runner.device.type == "cuda":
         stats["peak_gpu_bytes"] = torch.cuda.max_memory_reserved(runner.device)
     if run.get("texts_over_wave"):  # counted, one line: the harness reads stderr only after the run
-        log(f"warning: {run['texts_over_wave']} text(s) longer than the wave ({runner.plan.wave_tokens} tokens) ran "
-            "as waves of their own")
+        log(f"warning: {run['texts_over_wave']} text(s) longer than --wave-tokens {runner.plan.wave_tokens} ran as "
+            "waves of their own")
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in stats["phases"].items())
     earlier = f" ({resumed['texts']} texts were in {args.output} already)" if resumed["texts"] else ""
     corpus = f"mean NLL {mean_nll:.4f} a predicted token, perplexity {stats['perplexity']:.4g}" if predicted else \
