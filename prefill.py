@@ -16,6 +16,7 @@ import array
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import hashlib
 import importlib.metadata
@@ -621,6 +622,7 @@ class MemoryPlan:
     chunk_tokens: int        # attention: chunks of whole texts up to this; MLP: slices of this
     wave_tokens: int         # tokens whose hidden states stay on the device across all layers
     loss_chunk_tokens: int
+    tree_wave_tokens: int    # a prefix tree's unique tokens in the same room (their keys and values stay too)
     fixed_bytes: int         # embedding, lm_head (one matrix when tied), final norm
     working_bytes: int       # wave hidden states + the larger of layer and loss scratch
     slot_bytes: int
@@ -647,7 +649,10 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536):
     per_token = 2 * (3 * H + 2 * (cfg.q_size + cfg.kv_size) + cfg.q_size + 3 * cfg.intermediate_size)
     layer_scratch = chunk_tokens * (per_token + 12 * max(H, cfg.q_size))
     loss_scratch = loss_chunk_tokens * V * (2 + 4 + 4)  # bf16 logits, float32 copy, float32 log-softmax
-    wave_state = wave_tokens * (2 * H + 4 * D + 32)  # hidden states, rope cos/sin, ids/targets/positions
+    state = 2 * H + 4 * D + 32  # per token: hidden states, rope cos/sin, ids/targets/positions
+    wave_state = wave_tokens * state
+    # a prefix tree's wave keeps every token's keys and values across the layer's chunks: fewer tokens, same bytes
+    tree_wave_tokens = max(1, wave_tokens * state // (state + 4 * cfg.kv_size))
     working = wave_state + max(layer_scratch, loss_scratch) + ALLOCATOR_SLACK
     fixed = ((1 if cfg.tie_word_embeddings else 2) * V * H + H) * DTYPE.itemsize
     free = budget_bytes - fixed - working
@@ -663,7 +668,7 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536):
     return MemoryPlan(
         budget_bytes=budget_bytes, resident_layers=tuple(i for i in range(L) if i not in streamed),
         streamed_layers=streamed, chunk_tokens=chunk_tokens, wave_tokens=wave_tokens,
-        loss_chunk_tokens=loss_chunk_tokens, fixed_bytes=fixed, working_bytes=working, slot_bytes=slots,
+        loss_chunk_tokens=loss_chunk_tokens, tree_wave_tokens=tree_wave_tokens, fixed_bytes=fixed, working_bytes=working, slot_bytes=slots,
         layer_bytes=cfg.layer_bytes,
     )
 
@@ -1014,6 +1019,23 @@ class Chunk:
     seq_bounds: list    # host: cumulative sequence lengths inside the chunk, [0, ..., end - start]
     cu_seqlens: object  # the same on the device, int32 (varlen kernels)
     max_len: int
+    # A chunk of a prefix tree's wave (the evaluation section), where some sequence (a node of the tree) also sees
+    # its ancestors' keys, whole: per sequence, the wave's key ranges [(start, end)] of its ancestors. The attention
+    # functions then get the whole wave's keys and values, the chunk's own at chunk.start. None: plain sequences.
+    ancestors: list = None
+    ancestor_bounds: object = None  # device int32 [sequences + 1]: each sequence's ranges in ancestor_ranges
+    ancestor_ranges: object = None  # device int32 [ranges, 2]
+
+
+def chunk_keys(chunk, i, k):
+    # the keys sequence i of a chunk attends to, ancestors first: a slice of k, or (prefix tree) an index into the
+    # wave's keys; and how many of them are its ancestors'
+    s, e = chunk.seq_bounds[i], chunk.seq_bounds[i + 1]
+    if chunk.ancestors is None:
+        return slice(s, e), 0
+    ranges = chunk.ancestors[i] + [(chunk.start + s, chunk.start + e)]
+    keys = torch.cat([torch.arange(a, b) for a, b in ranges]).to(k.device)
+    return keys, keys.numel() - (e - s)
 
 
 SDPA_SCORES = 1 << 24  # scores one SDPA call may hold (64 MB in float32): its math backend keeps a few copies
@@ -1023,21 +1045,22 @@ def attention_sdpa(q, k, v, chunk):
     # q: [tokens, heads, D], k/v: [tokens, kv_heads, D]; causal SDPA per sequence, in blocks of query rows once a
     # sequence's scores would pass SDPA_SCORES. Unblocked, the start-up check and timing of this candidate peaked at
     # 5.6 GiB (texts up to 3000 tokens) and 38.8 GiB (8292) on the H200, the size of float32 scores: SDPA fell back
-    # to its math backend there. They run while the weights fill the GPU.
+    # to its math backend there. They run while the weights fill the GPU. In a prefix tree's chunk (k/v: the wave's)
+    # a sequence's ancestors' keys come first, seen by every query row.
     out = torch.empty_like(q)
     heads, group = q.shape[1], q.shape[1] // k.shape[1]
-    for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
-        n = e - s
-        ks = k[s:e].transpose(0, 1).repeat_interleave(group, dim=0)  # query head h reads kv head h // group
-        vs = v[s:e].transpose(0, 1).repeat_interleave(group, dim=0)
-        rows = max(1, SDPA_SCORES // (heads * n))
+    for i, (s, e) in enumerate(zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:])):
+        n, (keys, a) = e - s, chunk_keys(chunk, i, k)
+        ks = k[keys].transpose(0, 1).repeat_interleave(group, dim=0)  # query head h reads kv head h // group
+        vs = v[keys].transpose(0, 1).repeat_interleave(group, dim=0)
+        rows = max(1, SDPA_SCORES // (heads * (a + n)))
         for r in range(0, n, rows):
             stop = min(r + rows, n)
             qs = q[s + r:s + stop].transpose(0, 1)  # [heads, rows, D]
-            if stop - r == n:
+            if stop - r == n and not a:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-            else:  # query r + i sees keys 0 .. r + i; every block the same shape, so the allocator reuses its blocks
-                seen = torch.ones(stop - r, n, dtype=torch.bool, device=q.device).tril(r)
+            else:  # query r + i sees keys 0 .. a + r + i; every block the same shape, so the allocator reuses its blocks
+                seen = torch.ones(stop - r, a + n, dtype=torch.bool, device=q.device).tril(a + r)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen)
             out[s + r:s + stop] = o.transpose(0, 1)
     return out
@@ -1124,13 +1147,18 @@ def attention_candidates(requested, family):
     return chosen
 
 
-def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels):
-    # x: [tokens, hidden] — a chunk of whole sequences, updated in place
+def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels, wave_kv=None):
+    # x: [tokens, hidden] — a chunk of whole sequences, updated in place. wave_kv: a prefix tree's wave, whose keys
+    # and values stay for the chunks after this one (a node's descendants): ([wave tokens, kv_heads, head_dim],) * 2
     T, Q, KV, D, eps = x.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim, cfg.rms_norm_eps
     qkv = F.linear(kernels.rms_norm(x, w.input_norm, eps), w.qkv)  # [tokens, q_size + 2 kv_size]
     q = kernels.head_norm_rope(qkv[:, :Q].view(T, -1, D), w.q_norm, cos, sin, eps)  # per-head norm before RoPE
     k = kernels.head_norm_rope(qkv[:, Q:Q + KV].view(T, -1, D), w.k_norm, cos, sin, eps)
     v = qkv[:, Q + KV:].reshape(T, -1, D).contiguous()
+    if wave_kv is not None:
+        wave_kv[0][chunk.start:chunk.end], wave_kv[1][chunk.start:chunk.end] = k, v
+        if chunk.ancestors is not None:
+            k, v = wave_kv
     o = attend(q, k, v, chunk)  # [tokens, heads, head_dim]
     x += F.linear(o.reshape(T, Q), w.o_proj)
 
@@ -1273,6 +1301,48 @@ if triton is not None:
                                              BLOCK_N, True)
             tl.store(out_ptr + q_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=rows[:, None] < length)
 
+    @triton.jit
+    def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, kv_start, anc_cu_ptr, anc_ptr, scale_log2,
+                               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr):
+        # _attention_kernel for a prefix tree's chunk: one program, BLOCK_M query rows of one head of one node;
+        # q/out: the chunk's [tokens, HEADS, D], k/v: the whole wave's [tokens, KV_HEADS, D], the chunk's own at
+        # kv_start. A node first reads its ancestors' key ranges whole (anc_ptr[anc_cu_ptr[node]:...], [start, end)
+        # pairs in the wave), then its own keys causally, as _attention_kernel reads a sequence's. A range's last
+        # partial tile is masked by the diagonal path with every row at the range's end. A root node (no ranges) is
+        # _attention_kernel's case; the first tile read holds key 0 of a range or of the node, so no row's running
+        # max stays -inf. A sliding window (by depth) or a softcap would go where _attention_tiles computes s, with
+        # each range's depth beside its start (a range of an ancestor covers consecutive depths).
+        block, node, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start = tl.load(cu_ptr + node)
+        length = tl.load(cu_ptr + node + 1) - start
+        m0 = block * BLOCK_M
+        if m0 < length:
+            rows = m0 + tl.arange(0, BLOCK_M)
+            q_at = ((start + rows[:, None]).to(tl.int64) * HEADS + head) * D + tl.arange(0, D)[None, :]
+            q = tl.load(q_ptr + q_at, mask=rows[:, None] < length, other=0.0)  # [BLOCK_M, D]
+            kv_head = head // (HEADS // KV_HEADS) * D
+            acc = tl.zeros((BLOCK_M, D), tl.float32)
+            m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+            l_i = tl.zeros((BLOCK_M,), tl.float32)
+            for a in range(tl.load(anc_cu_ptr + node), tl.load(anc_cu_ptr + node + 1)):
+                lo = tl.load(anc_ptr + 2 * a)
+                n = tl.load(anc_ptr + 2 * a + 1) - lo
+                kv = lo.to(tl.int64) * KV_HEADS * D + kv_head
+                whole = n // BLOCK_N * BLOCK_N
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, n, 0, whole,
+                                                 scale_log2, KV_HEADS * D, D, BLOCK_N, False)
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv,
+                                                 tl.zeros((BLOCK_M,), tl.int32) + (n - 1), n, whole, n, scale_log2,
+                                                 KV_HEADS * D, D, BLOCK_N, True)
+            kv = (kv_start + start).to(tl.int64) * KV_HEADS * D + kv_head
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, 0, m0,
+                                             scale_log2, KV_HEADS * D, D, BLOCK_N, False)
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, m0,
+                                             tl.minimum(m0 + BLOCK_M, length), scale_log2, KV_HEADS * D, D,
+                                             BLOCK_N, True)
+            tl.store(out_ptr + q_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=rows[:, None] < length)
+
 
 def rms_norm_triton(x, weight, eps):
     assert x.stride(-1) == 1
@@ -1354,6 +1424,12 @@ def attention_triton(q, k, v, chunk, tile):
     assert block_m % block_n == 0  # the unmasked tiles must end exactly where the diagonal ones start
     out = torch.empty_like(q)
     grid = (triton.cdiv(chunk.max_len, block_m), len(chunk.seq_bounds) - 1, heads)
+    if chunk.ancestors is not None:  # a prefix tree's chunk: k/v are the wave's
+        _tree_attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, chunk.start, chunk.ancestor_bounds,
+                                     chunk.ancestor_ranges, math.log2(math.e) / math.sqrt(D), HEADS=heads,
+                                     KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                                     num_stages=stages)
+        return out
     _attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, math.log2(math.e) / math.sqrt(D), HEADS=heads,
                             KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
                             num_stages=stages)
@@ -1389,19 +1465,22 @@ def check_error(got, want):
 
 
 def attention_reference(q, k, v, chunk):
-    # float32 causal attention written out: softmax(q k^T / sqrt(D)) v per text and KV head ([group, n, n] scores)
+    # float32 causal attention written out: softmax(q k^T / sqrt(D)) v per text and KV head ([group, n, n] scores);
+    # in a prefix tree's chunk (k/v: the wave's) a text also sees its ancestors' keys, all of them
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     kv_heads, D = k.shape[1], q.shape[2]
     group = q.shape[1] // kv_heads
-    for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
+    for i, (s, e) in enumerate(zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:])):
+        keys, a = chunk_keys(chunk, i, k)
+        ks, vs = k[keys].float(), v[keys].float()  # [a + n, kv_heads, D]
         for r in range(s, e, 512):  # blocks of query rows, each over the keys up to its last row only
-            rows = slice(r, min(r + 512, e))
-            future = torch.ones(rows.stop - r, rows.stop - s, dtype=torch.bool, device=q.device).triu(r - s + 1)
+            rows, seen = slice(r, min(r + 512, e)), a + min(r + 512, e) - s
+            future = torch.ones(rows.stop - r, seen, dtype=torch.bool, device=q.device).triu(a + r - s + 1)
             for h in range(kv_heads):
                 heads = slice(h * group, (h + 1) * group)  # the query heads that read KV head h
-                scores = q[rows, heads].float().transpose(0, 1) @ k[s:rows.stop, h].float().T / math.sqrt(D)
+                scores = q[rows, heads].float().transpose(0, 1) @ ks[:seen, h].T / math.sqrt(D)
                 probs = scores.masked_fill(future, -math.inf).softmax(-1)
-                out[rows, heads] = (probs @ v[s:rows.stop, h].float()).transpose(0, 1)
+                out[rows, heads] = (probs @ vs[:seen, h]).transpose(0, 1)
     return out
 
 
@@ -1435,21 +1514,21 @@ def attention_summary(names):
     return ", ".join(f"{name} ({label})" for label, name in names.items())
 
 
-def check_attention(candidates, device, cfg):
-    """Each (name, kind, tile) candidate, run twice on texts of CHECK_LENGTHS: a list of dicts with name, attend (None
-    where refused), error and, where refused, reason."""
-    q, k, v, chunk = attention_inputs(device, cfg, CHECK_LENGTHS, seed=0)
-    reference = attention_reference(q, k, v, chunk)
+def check_attention(candidates, device, cfg, cases=None):
+    """Each (name, kind, tile) candidate, run twice on texts of CHECK_LENGTHS (or on `cases`, (q, k, v, chunk) each):
+    a list of dicts with name, attend (None where refused), error and, where refused, reason."""
+    cases = cases or [attention_inputs(device, cfg, CHECK_LENGTHS, seed=0)]
+    references = [attention_reference(*case) for case in cases]
     report = []
     for name, kind, tile in candidates:
         entry = {"name": name, "attend": None, "error": None}
         try:
             attend = make_attention(kind, tile)
-            got = attend(q, k, v, chunk)
-            entry["error"] = check_error(got, reference)
+            got = [attend(*case) for case in cases]
+            entry["error"] = max(check_error(g, want) for g, want in zip(got, references))
             if not entry["error"] <= CHECK_TOLERANCE:
                 entry["reason"] = f"differs from float32 attention by {entry['error']:.3g} (relative)"
-            elif not torch.equal(got, attend(q, k, v, chunk)):  # torch flags cuDNN SDPA as nondeterministic
+            elif not all(torch.equal(g, attend(*case)) for g, case in zip(got, cases)):  # cuDNN: nondeterministic
                 entry["reason"] = "gave other bits for the same input the second time"
             else:
                 entry["attend"] = attend
@@ -1559,6 +1638,45 @@ def pick_attention(requested, device, cfg, picks):
         if timed:
             picks.put(f"attention {requested} {label}", entry["name"])
     return names, bucketed_attention(chosen), report
+
+
+# The backends that read a prefix tree's chunks (ancestor key ranges; the evaluation section): prefill's Triton kernel
+# and SDPA. The others (flash-attn, torch's flash and cuDNN kernels) run only the chunks whose sequences have no
+# ancestors, which every text of the whole-text path is.
+TREE_KINDS = ("triton", "sdpa")
+# The tree the check runs: a 300-token root whose children are 37 and 100 tokens, the 100's children 650 and 5, a
+# second root of 70 with children of 64 and 1; cut into chunks of 512, the 650 in two pieces, so that nodes read
+# ancestors in earlier chunks, two ranges apart, a range ending mid-tile, and no ancestors at all
+TREE_CHECK = ([[300, 37], [300, 100, 650], [300, 100, 5], [70, 64], [70, 1]], 512)
+
+
+def tree_check_cases(device, cfg):
+    # (q, k, v, chunk) of each chunk of TREE_CHECK's wave that has ancestors: q the chunk's, k/v the wave's
+    branches, chunk_tokens = TREE_CHECK
+    gen = torch.Generator().manual_seed(3)
+    requests, stems = [], {}
+    for branch in branches:  # the same stem, the same tokens: requests that share a prefix
+        ids = [t for depth in range(len(branch)) for t in stems.setdefault(tuple(branch[:depth + 1]), torch.randint(
+            cfg.vocab_size, (branch[depth],), generator=gen).tolist())]
+        requests.append(Request(ids[:1], ids[1:] + [0]))
+    wave = tree_wave(requests, chunk_tokens, device)
+    q, k, v, _ = attention_inputs(device, cfg, [wave.ids.numel()], seed=4)
+    return [(q[c.start:c.end], k, v, c) for c in wave.chunks if c.ancestors is not None]
+
+
+def pick_tree_attention(requested, device, cfg):
+    """(name, attend, report) for a prefix tree's chunks: the first of the TREE_KINDS candidates (prefill's Triton
+    kernel in this GPU family's tiles, then SDPA) that matches float32 attention on TREE_CHECK's chunks, twice alike.
+    Nothing is timed: where Triton runs it is the one. --attention triton or sdpa (or one's name) asks for that one;
+    a backend without a tree variant asks for none in particular."""
+    named = requested if isinstance(requested, str) and requested.split()[0] in TREE_KINDS else "auto"
+    candidates = [c for c in attention_candidates(named, gpu_family(device)) if c[1] in TREE_KINDS]
+    report = check_attention(candidates, device, cfg, tree_check_cases(device, cfg))
+    entry = next((e for e in report if e["attend"] is not None), None)
+    if entry is None:
+        raise UserError(f"no attention backend reads a prefix tree on {device}: "
+                        + "; ".join(f"{e['name']}: {e['reason']}" for e in report))
+    return entry["name"], entry["attend"], report
 
 
 def rms_norm_f32(x, weight, eps):
@@ -1810,6 +1928,180 @@ def sequence_nll(h, lm_head, final_norm, targets, seq_index, n_seqs, eps, chunk_
     return torch.zeros(n_seqs, dtype=torch.float64).index_add_(0, seq_index, nll.cpu().double())
 
 
+# ----------------------------------------------------------------------------- evaluation: continuations, the prefix tree
+# Evaluation mostly asks for the log-likelihood of a continuation given a context (multiple choice, LAMBADA, rolling
+# perplexity): lm-eval's (context_enc, continuation_enc) reads (context + continuation)[:-1] and scores the
+# continuation's tokens. A batch of such requests runs as one wave of a prefix tree: every request's input is a path
+# of a trie, whose unique tokens go through the layers once, each at its depth as its position (RoPE sees what it
+# would see alone), attending to its ancestors whole and causally within its own node. A position that several
+# requests read is computed once and scored against each one's target (MMLU's " A".." D" read the same last context
+# token), and only the scored positions go through the final norm, lm_head and log-softmax.
+
+@dataclass
+class Request:
+    context: list       # token ids, at least one
+    continuation: list  # token ids, at least one: the targets that count
+
+    @property
+    def input(self):  # the tokens the model reads
+        return self.context + self.continuation[:-1]
+
+
+@dataclass
+class Loglikelihood:
+    index: int           # the request's position in the input
+    logprob: float       # the sum of its continuation tokens' float32 log-probs, added in float64 in a fixed order
+    tokens: int          # continuation tokens scored
+    greedy: bool         # every continuation token is the argmax of the logits that predict it
+    token_logprobs: list = None  # each continuation token's log-prob, where asked for
+
+
+def as_request(context, continuation, where="request"):
+    if not (isinstance(context, (list, tuple)) and isinstance(continuation, (list, tuple))
+            and all(type(t) is int and t >= 0 for t in itertools.chain(context, continuation))):
+        raise UserError(f"{where}: context and continuation must be lists of token ids")
+    if not context or not continuation:
+        raise UserError(f"{where}: the {'context' if not context else 'continuation'} has no token (each needs one: "
+                        "a continuation is predicted from at least one token)")
+    return Request(list(context), list(continuation))
+
+
+class PrefixTrie:
+    """The token-level trie of request inputs: node 0 the root, every other node one token, children in the order
+    they were first inserted."""
+
+    def __init__(self):
+        self.children, self.token, self.parent = [{}], [None], [None]
+
+    def unseen(self, ids):  # how many of ids' tokens the trie lacks
+        node = 0
+        for i, t in enumerate(ids):
+            node = self.children[node].get(t)
+            if node is None:
+                return len(ids) - i
+        return 0
+
+    def insert(self, ids):  # -> the node of each of ids' tokens
+        node, path = 0, []
+        for t in ids:
+            child = self.children[node].get(t)
+            if child is None:
+                child = self.children[node][t] = len(self.token)
+                self.children.append({})
+                self.token.append(t)
+                self.parent.append(node)
+            path.append(node := child)
+        return path
+
+
+def request_batches(items, wave_tokens, max_requests=BATCH_TEXTS):
+    """Groups (index, Request, item) triples, in order, into batches that run as one prefix-tree wave each. A request
+    starts a new batch where the tokens it adds to the batch's trie (those no earlier request of the batch read)
+    would take the batch past wave_tokens; the new batch holds its whole path again. As batches(), the cut depends
+    on the requests and the settings alone, so resumed and torchrun runs form the same batches."""
+    batch, trie, tokens = [], PrefixTrie(), 0
+    for item in items:
+        ids = item[1].input
+        new = trie.unseen(ids)
+        if batch and (len(batch) == max_requests or tokens + new > wave_tokens):
+            yield batch
+            batch, trie, tokens, new = [], PrefixTrie(), 0, len(ids)
+        trie.insert(ids)
+        batch.append(item)
+        tokens += new
+    if batch:
+        yield batch
+
+
+@dataclass
+class TreeWave:
+    ids: torch.Tensor        # [tokens] int64, host: the trie's tokens depth first, every node after its ancestors
+    positions: torch.Tensor  # [tokens] int64: each token's depth, its position in each request that reads it
+    chunks: list             # Chunk of whole nodes (a node is cut at chunk_tokens); ancestors where a node has any
+    rows: torch.Tensor       # [pairs] int64, ascending: the row whose logits score each distinct (row, target)
+    targets: torch.Tensor    # [pairs] int64
+    pairs: list              # per request: the pairs of its continuation's tokens, in order
+    requested: int           # the tokens the requests read, shared or not
+
+
+def tree_wave(requests, chunk_tokens, device):
+    """The prefix tree of requests' inputs as one wave. Nodes are the trie's chains between branchings, cut into
+    pieces of chunk_tokens (a piece's ancestors include the pieces before it); depth first, every node's ancestors
+    come before it, so a chunk of consecutive nodes (<= chunk_tokens) finds its ancestors' keys computed."""
+    trie = PrefixTrie()
+    paths = [trie.insert(r.input) for r in requests]
+    n = len(trie.token)
+    at, depth, node_of, order = [0] * n, [0] * n, [0] * n, []  # order: the trie's nodes as the wave holds them
+    nodes = []  # [start in the wave, length, the ancestors' key ranges]
+    stack = list(reversed(trie.children[0].values()))
+    while stack:
+        t = stack.pop()
+        parent, at[t] = trie.parent[t], len(order)
+        order.append(t)
+        depth[t] = depth[parent] + 1 if parent else 0
+        if parent and len(trie.children[parent]) == 1 and nodes[node_of[parent]][1] < chunk_tokens:
+            node_of[t] = node_of[parent]  # the parent's chain goes on
+            nodes[node_of[t]][1] += 1
+        else:
+            ranges = []
+            if parent:  # the parent node's ancestors and the parent node itself, whole
+                start, length, above = nodes[node_of[parent]]
+                touching = above and above[-1][1] == start  # ranges that touch are one
+                ranges = above[:-1] + [(above[-1][0], start + length)] if touching else above + [(start, start + length)]
+            node_of[t] = len(nodes)
+            nodes.append([at[t], 1, ranges])
+        stack.extend(reversed(trie.children[t].values()))
+    chunks, group = [], []
+    for node in nodes + [None]:
+        if group and (node is None or group[-1][0] + group[-1][1] - group[0][0] + node[1] > chunk_tokens):
+            bounds = [s - group[0][0] for s, _, _ in group] + [group[-1][0] + group[-1][1] - group[0][0]]
+            ancestors = [ranges for _, _, ranges in group]
+            chunk = Chunk(group[0][0], group[0][0] + bounds[-1], bounds,
+                          torch.tensor(bounds, dtype=torch.int32, device=device), max(l for _, l, _ in group),
+                          ancestors if any(ancestors) else None)
+            if chunk.ancestors is not None:
+                counts = [0] + [len(r) for r in ancestors]
+                chunk.ancestor_bounds = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32,
+                                                     device=device)
+                chunk.ancestor_ranges = torch.tensor([list(r) for rs in ancestors for r in rs] or [[0, 0]],
+                                                     dtype=torch.int32, device=device)
+            chunks.append(chunk)
+            group = []
+        if node is not None:
+            group.append(node)
+    index, pairs = {}, []  # (row, target) -> pair
+    for r, path in zip(requests, paths):
+        ids = r.context + r.continuation
+        pairs.append([index.setdefault((at[path[i]], ids[i + 1]), len(index))
+                      for i in range(len(path) - len(r.continuation), len(path))])
+    keys = sorted(index)
+    renumber = {index[key]: j for j, key in enumerate(keys)}
+    return TreeWave(torch.tensor([trie.token[t] for t in order], dtype=torch.int64),
+                    torch.tensor([depth[t] for t in order], dtype=torch.int64), chunks,
+                    torch.tensor([row for row, _ in keys], dtype=torch.int64),
+                    torch.tensor([target for _, target in keys], dtype=torch.int64),
+                    [[renumber[p] for p in mine] for mine in pairs], sum(map(len, paths)))
+
+
+def continuation_logprobs(h, rows, targets, lm_head, final_norm, eps, chunk_tokens, kernels):
+    """h: [tokens, hidden]; rows, targets: [pairs] int64 on the host, rows ascending. The float32 log-prob of each
+    target at its row, and whether it is the row's argmax: the final norm and lm_head on the scored rows alone, a
+    row once however many targets read it, chunk_tokens pairs at a time; the log-softmax is the loss's own kernel
+    (token_nll, negated). Returns ([pairs] float32, [pairs] bool) on the host."""
+    logprob = torch.empty(rows.numel(), dtype=torch.float32, device=h.device)
+    greedy = torch.empty(rows.numel(), dtype=torch.bool, device=h.device)
+    for s in range(0, rows.numel(), chunk_tokens):
+        unique, inverse = torch.unique_consecutive(rows[s:s + chunk_tokens], return_inverse=True)
+        logits = F.linear(kernels.rms_norm(h[unique.to(h.device)], final_norm, eps), lm_head)  # [rows, vocab] bf16
+        inverse, t = inverse.to(h.device), targets[s:s + chunk_tokens].to(h.device)
+        greedy[s:s + t.numel()] = logits.argmax(-1)[inverse] == t
+        if unique.numel() < t.numel():  # several targets read one row (a question's choices): a row for each
+            logits = logits[inverse]
+        logprob[s:s + t.numel()] = -kernels.token_nll(logits, t)
+    return logprob.cpu(), greedy.cpu()
+
+
+
 # ----------------------------------------------------------------------------- the runner
 
 TOKENIZE_GROUP = 256  # texts per tokenizer call: the fast tokenizer spreads a call's texts over the cores
@@ -1949,6 +2241,7 @@ class Runner:
                                        plan.streamed_layers, self.device)
         weakref.finalize(self, self.streamer.stop)  # its threads end with this Runner, or before the process exits
         self.stats = {}
+        self.requested_attention, self.tree_attend = attention, None  # the latter picked at the first prefix tree
         log(f"loaded {cfg.num_hidden_layers}-layer Qwen3 ({self._model_bytes() / 1e9:.1f} GB) from {model_dir} "
             f"in {time.perf_counter() - t0:.1f} s on {self.device}, {self.load_mode} ({self.load_seconds}); "
             f"attention: {attention_summary(self.attention)}, elementwise kernels: {self.kernels.name}"
@@ -2206,13 +2499,7 @@ class Runner:
             cos, sin = rope_tables(positions.to(dev), cfg)  # [tokens, head_dim] each
             for chunk in wave.chunks:
                 chunk.cu_seqlens = torch.tensor(chunk.seq_bounds, dtype=torch.int32, device=dev)
-            for layer in range(cfg.num_hidden_layers) if layers is None else layers:
-                w = self.streamer.acquire(layer)
-                for c in wave.chunks:  # attention needs whole sequences; the MLP (80% of FLOPs) does not, so
-                    attention_block(x[c.start:c.end], w, cos[c.start:c.end], sin[c.start:c.end], c, cfg,
-                                    self.attend, self.kernels)
-                mlp_block(x, w, cfg, plan.chunk_tokens, self.kernels)  # ...it runs in GEMM-friendly equal slices
-                self.streamer.release(layer)
+            self.run_layers(x, cos, sin, wave.chunks, layers, self.attend)
             timer.mark("loss")
             targets = torch.cat((ids[1:], ids[:1]))
             targets[(starts + lengths - 1).to(dev)] = -100  # no target after a sequence's last token
@@ -2232,6 +2519,99 @@ class Runner:
         for phase, seconds in timer.totals().items():
             phases[phase] = phases.get(phase, 0.0) + seconds
         return scores
+
+    def run_layers(self, x, cos, sin, chunks, layers, attend, wave_kv=None):
+        # x: [tokens, hidden], the wave, updated in place through every layer (or `layers`)
+        for layer in range(self.cfg.num_hidden_layers) if layers is None else layers:
+            w = self.streamer.acquire(layer)
+            for c in chunks:  # attention needs whole sequences; the MLP (80% of FLOPs) does not, so...
+                attention_block(x[c.start:c.end], w, cos[c.start:c.end], sin[c.start:c.end], c, self.cfg, attend,
+                                self.kernels, wave_kv)
+            mlp_block(x, w, self.cfg, self.plan.chunk_tokens, self.kernels)  # ...it runs in GEMM-friendly slices
+            self.streamer.release(layer)
+
+    def tree_attention(self):
+        # the attention for a prefix tree's chunks: those with ancestors go to a tree backend, picked at the first
+        # tree (not at start-up: the whole-text path never needs it), the others to the plain backends' pick
+        if self.tree_attend is None:
+            name, tree, _ = pick_tree_attention(self.requested_attention, self.device, self.cfg)
+            self.tree_attention_name = name
+            self.tree_attend = lambda q, k, v, c: (self.attend if c.ancestors is None else tree)(q, k, v, c)
+            log(f"prefix trees: attention {name} where a node has ancestors")
+        return self.tree_attend
+
+    @torch.inference_mode()
+    def score_requests(self, batch, token_logprobs=False, layers=None):
+        """One batch from request_batches(), as one prefix-tree wave through every layer (or `layers`): its
+        requests' Loglikelihoods, in order. Adds to self.stats, tokens_computed (the tree's unique tokens) beside
+        tokens_requested (what the requests read, each alone)."""
+        cfg, dev = self.cfg, self.device
+        attend = self.tree_attention()
+        streamed_before = self.streamer.streamed_bytes
+        wave = tree_wave([request for _, request, _ in batch], self.plan.chunk_tokens, dev)
+        T = wave.ids.numel()
+        ids = wave.ids.to(dev)
+        x = self.embed.index_select(0, ids)  # [tokens, hidden]
+        cos, sin = rope_tables(wave.positions.to(dev), cfg)  # [tokens, head_dim] each, at each token's depth
+        wave_kv = [torch.empty(T, cfg.num_key_value_heads, cfg.head_dim, dtype=DTYPE, device=dev) for _ in range(2)]
+        self.run_layers(x, cos, sin, wave.chunks, layers, attend, wave_kv)
+        del wave_kv
+        logprob, greedy = continuation_logprobs(x, wave.rows, wave.targets, self.lm_head, self.final_norm,
+                                                cfg.rms_norm_eps, self.plan.loss_chunk_tokens, self.kernels)
+        logprob, greedy = logprob.tolist(), greedy.tolist()
+        results = [Loglikelihood(index, math.fsum(logprob[p] for p in mine), len(mine), all(greedy[p] for p in mine),
+                                 [logprob[p] for p in mine] if token_logprobs else None)
+                   for (index, _, _), mine in zip(batch, wave.pairs)]
+        self.add_request_stats(results, waves=1, tokens_requested=wave.requested, tokens_computed=T,
+                               scored_rows=int(wave.rows.unique_consecutive().numel()),
+                               streamed_bytes=self.streamer.streamed_bytes - streamed_before)
+        return results
+
+    def add_request_stats(self, results, **more):
+        # as add_stats, for a batch of continuations: requests, their scored tokens and log-prob sum
+        tally = {"requests": len(results), "scored_tokens": sum(r.tokens for r in results),
+                 "logprob_sum": math.fsum(r.logprob for r in results), **more}
+        for key, value in tally.items():
+            self.stats[key] = self.stats.get(key, 0) + value
+
+    def loglikelihoods(self, requests, token_logprobs=False, share=None, progress=None):
+        """The Python API for continuations: requests, (context ids, continuation ids) pairs of token lists (each of
+        at least one token), -> one Loglikelihood per request, in input order. Requests are scored once each
+        (duplicates share one result) in the order of their tokens, so that those sharing a prefix share waves;
+        batches are cut from the sorted requests alone, so the numbers depend on the set of requests and the
+        settings, not on their order. share=(rank, world): this process scores only every world-th batch, from the
+        rank-th (lm-eval's data parallel), and the others' results are None. progress: a Progress to add to."""
+        keys = {}
+        for i, (context, continuation) in enumerate(requests):
+            request = as_request(context, continuation, f"request {i}")
+            keys.setdefault((tuple(request.context + request.continuation), len(request.continuation)), []).append(i)
+        distinct = sorted(keys)
+        results = [None] * len(requests)
+        self.stats = {}
+        rank, world = share or (0, 1)
+        items = ((j, Request(list(tokens[:-n]), list(tokens[-n:])), None) for j, (tokens, n) in enumerate(distinct))
+        for k, batch in enumerate(request_batches(items, self.plan.tree_wave_tokens)):
+            if k % world != rank:
+                continue
+            computed = self.stats.get("tokens_computed", 0)
+            for result in self.score_requests(batch, token_logprobs):
+                for i in keys[distinct[result.index]]:
+                    results[i] = dataclasses.replace(result, index=i)
+            if progress is not None:
+                progress.add(len(batch), self.stats["tokens_computed"] - computed)
+        return results
+
+    def encode_pairs(self, pairs):
+        """(context, continuation) strings -> (context ids, continuation ids), as lm-eval's _encode_pair tokenizes
+        them: the context's trailing whitespace moves to the continuation, context + continuation is encoded whole
+        and split after the tokens of the context alone."""
+        moved = []
+        for context, continuation in pairs:
+            kept = context.rstrip()
+            moved.append((kept, context[len(kept):] + continuation))
+        contexts = self.tokenize([context for context, _ in moved])
+        wholes = self.tokenize([context + continuation for context, continuation in moved])
+        return [(ids, whole[len(ids):]) for ids, whole in zip(contexts, wholes)]
 
     def add_stats(self, scores, **more):
         # a batch's Scores into self.stats, wherever it ran (under torchrun rank 0 tallies the other ranks' batches)
