@@ -3029,13 +3029,13 @@ class Progress:
     """Texts and tokens done, tokens/s and ETA: a tqdm bar on a terminal; elsewhere a line every PROGRESS_LINE_S
     (none in a shorter run: the harness reads stderr only after the run)."""
 
-    def __init__(self, total):
+    def __init__(self, total, unit="text"):  # unit: "request" for continuations
         self.total, self.texts, self.tokens, self.t0 = total, 0, 0, time.perf_counter()
-        self.next_line = self.t0 + PROGRESS_LINE_S
+        self.next_line, self.unit = self.t0 + PROGRESS_LINE_S, unit
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
-            self.bar = tqdm(total=total, unit="text", file=sys.stderr, dynamic_ncols=True, smoothing=0.05)
+            self.bar = tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True, smoothing=0.05)
 
     def add(self, texts, scored_tokens):
         self.texts += texts
@@ -3048,7 +3048,7 @@ class Progress:
             self.next_line += PROGRESS_LINE_S
             elapsed = time.perf_counter() - self.t0
             left = f" of {self.total}, ETA {(self.total - self.texts) * elapsed / self.texts:.0f} s" if self.total else ""
-            log(f"{self.texts} texts{left}; {self.tokens} tokens, {rate:.0f} tokens/s")
+            log(f"{self.texts} {self.unit}s{left}; {self.tokens} tokens, {rate:.0f} tokens/s")
 
     def close(self):
         if self.bar is not None:
