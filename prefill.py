@@ -1465,22 +1465,31 @@ def check_error(got, want):
 
 
 def attention_reference(q, k, v, chunk):
-    # float32 causal attention written out: softmax(q k^T / sqrt(D)) v per text and KV head ([group, n, n] scores);
-    # in a prefix tree's chunk (k/v: the wave's) a text also sees its ancestors' keys, all of them
+    # float32 causal attention written out: softmax(q k^T / sqrt(D)) v per text and KV head ([group, n, n] scores)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     kv_heads, D = k.shape[1], q.shape[2]
     group = q.shape[1] // kv_heads
-    for i, (s, e) in enumerate(zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:])):
-        keys, a = chunk_keys(chunk, i, k)
-        ks, vs = k[keys].float(), v[keys].float()  # [a + n, kv_heads, D]
+    for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
         for r in range(s, e, 512):  # blocks of query rows, each over the keys up to its last row only
-            rows, seen = slice(r, min(r + 512, e)), a + min(r + 512, e) - s
-            future = torch.ones(rows.stop - r, seen, dtype=torch.bool, device=q.device).triu(a + r - s + 1)
+            rows = slice(r, min(r + 512, e))
+            future = torch.ones(rows.stop - r, rows.stop - s, dtype=torch.bool, device=q.device).triu(r - s + 1)
             for h in range(kv_heads):
                 heads = slice(h * group, (h + 1) * group)  # the query heads that read KV head h
-                scores = q[rows, heads].float().transpose(0, 1) @ ks[:seen, h].T / math.sqrt(D)
+                scores = q[rows, heads].float().transpose(0, 1) @ k[s:rows.stop, h].float().T / math.sqrt(D)
                 probs = scores.masked_fill(future, -math.inf).softmax(-1)
-                out[rows, heads] = (probs @ vs[:seen, h]).transpose(0, 1)
+                out[rows, heads] = (probs @ v[s:rows.stop, h].float()).transpose(0, 1)
+    return out
+
+
+def tree_attention_reference(q, k, v, seen):
+    # float32 attention written out over an explicit visibility mask: q [rows, heads, D], k/v [keys, kv_heads, D],
+    # seen [rows, keys] bool (a prefix tree's: each row's own path, from tree_visibility)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    group = q.shape[1] // k.shape[1]
+    for h in range(k.shape[1]):
+        heads = slice(h * group, (h + 1) * group)
+        scores = q[:, heads].float().transpose(0, 1) @ k[:, h].float().T / math.sqrt(q.shape[2])  # [group, rows, keys]
+        out[:, heads] = (scores.masked_fill(~seen, -math.inf).softmax(-1) @ v[:, h].float()).transpose(0, 1)
     return out
 
 
@@ -1515,10 +1524,13 @@ def attention_summary(names):
 
 
 def check_attention(candidates, device, cfg, cases=None):
-    """Each (name, kind, tile) candidate, run twice on texts of CHECK_LENGTHS (or on `cases`, (q, k, v, chunk) each):
-    a list of dicts with name, attend (None where refused), error and, where refused, reason."""
-    cases = cases or [attention_inputs(device, cfg, CHECK_LENGTHS, seed=0)]
-    references = [attention_reference(*case) for case in cases]
+    """Each (name, kind, tile) candidate, run twice on texts of CHECK_LENGTHS (or on `cases`: ((q, k, v, chunk),
+    float32 reference) each): a list of dicts with name, attend (None where refused), error and, where refused,
+    reason."""
+    if cases is None:
+        inputs = attention_inputs(device, cfg, CHECK_LENGTHS, seed=0)
+        cases = [(inputs, attention_reference(*inputs))]
+    cases, references = [case for case, _ in cases], [reference for _, reference in cases]
     report = []
     for name, kind, tile in candidates:
         entry = {"name": name, "attend": None, "error": None}
@@ -1650,8 +1662,27 @@ TREE_KINDS = ("triton", "sdpa")
 TREE_CHECK = ([[300, 37], [300, 100, 650], [300, 100, 5], [70, 64], [70, 1]], 512)
 
 
+def tree_visibility(parents, rows):
+    """[rows, tokens] bool: which of a prefix tree's tokens each of `rows` (wave indices) attends to, itself and its
+    ancestors, from each token's parent alone (parents: [tokens] int64, -1 at a root), so that it checks the tree's
+    key ranges and chunks rather than restate them. Token j is row i's ancestor where i's ancestor at i's depth less
+    j's depth is j (binary lifting over the distance's bits)."""
+    tokens = parents.numel()
+    up = torch.where(parents < 0, torch.arange(tokens), parents)  # a root's parent: itself
+    depth = torch.zeros(tokens, dtype=torch.int64)
+    for i in range(tokens):  # parents come first in the wave
+        depth[i] = depth[up[i]] + 1 if parents[i] >= 0 else 0
+    distance = depth[rows][:, None] - depth[None, :]  # [rows, tokens]
+    at = rows[:, None].expand(-1, tokens).clone()
+    for bit in range(max(1, int(depth.max()) + 1).bit_length()):
+        at = torch.where((distance >> bit) & 1 == 1, up[at], at)
+        up = up[up]
+    return (distance >= 0) & (at == torch.arange(tokens)[None, :])
+
+
 def tree_check_cases(device, cfg):
-    # (q, k, v, chunk) of each chunk of TREE_CHECK's wave that has ancestors: q the chunk's, k/v the wave's
+    # ((q, k, v, chunk), float32 reference) of each chunk of TREE_CHECK's wave that has ancestors: q the chunk's,
+    # k/v the wave's; the reference's visibility from each token's parent, not from the chunks' key ranges
     branches, chunk_tokens = TREE_CHECK
     gen = torch.Generator().manual_seed(3)
     requests, stems = [], {}
@@ -1661,7 +1692,9 @@ def tree_check_cases(device, cfg):
         requests.append(Request(ids[:1], ids[1:] + [0]))
     wave = tree_wave(requests, chunk_tokens, device)
     q, k, v, _ = attention_inputs(device, cfg, [wave.ids.numel()], seed=4)
-    return [(q[c.start:c.end], k, v, c) for c in wave.chunks if c.ancestors is not None]
+    return [((q[c.start:c.end], k, v, c), tree_attention_reference(
+        q[c.start:c.end], k, v, tree_visibility(wave.parents, torch.arange(c.start, c.end)).to(device)))
+            for c in wave.chunks if c.ancestors is not None]
 
 
 def pick_tree_attention(requested, device, cfg):
@@ -2017,6 +2050,7 @@ def request_batches(items, wave_tokens, max_requests=BATCH_TEXTS):
 class TreeWave:
     ids: torch.Tensor        # [tokens] int64, host: the trie's tokens depth first, every node after its ancestors
     positions: torch.Tensor  # [tokens] int64: each token's depth, its position in each request that reads it
+    parents: torch.Tensor    # [tokens] int64: the wave index of each token's parent token, -1 at a root
     chunks: list             # Chunk of whole nodes (a node is cut at chunk_tokens); ancestors where a node has any
     rows: torch.Tensor       # [pairs] int64, ascending: the row whose logits score each distinct (row, target)
     targets: torch.Tensor    # [pairs] int64
@@ -2077,7 +2111,9 @@ def tree_wave(requests, chunk_tokens, device):
     keys = sorted(index)
     renumber = {index[key]: j for j, key in enumerate(keys)}
     return TreeWave(torch.tensor([trie.token[t] for t in order], dtype=torch.int64),
-                    torch.tensor([depth[t] for t in order], dtype=torch.int64), chunks,
+                    torch.tensor([depth[t] for t in order], dtype=torch.int64),
+                    torch.tensor([at[trie.parent[t]] if trie.parent[t] else -1 for t in order], dtype=torch.int64),
+                    chunks,
                     torch.tensor([row for row, _ in keys], dtype=torch.int64),
                     torch.tensor([target for _, target in keys], dtype=torch.int64),
                     [[renumber[p] for p in mine] for mine in pairs], sum(map(len, paths)))
