@@ -1133,12 +1133,12 @@ def attention_inputs(device, cfg, lens, seed):
     return q, k, v, Chunk(0, T, bounds, torch.tensor(bounds, dtype=torch.int32, device=device), max(lens))
 
 
-def attention_candidates(requested, family):
+def attention_candidates(requested, family, tiles=None):
     # (name, kind, tile) of each backend and Triton tile (those offered for this GPU family) that `requested` names:
     # "auto", a kind, or a name that pick_attention returned (so that a second Runner can use exactly that kernel)
     named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}", kind, tile)
              for kind in ATTENTION_KINDS if family in ATTENTION_FAMILIES.get(kind, (family,))
-             for tile in (ATTENTION_TILES[family] if kind == "triton" else [None])]
+             for tile in ((tiles or ATTENTION_TILES)[family] if kind == "triton" else [None])]
     chosen = [c for c in named if requested in ("auto", c[0], c[1])]
     if not chosen and requested in ATTENTION_KINDS:
         raise UserError(f"attention backend {requested!r} is not offered on this GPU family ({family})")
@@ -1396,6 +1396,9 @@ ATTENTION_TILES = {
     "cpu": [(64, 64, 4, 2), (64, 32, 4, 2)],  # Triton's interpreter (tests): the NVIDIA tiles
 }
 ATTENTION_TILES["amd"] = ATTENTION_TILES["rdna3"]
+# The tree kernel's tiles (_tree_attention_kernel: the ancestor loop keeps more live): on gfx1100 under Triton 3.9
+# the 64x32 tile spills 54 VGPRs there (tests/test_gfx1100_compile.py), the 64x16 tile none
+TREE_ATTENTION_TILES = dict(ATTENTION_TILES, rdna3=[(64, 16, 8, 1)], amd=[(64, 16, 8, 1)])
 
 
 def gpu_family(device):
@@ -1703,7 +1706,8 @@ def pick_tree_attention(requested, device, cfg):
     Nothing is timed: where Triton runs it is the one. --attention triton or sdpa (or one's name) asks for that one;
     a backend without a tree variant asks for none in particular."""
     named = requested if isinstance(requested, str) and requested.split()[0] in TREE_KINDS else "auto"
-    candidates = [c for c in attention_candidates(named, gpu_family(device)) if c[1] in TREE_KINDS]
+    candidates = [c for c in attention_candidates(named, gpu_family(device), TREE_ATTENTION_TILES)
+                  if c[1] in TREE_KINDS]
     report = check_attention(candidates, device, cfg, tree_check_cases(device, cfg))
     entry = next((e for e in report if e["attend"] is not None), None)
     if entry is None:

@@ -278,7 +278,7 @@ report = {}
 for (q, k, v, chunk), want in prefill.tree_check_cases(torch.device("cpu"), cfg):
     # the interpreter multiplies bfloat16 tiles as raw integers: float16 here (bf16 on a GPU)
     q, k, v = (t.half() for t in (q, k, v))
-    for tile in sorted({t for family in prefill.ATTENTION_TILES.values() for t in family}):
+    for tile in sorted({t for family in prefill.TREE_ATTENTION_TILES.values() for t in family}):
         err = prefill.check_error(prefill.attention_triton(q, k, v, chunk, tile), want)
         report[str(tile)] = max(report.get(str(tile), 0), err)
     tile = prefill.ATTENTION_TILES["nvidia"][0]
@@ -296,7 +296,7 @@ def test_triton_tree_kernel_matches_the_reference_and_misses_are_caught():
                        timeout=900, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     report = json.loads(p.stdout)
-    for tile in {t for family in prefill.ATTENTION_TILES.values() for t in family}:
+    for tile in {t for family in prefill.TREE_ATTENTION_TILES.values() for t in family}:
         assert report[str(tile)] < prefill.CHECK_TOLERANCE / 4, report
     assert report["ancestors dropped"] > 4 * prefill.CHECK_TOLERANCE, report
 

@@ -112,15 +112,19 @@ def launches_recorded(target, model, into):
         yield kernels
 
 
-def prefill_launches(target, model, tiles):
-    """The distinct kernel launches of one layer and the loss for this model, with each attention tile in tiles;
-    and the names of prefill's JIT functions."""
+def prefill_launches(target, model, tiles, tree_tiles=()):
+    """The distinct kernel launches of one layer and the loss for this model, with each attention tile in tiles (in
+    a prefix tree's chunk, each of tree_tiles); and the names of prefill's JIT functions."""
     cfg = model_config(MODELS[model])
     flat = torch.empty(cfg.layer_numel, dtype=prefill.DTYPE)  # never touched: only its views' shapes and offsets
     w = prefill.layer_views(flat, cfg)
     x = torch.zeros(TOKENS, cfg.hidden_size, dtype=prefill.DTYPE)
     cos, sin = prefill.rope_tables(torch.arange(TOKENS), cfg)
     chunk = prefill.Chunk(0, TOKENS, [0, TOKENS], torch.tensor([0, TOKENS], dtype=torch.int32), TOKENS)
+    # a prefix tree's chunk (the tree kernel): a root token, then a node of the others reading it
+    tree_chunk = prefill.Chunk(0, TOKENS, [0, 1, TOKENS], torch.tensor([0, 1, TOKENS], dtype=torch.int32),
+                               TOKENS - 1, [[], [(0, 1)]], torch.tensor([0, 0, 1], dtype=torch.int32),
+                               torch.tensor([[0, 1]], dtype=torch.int32))
     lm_head = torch.empty((), dtype=prefill.DTYPE).expand(cfg.vocab_size, cfg.hidden_size)
     targets = torch.zeros(TOKENS, dtype=torch.int64)
     launches = []
@@ -128,6 +132,10 @@ def prefill_launches(target, model, tiles):
         for tile in tiles:
             attend = prefill.make_attention("triton", tile)
             prefill.attention_block(x, w, cos, sin, chunk, cfg, attend, prefill.TRITON_KERNELS)
+        for tile in tree_tiles:
+            attend = prefill.make_attention("triton", tile)
+            wave_kv = [torch.zeros(TOKENS, cfg.num_key_value_heads, cfg.head_dim, dtype=prefill.DTYPE)] * 2
+            prefill.attention_block(x, w, cos, sin, tree_chunk, cfg, attend, prefill.TRITON_KERNELS, wave_kv)
         prefill.mlp_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS)
         final_norm = torch.ones(cfg.hidden_size, dtype=prefill.DTYPE)
         prefill.sequence_nll(x, lm_head, final_norm, targets, torch.zeros(TOKENS, dtype=torch.int64), 1,
@@ -195,7 +203,8 @@ def offered_launches(target):
     """Every distinct launch of prefill's kernels for both models, with the attention tiles offered on RDNA3."""
     launches = []
     for model in MODELS:
-        found, kernels = prefill_launches(target, model, prefill.ATTENTION_TILES["rdna3"])
+        found, kernels = prefill_launches(target, model, prefill.ATTENTION_TILES["rdna3"],
+                                          prefill.TREE_ATTENTION_TILES["rdna3"])
         launches += found
     return launches, kernels
 
@@ -207,8 +216,10 @@ def test_every_kernel_prefill_launches_compiles_for_gfx1100_without_spills(fresh
     # each JIT function is launched, or is a helper that a launched kernel calls: a new kernel cannot go unchecked
     called = {name for name in kernels for k in launched if re.search(rf"\b{name}\(", getattr(prefill, k).src)}
     assert set(kernels) == launched | called, f"never launched by prefill's layers: {set(kernels) - launched - called}"
-    tiles = {(launch.model, attention_tile(launch)) for launch in launches if launch.kernel == "_attention_kernel"}
-    assert tiles == {(model, tile) for model in MODELS for tile in prefill.ATTENTION_TILES["rdna3"]}
+    for kernel, offered in (("_attention_kernel", prefill.ATTENTION_TILES), ("_tree_attention_kernel",
+                                                                             prefill.TREE_ATTENTION_TILES)):
+        tiles = {(launch.model, attention_tile(launch)) for launch in launches if launch.kernel == kernel}
+        assert tiles == {(model, tile) for model in MODELS for tile in offered["rdna3"]}, kernel
     failures = [p for launch in launches for p in problems(launch, gfx1100_registers(launch))]
     assert not failures, f"gfx1100, Triton {triton.__version__}:\n" + "\n".join(failures)
 
@@ -233,12 +244,16 @@ def record(out):
     offered, _ = offered_launches(target)
     others = [tile for tile in prefill.ATTENTION_TILES["nvidia"] + REFERENCE_TILES
               if tile not in prefill.ATTENTION_TILES["rdna3"]]
+    tree_others = [tile for tile in prefill.ATTENTION_TILES["nvidia"] + prefill.ATTENTION_TILES["rdna3"]
+                   + REFERENCE_TILES if tile not in prefill.TREE_ATTENTION_TILES["rdna3"]]
     for model in MODELS:
-        offered += [launch for launch in prefill_launches(target, model, others)[0]
-                    if launch.kernel == "_attention_kernel" and attention_tile(launch) in others]
+        offered += [launch for launch in prefill_launches(target, model, others, tree_others)[0]
+                    if launch.kernel == "_attention_kernel" and attention_tile(launch) in others
+                    or launch.kernel == "_tree_attention_kernel" and attention_tile(launch) in tree_others]
+    tables = {"_attention_kernel": prefill.ATTENTION_TILES, "_tree_attention_kernel": prefill.TREE_ATTENTION_TILES}
     rows = [{"kernel": launch.kernel, "model": launch.model, "config": launch.config(),
-             "offered on gfx1100": attention_tile(launch) in prefill.ATTENTION_TILES["rdna3"]
-             if launch.kernel == "_attention_kernel" else True, **gfx1100_registers(launch)} for launch in offered]
+             "offered on gfx1100": attention_tile(launch) in tables[launch.kernel]["rdna3"]
+             if launch.kernel in tables else True, **gfx1100_registers(launch)} for launch in offered]
     table = json.loads(out.read_text()) if out.exists() else {}
     table["what"] = ("A static compile, no GPU: each kernel launch prefill makes (recorded from its layer code with "
                      "Qwen3-32B's and Qwen3-0.6B's dimensions) compiled by Triton's AMD backend for "
