@@ -2460,12 +2460,20 @@ class Runner:
                   for s in self.score_batch(b, layers)]
         return [math.nan if s.loss is None else s.loss for s in scores]
 
-    def batches(self, items, text=None):
+    def batches(self, items, text=None, pair=None):
         """batches() of items (strings, or anything `text` maps to one), read and tokenized on a side thread at most
         AHEAD_BATCHES batches ahead: the CPU work overlaps the GPU's and memory stays bounded, whatever the length
-        of the stream. An exception from the items (a bad record) is raised here after the batches before it."""
+        of the stream. An exception from the items (a bad record) is raised here after the batches before it.
+        pair: maps an item to its (context, continuation) strings instead: request_batches() of Requests
+        (encode_pairs), for score_requests."""
         text = text or (lambda item: item)
         ahead, stop, end = queue.Queue(AHEAD_BATCHES), threading.Event(), object()
+
+        def encoded(group, index):
+            if pair is None:
+                return self.tokenize([text(item) for item in group])
+            return [as_request(*ids, f"record {i}") for i, ids in
+                    enumerate(self.encode_pairs([pair(item) for item in group]), index)]
 
         def tokenized():
             items_left, index, error = iter(items), 0, None
@@ -2475,7 +2483,7 @@ class Runner:
                     group.extend(itertools.islice(items_left, TOKENIZE_GROUP))  # keeps what came before a failure
                 except Exception as e:  # a bad record: the batches whole before it are still scored
                     error = e
-                for item, ids in zip(group, self.tokenize([text(item) for item in group])):
+                for item, ids in zip(group, encoded(group, index)):
                     yield index, ids, item
                     index += 1
                 if not group and not error:
@@ -2488,8 +2496,10 @@ class Runner:
                     return ahead.put(thing, timeout=0.1)
 
         def produce():
+            cut = batches(tokenized(), self.plan.wave_tokens) if pair is None else \
+                request_batches(tokenized(), self.plan.tree_wave_tokens)
             try:
-                for batch in batches(tokenized(), self.plan.wave_tokens):
+                for batch in cut:
                     put(batch)
                     if stop.is_set():  # the consumer has gone: read no further
                         return
@@ -2602,17 +2612,30 @@ class Runner:
         results = [Loglikelihood(index, math.fsum(logprob[p] for p in mine), len(mine), all(greedy[p] for p in mine),
                                  [logprob[p] for p in mine] if token_logprobs else None)
                    for (index, _, _), mine in zip(batch, wave.pairs)]
-        self.add_request_stats(results, waves=1, tokens_requested=wave.requested, tokens_computed=T,
+        self.add_request_stats(batch, results, waves=1, tokens_requested=wave.requested, tokens_computed=T,
                                scored_rows=int(wave.rows.unique_consecutive().numel()),
                                streamed_bytes=self.streamer.streamed_bytes - streamed_before)
         return results
 
-    def add_request_stats(self, results, **more):
-        # as add_stats, for a batch of continuations: requests, their scored tokens and log-prob sum
-        tally = {"requests": len(results), "scored_tokens": sum(r.tokens for r in results),
-                 "logprob_sum": math.fsum(r.logprob for r in results), **more}
+    def add_request_stats(self, batch, results, **more):
+        # as add_stats, for a batch of continuations: requests, their tokens, the scored ones and their NLL
+        tally = {"requests": len(results), "tokens": sum(len(r.context) + len(r.continuation) for _, r, _ in batch),
+                 "predicted_tokens": sum(r.tokens for r in results),
+                 "nll_sum": -math.fsum(r.logprob for r in results), **more}
         for key, value in tally.items():
             self.stats[key] = self.stats.get(key, 0) + value
+
+    def score_any(self, batch, token_logprobs=False):
+        # a batch of texts (batches()) or of continuations (request_batches()): its Scores or Loglikelihoods
+        if batch and isinstance(batch[0][1], Request):
+            return self.score_requests(batch, token_logprobs)
+        return self.score_batch(batch)
+
+    def tally(self, batch, results):  # another rank's batch, into this rank's stats
+        if batch and isinstance(batch[0][1], Request):
+            self.add_request_stats(batch, results)
+        else:
+            self.add_stats(results)
 
     def loglikelihoods(self, requests, token_logprobs=False, share=None, progress=None):
         """The Python API for continuations: requests, (context ids, continuation ids) pairs of token lists (each of
@@ -2923,23 +2946,53 @@ NO_ID = object()  # a record without the id field (null is an id)
 
 @dataclass
 class Record:
-    text: str
+    text: str                # None in a continuation's record
     id: object = NO_ID
+    context: str = None      # a continuation's record: the two strings instead of a text
+    continuation: str = None
 
 
-def record_of(value, where, text_field, id_field):
+PAIR_FIELDS = ("context", "continuation")  # --context-field, --continuation-field
+
+
+def record_of(value, where, text_field, id_field, pair_fields=PAIR_FIELDS):
     if not isinstance(value, dict):
         return Record(text_of(value, where))
+    context_field, continuation_field = pair_fields
+    if context_field in value:  # a continuation to score given its context (README: Score a corpus)
+        if continuation_field not in value:
+            raise UserError(f"{where} has the context field {shown(context_field)} but not the continuation field "
+                            f"{shown(continuation_field)} (--continuation-field)")
+        context = text_of(value[context_field], f"{where} field {shown(context_field)}")
+        continuation = text_of(value[continuation_field], f"{where} field {shown(continuation_field)}")
+        if not context.rstrip() or not continuation:
+            raise UserError(f"{where}: the {'context' if not context.rstrip() else 'continuation'} is empty (a "
+                            "continuation is predicted from at least one token of context)")
+        return Record(None, value.get(id_field, NO_ID), context, continuation)
     if text_field not in value:
-        raise UserError(f"{where} is an object without the text field {shown(text_field)} (--text-field)")
+        raise UserError(f"{where} is an object without the text field {shown(text_field)} (--text-field) or the "
+                        f"context field {shown(context_field)} (--context-field)")
     return Record(text_of(value[text_field], f"{where} field {shown(text_field)}"), value.get(id_field, NO_ID))
 
 
-def read_records(path, text_field="text", id_field="id"):
+def read_records(path, text_field="text", id_field="id", pair_fields=PAIR_FIELDS):
     """--input FILE ('-': stdin), one Record at a time: a JSON array, read whole, or JSON lines, read line by line
     (blank lines skipped; the format for big corpora). An element or line is a string, or an object whose
-    text_field is a string (its id_field, any JSON value, is kept; other fields are ignored). A problem names the
-    element, or the line (1-based, as editors count)."""
+    text_field is a string, or one whose context and continuation fields (pair_fields) are (its id_field, any JSON
+    value, is kept; other fields are ignored). Every record of a file is of the first one's kind. A problem names
+    the element, or the line (1-based, as editors count)."""
+    kind = None
+    for where, record in read_located(path, text_field, id_field, pair_fields):
+        if kind is None:
+            kind = record.text is None
+        elif kind != (record.text is None):
+            raise UserError(f"{where} is a {'continuation' if kind else 'text'} where the records before it are "
+                            f"{'texts' if kind else 'continuations'}: a corpus holds one kind")
+        yield record
+
+
+def read_located(path, text_field, id_field, pair_fields):
+    # read_records' (where, Record) pairs
     space = JSON_SPACE.encode()
     try:
         with contextlib.nullcontext(sys.stdin.buffer) if path == "-" else open(path, "rb") as f:
@@ -2948,11 +3001,12 @@ def read_records(path, text_field="text", id_field="id"):
             first = next(lines, None)
             if first and first[1].lstrip(space).startswith(b"["):
                 for i, value in enumerate(json_array(first[1] + f.read(), path)):
-                    yield record_of(value, f"{path}: element {i}", text_field, id_field)
+                    where = f"{path}: element {i}"
+                    yield where, record_of(value, where, text_field, id_field, pair_fields)
                 return
             for number, line in itertools.chain([first] if first else [], lines):
                 where = f"{path} line {number}"
-                yield record_of(parse_json(decoded(line), where), where, text_field, id_field)
+                yield where, record_of(parse_json(decoded(line), where), where, text_field, id_field, pair_fields)
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror}") from None
 
@@ -2971,11 +3025,30 @@ def count_records(path):
     return None
 
 
-def output_line(score, record):
-    fields = {"index": score.index}
+def record_key(index, ids, record):
+    """What a record of OUT must hold for --resume to take it as the input's: its index, token counts and id."""
+    key = {"index": index}
+    if isinstance(ids, Request):
+        key.update(tokens=len(ids.context) + len(ids.continuation), continuation_tokens=len(ids.continuation))
+    else:
+        key["tokens"] = len(ids)
+    return key | ({} if record.id is NO_ID else {"id": record.id})
+
+
+def output_line(result, ids, record):
+    # a text's Score, or a continuation's Loglikelihood: there loss and nll_sum are the continuation's (its mean and
+    # summed NLL), as a text's are its predicted tokens'
+    fields = {"index": result.index}
     if record.id is not NO_ID:
         fields["id"] = record.id
-    fields.update(tokens=score.tokens, loss=score.loss, nll_sum=score.nll_sum)
+    if isinstance(result, Loglikelihood):
+        fields.update(tokens=len(ids.context) + len(ids.continuation), context_tokens=len(ids.context),
+                      continuation_tokens=result.tokens, loss=-result.logprob / result.tokens,
+                      nll_sum=-result.logprob, logprob=result.logprob, greedy=result.greedy)
+        if result.token_logprobs is not None:
+            fields["token_logprobs"] = result.token_logprobs
+    else:
+        fields.update(tokens=result.tokens, loss=result.loss, nll_sum=result.nll_sum)
     return json.dumps(fields) + "\n"  # floats as repr: the shortest text that reads back to the same bits
 
 
@@ -3025,7 +3098,7 @@ class CorpusOutput:
         lines = list(itertools.takewhile(lambda line: line.endswith(b"\n"), (self.old.readline() for _ in batch)))
         records = []
         for line_no, line, (index, ids, record) in zip(itertools.count(self.records + 1), lines, batch):
-            want = {"index": index, "tokens": len(ids)} | ({} if record.id is NO_ID else {"id": record.id})
+            want = record_key(index, ids, record)
             try:
                 got = json.loads(line)
             except ValueError:
@@ -3043,7 +3116,7 @@ class CorpusOutput:
         return records
 
     def append(self, scores, batch):
-        data = memoryview("".join(output_line(s, record) for s, (_, _, record) in zip(scores, batch)).encode())
+        data = memoryview("".join(output_line(s, ids, record) for s, (_, ids, record) in zip(scores, batch)).encode())
         with signals_held():
             written = len(data)
             while data:
@@ -3280,24 +3353,40 @@ def all_ready(group):
         group.wait(f"ready/{rank}")
 
 
-def scored_batches(runner, batches, output):
-    """(batch, its Scores, None) of each batch, in order, or (batch, None, records) for those OUT holds (--resume)."""
+def published(results):
+    # a batch's numbers for rank 0: a text's NLL sum (float64 bytes); a continuation's log-prob, greedy and token
+    # log-probs (JSON: floats as repr, the same bits back)
+    if results and isinstance(results[0], Loglikelihood):
+        return json.dumps([[r.logprob, r.greedy, r.token_logprobs] for r in results])
+    return array.array("d", (s.nll_sum for s in results)).tobytes()
+
+
+def received(batch, data):
+    # published()'s numbers back into the batch's Scores or Loglikelihoods
+    if batch and isinstance(batch[0][1], Request):
+        return [Loglikelihood(index, logprob, len(request.continuation), greedy, token_logprobs)
+                for (index, request, _), (logprob, greedy, token_logprobs) in zip(batch, json.loads(data))]
+    return scores_of(batch, array.array("d", data).tolist())
+
+
+def scored_batches(runner, batches, output, token_logprobs=False):
+    """(batch, its Scores (or Loglikelihoods), None) of each batch, in order, or (batch, None, records) for those OUT
+    holds (--resume)."""
     for batch in batches:
         held = output.holds(batch) if output else None
-        yield batch, (None if held is not None else runner.score_batch(batch)), held
+        yield batch, (None if held is not None else runner.score_any(batch, token_logprobs)), held
 
 
-def claimed_in_order(group, runner, batches, output):
+def claimed_in_order(group, runner, batches, output, token_logprobs=False):
     """Rank 0: scored_batches over every rank. It checks what OUT holds (--resume), tells the ranks where scoring
     starts, then claims and scores batches like every rank, and yields each batch in order once its scores are here."""
     pending, start, mine, k = collections.deque(), None, None, -1  # pending: [k, batch, Scores or None], in order
 
     def ready(k, batch, scores):
-        if scores is None:  # another rank's: its NLL sums, and this rank's tally of what was scored
-            sums = array.array("d", group.wait(f"sums/{k}")).tolist()
+        if scores is None:  # another rank's: its numbers, and this rank's tally of what was scored
+            scores = received(batch, group.wait(f"sums/{k}"))
             group.store.delete_key(f"sums/{k}")
-            scores = scores_of(batch, sums)
-            runner.add_stats(scores)
+            runner.tally(batch, scores)
         return batch, scores, None
 
     for k, batch in enumerate(batches):
@@ -3311,7 +3400,7 @@ def claimed_in_order(group, runner, batches, output):
             mine = start + group.claim()
         scores = None
         if k == mine:
-            scores = runner.score_batch(batch)
+            scores = runner.score_any(batch, token_logprobs)
             mine = start + group.claim()
         pending.append((k, batch, scores))
         while pending and (pending[0][2] is not None or group.has(f"sums/{pending[0][0]}")):
@@ -3322,13 +3411,13 @@ def claimed_in_order(group, runner, batches, output):
         yield ready(*pending.popleft())
 
 
-def score_claimed(group, runner, batches):
-    """Ranks > 0: the batches this rank claims, scored, their NLL sums published for rank 0."""
+def score_claimed(group, runner, batches, token_logprobs=False):
+    """Ranks > 0: the batches this rank claims, scored, their numbers published for rank 0."""
     start = int(group.wait("start"))
     mine = start + group.claim()
     for k, batch in enumerate(batches):
         if k == mine:
-            group.set(f"sums/{k}", array.array("d", (s.nll_sum for s in runner.score_batch(batch))).tobytes())
+            group.set(f"sums/{k}", published(runner.score_any(batch, token_logprobs)))
             mine = start + group.claim()
         group.check_peers()  # rank 0 gone on another node: stop rather than score for nobody
     group.set(f"done/{group.rank}")
@@ -3401,6 +3490,18 @@ def parse_args(argv):
                    help="the field holding the text where an input record is an object (default: text)")
     p.add_argument("--id-field", default="id", metavar="NAME",
                    help="the field copied to the output record as its id, where present (default: id)")
+    p.add_argument("--context-field", default=PAIR_FIELDS[0], metavar="NAME",
+                   help="where an input object has this field (default: context), it is a continuation to score "
+                        "given that context instead of a text: its --continuation-field's log-likelihood, tokenized "
+                        "as lm-eval does (trailing spaces of the context move to the continuation), the records "
+                        "sharing a prefix computing it once; its output record has tokens, context_tokens, "
+                        "continuation_tokens, logprob (the continuation's summed float32 log-probs), greedy (each "
+                        "continuation token the argmax), and loss and nll_sum, the continuation's mean and summed NLL")
+    p.add_argument("--continuation-field", default=PAIR_FIELDS[1], metavar="NAME",
+                   help="the field holding the continuation of a --context-field record (default: continuation)")
+    p.add_argument("--token-logprobs", action="store_true",
+                   help="with context/continuation records: add each continuation token's log-prob to its output "
+                        "record (token_logprobs)")
     p.add_argument("--gpu-memory", type=bounded(float, 0, 2**20), metavar="GIB",
                    help="GPU memory the runner may plan for (default: what is free, less 1.5 GiB, and 1 GiB more on a "
                         "first run on a machine, which times the attention kernels while loading); "
@@ -3471,7 +3572,8 @@ def corpus_settings(args):
     """The settings an --output file's numbers depend on, kept beside it (OUT.settings.json) for --resume to check:
     the file itself holds records only."""
     return {"model": str(Path(args.model).resolve()), "text_field": args.text_field, "id_field": args.id_field,
-            "chunk_tokens": args.chunk_tokens, "wave_tokens": args.wave_tokens, "attention": args.attention,
+            "context_field": args.context_field, "continuation_field": args.continuation_field,
+            "token_logprobs": args.token_logprobs, "chunk_tokens": args.chunk_tokens, "wave_tokens": args.wave_tokens, "attention": args.attention,
             "kernels": args.kernels, "device": args.device or "auto"}
 
 
@@ -3503,6 +3605,7 @@ def check_output(args):
 def serve(args, protocol, group=None):
     writer = group is None or group.rank == 0  # rank 0 alone writes OUT and speaks the protocol
     records = total = None
+    pairs = False  # the records are continuations (context and continuation fields), not texts
     if args.doctor and group:
         raise UserError("--doctor reports on one process: run it without torchrun")
     if args.output:
@@ -3511,7 +3614,8 @@ def serve(args, protocol, group=None):
     elif args.resume:
         raise UserError("--resume needs --output OUT")
     if args.input:  # the input opens and its first records (all of them without --output) parse before the load
-        records = read_records(args.input, args.text_field, args.id_field)
+        records = read_records(args.input, args.text_field, args.id_field,
+                               (args.context_field, args.continuation_field))
         head = list(itertools.islice(records, CHECKED_RECORDS if args.output else None))
         if len(head) < CHECKED_RECORDS or not args.output:
             total = len(head)
@@ -3520,6 +3624,10 @@ def serve(args, protocol, group=None):
             total = counter.submit(count_records, args.input)
             counter.shutdown(wait=False)
         records = itertools.chain(head, records)
+        pairs = bool(head) and head[0].text is None
+        if args.token_logprobs and not pairs:
+            raise UserError("--token-logprobs: the input's records are texts; it applies to context/continuation "
+                            "records (a text's token log-probs: give it as the continuation of its first token)")
     if args.stats and writer:
         check_writable(args.stats)
     runner = Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
@@ -3557,24 +3665,28 @@ def serve(args, protocol, group=None):
     if records is None:
         records = [Record(text) for text in parse_request(line)]
         total = len(records)
+    if pairs:
+        batches = runner.batches(records, pair=lambda record: (record.context, record.continuation))
+    else:
+        batches = runner.batches(records, text=lambda record: record.text)
     if not writer:  # computes and publishes; rank 0 writes, prints and logs
-        score_claimed(group, runner, runner.batches(records, text=lambda record: record.text))
+        score_claimed(group, runner, batches, args.token_logprobs)
         return 0
     t_start, start_unix_s = time.perf_counter(), time.time()  # wall clock: bench times a corpus run's ready
     output = CorpusOutput(args.output, args.resume) if args.output else None
     if output:
         Path(args.output + ".settings.json").write_text(json.dumps(corpus_settings(args)))
     scores, resumed = [], {"texts": 0, "tokens": 0, "predicted_tokens": 0, "nll_sum": 0.0}
-    progress = Progress(total.result() if hasattr(total, "result") else total)
+    progress = Progress(total.result() if hasattr(total, "result") else total, "request" if pairs else "text")
     runner.stats = {}
     try:
-        batches = runner.batches(records, text=lambda record: record.text)
-        for batch, batch_scores, held in (claimed_in_order(group, runner, batches, output) if group else
-                                          scored_batches(runner, batches, output)):
+        for batch, batch_scores, held in (claimed_in_order(group, runner, batches, output, args.token_logprobs)
+                                          if group else scored_batches(runner, batches, output, args.token_logprobs)):
             if held is not None:  # --resume: already in OUT, checked against the input
                 for r in held:
                     resumed.update(texts=resumed["texts"] + 1, tokens=resumed["tokens"] + r["tokens"],
-                                   predicted_tokens=resumed["predicted_tokens"] + max(0, r["tokens"] - 1),
+                                   predicted_tokens=resumed["predicted_tokens"]
+                                   + r.get("continuation_tokens", max(0, r["tokens"] - 1)),
                                    nll_sum=resumed["nll_sum"] + r["nll_sum"])
                 progress.add(len(batch), 0)
                 continue
@@ -3589,7 +3701,7 @@ def serve(args, protocol, group=None):
         if output:
             command = shlex.join((group.relaunch() if group else []) + ["prefill.py", *args.argv]
                                  + ([] if args.resume else ["--resume"]))
-            e.add_note(f"{output.records} of {progress.total or 'all'} texts done in {args.output}; resume with: "
+            e.add_note(f"{output.records} of {progress.total or 'all'} {progress.unit}s done in {args.output}; resume with: "
                        f"{command}")
         raise
     finally:
@@ -3599,6 +3711,7 @@ def serve(args, protocol, group=None):
         protocol.flush()
     elapsed = time.perf_counter() - t_start
     run = runner.stats
+    run.setdefault("texts", run.get("requests", 0))  # a continuation counts as its record
     texts, tokens, predicted, nll_sum = (resumed[key] + run.get(key, 0)
                                          for key in ("texts", "tokens", "predicted_tokens", "nll_sum"))
     mean_nll = nll_sum / predicted if predicted else None
@@ -3621,10 +3734,13 @@ def serve(args, protocol, group=None):
         log(f"warning: {run['texts_over_wave']} text(s) longer than --wave-tokens {args.wave_tokens} ran as waves "
             "of their own")
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in stats["phases"].items())
-    earlier = f" ({resumed['texts']} texts were in {args.output} already)" if resumed["texts"] else ""
+    unit = progress.unit + "s"
+    earlier = f" ({resumed['texts']} {unit} were in {args.output} already)" if resumed["texts"] else ""
     corpus = f"mean NLL {mean_nll:.4f} a predicted token, perplexity {stats['perplexity']:.4g}" if predicted else \
         "no token predicted"
-    log(f"{texts} texts, {tokens} tokens: {corpus}; scored {stats['scored_tokens']} tokens{earlier} in {elapsed:.2f} "
+    shared = (f", {run['tokens_computed']} computed for {run['tokens_requested']} requested"
+              if run.get("tokens_requested") else "")  # a prefix tree's
+    log(f"{texts} {unit}, {tokens} tokens{shared}: {corpus}; scored {stats['scored_tokens']} tokens{earlier} in {elapsed:.2f} "
         f"s{f' on {group.world} ranks' if group else ''}, {stats['tokens_per_s']:.0f} tokens/s ({phases}); streamed "
         f"{run.get('streamed_bytes', 0) / 1e9:.1f} GB" + (" (rank 0)" if group else ""))
     if args.stats:
