@@ -2986,8 +2986,8 @@ def read_records(path, text_field="text", id_field="id", pair_fields=PAIR_FIELDS
         if kind is None:
             kind = record.text is None
         elif kind != (record.text is None):
-            raise UserError(f"{where} is a {'continuation' if kind else 'text'} where the records before it are "
-                            f"{'texts' if kind else 'continuations'}: a corpus holds one kind")
+            raise UserError(f"{where} is a {'text' if kind else 'continuation'} where the records before it are "
+                            f"{'continuations' if kind else 'texts'}: a corpus holds one kind")
         yield record
 
 

@@ -411,3 +411,94 @@ def test_generate_until_is_refused_before_any_model_loads(task_dir, tmp_path):
     errors = [line for line in p.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and "t_gen" in errors[0] and "t_ll" not in errors[0], p.stderr[-2000:]
     assert "nothing-here" not in p.stderr
+
+
+# ----------------------------------------------------------------------------- corpus mode, torchrun
+
+def run_prefill(*args, ranks=1, timeout=300):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
+        if ranks > 1 else [sys.executable]
+    return subprocess.run([*launcher, str(ROOT / "prefill.py"), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=dict(__import__("os").environ, OMP_NUM_THREADS="2"))
+
+
+def continuation_corpus(path):
+    import random
+    rng, rows = random.Random(1), []
+    for q in range(6):
+        context = f"Question {q}: {sentence(rng, 12)}\nAnswer:"  # a shared prefix, then each question's own
+        rows += [{"id": f"{q}{c}", "ctx": context, "cont": c} for c in (" A", " B", " " + sentence(rng, 5))]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_a_corpus_of_continuations_scores_resumes_and_runs_on_two_ranks(eval_checkpoint, eval_runner, tmp_path):
+    rows = continuation_corpus(tmp_path / "in.jsonl")
+    out, args = tmp_path / "out.jsonl", ["--model", eval_checkpoint, "--input", tmp_path / "in.jsonl", "--device",
+                                         "cpu", "--attention", "sdpa", "--context-field", "ctx",
+                                         "--continuation-field", "cont", "--token-logprobs", "--wave-tokens", "120"]
+    p = run_prefill(*args, "--output", out)
+    assert p.returncode == 0 and p.stdout == "", p.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == [row["id"] for row in rows]
+    want = eval_runner.loglikelihoods(eval_runner.encode_pairs([(row["ctx"], row["cont"]) for row in rows]))
+    for r, w in zip(records, want):
+        assert r["continuation_tokens"] == w.tokens and r["tokens"] == r["context_tokens"] + w.tokens
+        assert abs(r["logprob"] - w.logprob) / abs(w.logprob) < TOLERANCE and r["greedy"] == w.greedy
+        assert r["nll_sum"] == -r["logprob"] and r["loss"] == r["nll_sum"] / w.tokens
+        assert len(r["token_logprobs"]) == w.tokens and math.fsum(r["token_logprobs"]) == r["logprob"]
+    lines = [line for line in p.stderr.splitlines() if line.startswith("prefill:")]
+    assert len(lines) == 4 and " computed for " in lines[-1]  # load, plan, the tree backend, the summary
+    # resumed from a cut file: byte for byte the uninterrupted run's
+    whole = out.read_bytes()
+    out.write_bytes(whole[:len(whole) // 2])
+    assert run_prefill(*args, "--output", out, "--resume").returncode == 0 and out.read_bytes() == whole
+    # two ranks claim whole batches: the same file
+    two = tmp_path / "two.jsonl"
+    p = run_prefill(*args, "--output", two, ranks=2)
+    assert p.returncode == 0 and two.read_bytes() == whole, p.stderr[-2000:]
+
+
+def test_a_corpus_holds_one_kind_and_token_logprobs_need_continuations(eval_checkpoint, tmp_path):
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"context": "a b", "continuation": " c"}\n{"text": "a b c"}\n')
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text('{"text": "a b c"}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"context": "  ", "continuation": " c"}\n')
+    for path, extra, message in [(mixed, [], "line 2 is a text where the records before it are continuations"),
+                                 (texts, ["--token-logprobs"], "--token-logprobs: the input's records are texts"),
+                                 (empty, [], "line 1: the context is empty")]:
+        p = run_prefill("--model", eval_checkpoint, "--input", path, "--device", "cpu", *extra)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and message in p.stderr, p.stderr
+
+
+DATA_PARALLEL = """
+import json, sys
+import lm_eval, prefill_eval
+from lm_eval.tasks import TaskManager
+r = lm_eval.simple_evaluate(model="prefill", model_args=sys.argv[1], tasks=sys.argv[3].split(","), device="cpu",
+                            log_samples=True, task_manager=TaskManager(include_path=sys.argv[2]))
+if r is not None:  # rank 0
+    # each request's first response: lm-eval pads a rank's requests with copies of its last, whose extra responses
+    # land on that same request
+    print(json.dumps({t: [[resps[0] for resps in s["resps"]] for s in sorted(r["samples"][t], key=lambda s: s["doc_id"])]
+                      for t in r["samples"]}))
+"""
+
+
+def test_lm_eval_data_parallel_equals_one_process(eval_checkpoint, task_dir, tmp_path):
+    args = [f"pretrained={eval_checkpoint},max_length={MAX_LENGTH},attention=sdpa,chunk_tokens=48,wave_tokens=200",
+            str(task_dir), "t_ll,t_roll"]  # not t_mc: lm-eval draws each rank's few-shot examples anew (its own
+    # sampler's state runs over the rank's documents), so its data-parallel contexts differ from one process's
+    runs = []
+    for ranks in (1, 2):
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
+            if ranks > 1 else [sys.executable]
+        p = subprocess.run([*launcher, "-c" if ranks == 1 else str(tmp_path / "dp.py"), *(
+            [DATA_PARALLEL] if ranks == 1 else []), *args], capture_output=True, text=True, timeout=600,
+            cwd=ROOT, env=dict(__import__("os").environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        (tmp_path / "dp.py").write_text(DATA_PARALLEL)
+    assert runs[0] == runs[1]  # every request's numbers, bit for bit
