@@ -2613,6 +2613,7 @@ class Runner:
                                  [logprob[p] for p in mine] if token_logprobs else None)
                    for (index, _, _), mine in zip(batch, wave.pairs)]
         self.add_request_stats(batch, results, waves=1, tokens_requested=wave.requested, tokens_computed=T,
+                               attention_pairs=int(wave.positions.sum()) + T,  # (query, key) pairs: depth + 1 each
                                scored_rows=int(wave.rows.unique_consecutive().numel()),
                                streamed_bytes=self.streamer.streamed_bytes - streamed_before)
         return results
@@ -2684,9 +2685,10 @@ class Runner:
         for key, value in tally.items():
             self.stats[key] = self.stats.get(key, 0) + value
 
-    def warm_up(self):
+    def warm_up(self, trees=False):
         """Runs every kernel at the timed pass's shapes (a chunk-sized batch through a layer, the loss, each
-        flash-attn max_seqlen bucket) so compilation and allocator growth stay out of the timed window. One layer:
+        flash-attn max_seqlen bucket; with trees, a prefix tree's wave and its pick, for continuations) so
+        compilation and allocator growth stay out of the timed window. One layer:
         every layer runs the same kernels at the same shapes, and all 64 took 0.56 s of the H200's time to ready
         (0.02 s for one; bench/results/primitives/2026-12-01-h200-load-phases-probe.json). It runs on a streamer of its
         own that copies nothing, streamed layers on the weights their slots already hold: the warm-up's numbers are
@@ -2704,6 +2706,10 @@ class Runner:
         try:
             self.losses([torch.randint(self.cfg.vocab_size, (k,), generator=gen).tolist() for k in lengths],
                         layers=(0,))
+            if trees:  # a context of n // 2 tokens, four one-token choices and an ending of n // 8
+                context = torch.randint(self.cfg.vocab_size, (n // 2,), generator=gen).tolist()
+                requests = [Request(context, [t]) for t in range(4)] + [Request(context, list(range(n // 8)))]
+                self.score_requests([(i, r, None) for i, r in enumerate(requests)], layers=(0,))
         finally:
             self.streamer = streamer
         if "flash" in self.attention.values():  # a chunk of several texts has max_len <= chunk_tokens: 128, 256, ...
