@@ -668,7 +668,8 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536):
     return MemoryPlan(
         budget_bytes=budget_bytes, resident_layers=tuple(i for i in range(L) if i not in streamed),
         streamed_layers=streamed, chunk_tokens=chunk_tokens, wave_tokens=wave_tokens,
-        loss_chunk_tokens=loss_chunk_tokens, tree_wave_tokens=tree_wave_tokens, fixed_bytes=fixed, working_bytes=working, slot_bytes=slots,
+        loss_chunk_tokens=loss_chunk_tokens, tree_wave_tokens=tree_wave_tokens,
+        fixed_bytes=fixed, working_bytes=working, slot_bytes=slots,
         layer_bytes=cfg.layer_bytes,
     )
 
@@ -1059,7 +1060,7 @@ def attention_sdpa(q, k, v, chunk):
             qs = q[s + r:s + stop].transpose(0, 1)  # [heads, rows, D]
             if stop - r == n and not a:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-            else:  # query r + i sees keys 0 .. a + r + i; every block the same shape, so the allocator reuses its blocks
+            else:  # query r + i sees keys 0 .. a + r + i; blocks of one shape, so the allocator reuses its blocks
                 seen = torch.ones(stop - r, a + n, dtype=torch.bool, device=q.device).tril(a + r)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen)
             out[s + r:s + stop] = o.transpose(0, 1)
@@ -1965,7 +1966,7 @@ def sequence_nll(h, lm_head, final_norm, targets, seq_index, n_seqs, eps, chunk_
     return torch.zeros(n_seqs, dtype=torch.float64).index_add_(0, seq_index, nll.cpu().double())
 
 
-# ----------------------------------------------------------------------------- evaluation: continuations, the prefix tree
+# ----------------------------------------------------------------------------- evaluation: the prefix tree
 # Evaluation mostly asks for the log-likelihood of a continuation given a context (multiple choice, LAMBADA, rolling
 # perplexity): lm-eval's (context_enc, continuation_enc) reads (context + continuation)[:-1] and scores the
 # continuation's tokens. A batch of such requests runs as one wave of a prefix tree: every request's input is a path
@@ -2085,7 +2086,8 @@ def tree_wave(requests, chunk_tokens, device):
             if parent:  # the parent node's ancestors and the parent node itself, whole
                 start, length, above = nodes[node_of[parent]]
                 touching = above and above[-1][1] == start  # ranges that touch are one
-                ranges = above[:-1] + [(above[-1][0], start + length)] if touching else above + [(start, start + length)]
+                ranges = (above[:-1] + [(above[-1][0], start + length)] if touching else
+                          above + [(start, start + length)])
             node_of[t] = len(nodes)
             nodes.append([at[t], 1, ranges])
         stack.extend(reversed(trie.children[t].values()))
@@ -3574,12 +3576,17 @@ def check_writable(path, option="--stats"):
         os.unlink(path)
 
 
+# settings kept in OUT.settings.json since continuations came, and the value every earlier file's run had
+ADDED_SETTINGS = {"context_field": PAIR_FIELDS[0], "continuation_field": PAIR_FIELDS[1], "token_logprobs": False}
+
+
 def corpus_settings(args):
     """The settings an --output file's numbers depend on, kept beside it (OUT.settings.json) for --resume to check:
     the file itself holds records only."""
     return {"model": str(Path(args.model).resolve()), "text_field": args.text_field, "id_field": args.id_field,
             "context_field": args.context_field, "continuation_field": args.continuation_field,
-            "token_logprobs": args.token_logprobs, "chunk_tokens": args.chunk_tokens, "wave_tokens": args.wave_tokens, "attention": args.attention,
+            "token_logprobs": args.token_logprobs,
+            "chunk_tokens": args.chunk_tokens, "wave_tokens": args.wave_tokens, "attention": args.attention,
             "kernels": args.kernels, "device": args.device or "auto"}
 
 
@@ -3602,6 +3609,7 @@ def check_output(args):
             "unchecked (its records are checked against the input)")
         return
     now = corpus_settings(args)
+    kept = dict(ADDED_SETTINGS, **kept) if isinstance(kept, dict) else {}  # older files: the values then
     changed = [f"{key} {shown(kept.get(key))}, now {shown(now[key])}" for key in now if kept.get(key) != now[key]]
     if changed:
         raise UserError(f"--output {args.output} was made with other settings ({'; '.join(changed)}): resume with "
@@ -3707,7 +3715,8 @@ def serve(args, protocol, group=None):
         if output:
             command = shlex.join((group.relaunch() if group else []) + ["prefill.py", *args.argv]
                                  + ([] if args.resume else ["--resume"]))
-            e.add_note(f"{output.records} of {progress.total or 'all'} {progress.unit}s done in {args.output}; resume with: "
+            e.add_note(f"{output.records} of {progress.total or 'all'} {progress.unit}s done in {args.output}; "
+                       "resume with: "
                        f"{command}")
         raise
     finally:
@@ -3746,8 +3755,8 @@ def serve(args, protocol, group=None):
         "no token predicted"
     shared = (f", {run['tokens_computed']} computed for {run['tokens_requested']} requested"
               if run.get("tokens_requested") else "")  # a prefix tree's
-    log(f"{texts} {unit}, {tokens} tokens{shared}: {corpus}; scored {stats['scored_tokens']} tokens{earlier} in {elapsed:.2f} "
-        f"s{f' on {group.world} ranks' if group else ''}, {stats['tokens_per_s']:.0f} tokens/s ({phases}); streamed "
+    log(f"{texts} {unit}, {tokens} tokens{shared}: {corpus}; scored {stats['scored_tokens']} tokens{earlier} in "
+        f"{elapsed:.2f} s{f' on {group.world} ranks' if group else ''}, {stats['tokens_per_s']:.0f} tokens/s ({phases}); streamed "
         f"{run.get('streamed_bytes', 0) / 1e9:.1f} GB" + (" (rank 0)" if group else ""))
     if args.stats:
         try:
