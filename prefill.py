@@ -1306,43 +1306,50 @@ if triton is not None:
     def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, kv_start, anc_cu_ptr, anc_ptr, scale_log2,
                                HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr):
-        # _attention_kernel for a prefix tree's chunk: one program, BLOCK_M query rows of one head of one node;
-        # q/out: the chunk's [tokens, HEADS, D], k/v: the whole wave's [tokens, KV_HEADS, D], the chunk's own at
-        # kv_start. A node first reads its ancestors' key ranges whole (anc_ptr[anc_cu_ptr[node]:...], [start, end)
-        # pairs in the wave), then its own keys causally, as _attention_kernel reads a sequence's. A range's last
+        # _attention_kernel for a prefix tree's chunk: one program, BLOCK_M query rows of one KV head's group of
+        # query heads in one node, row r the node's token r // GROUP in head r % GROUP of the group, so that a key tile
+        # serves GROUP heads at once: a tree's nodes are short (a question's 80 tokens under a 700-token few-shot
+        # prefix) and their ancestors' keys long, so a program per query head re-read every ancestor key GROUP times
+        # and filled its last row block by a fraction. q/out: the chunk's [tokens, HEADS, D], k/v: the whole wave's
+        # [tokens, KV_HEADS, D], the chunk's own at kv_start. A node first reads its ancestors' key ranges whole
+        # (anc_ptr[anc_cu_ptr[node]:...], [start, end) pairs in the wave), then its own keys causally. A range's last
         # partial tile is masked by the diagonal path with every row at the range's end. A root node (no ranges) is
         # _attention_kernel's case; the first tile read holds key 0 of a range or of the node, so no row's running
         # max stays -inf. A sliding window (by depth) or a softcap would go where _attention_tiles computes s, with
         # each range's depth beside its start (a range of an ancestor covers consecutive depths).
-        block, node, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        GROUP: tl.constexpr = HEADS // KV_HEADS
+        block, node, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(cu_ptr + node)
         length = tl.load(cu_ptr + node + 1) - start
         m0 = block * BLOCK_M
-        if m0 < length:
-            rows = m0 + tl.arange(0, BLOCK_M)
-            q_at = ((start + rows[:, None]).to(tl.int64) * HEADS + head) * D + tl.arange(0, D)[None, :]
-            q = tl.load(q_ptr + q_at, mask=rows[:, None] < length, other=0.0)  # [BLOCK_M, D]
-            kv_head = head // (HEADS // KV_HEADS) * D
+        if m0 < length * GROUP:
+            packed = m0 + tl.arange(0, BLOCK_M)
+            rows = packed // GROUP  # each row's token in the node: what the causal mask compares
+            valid = packed < length * GROUP
+            q_at = (((start + rows[:, None]).to(tl.int64) * HEADS + kv_head * GROUP + packed[:, None] % GROUP) * D
+                    + tl.arange(0, D)[None, :])
+            q = tl.load(q_ptr + q_at, mask=valid[:, None], other=0.0)  # [BLOCK_M, D]
             acc = tl.zeros((BLOCK_M, D), tl.float32)
             m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
             l_i = tl.zeros((BLOCK_M,), tl.float32)
             for a in range(tl.load(anc_cu_ptr + node), tl.load(anc_cu_ptr + node + 1)):
                 lo = tl.load(anc_ptr + 2 * a)
                 n = tl.load(anc_ptr + 2 * a + 1) - lo
-                kv = lo.to(tl.int64) * KV_HEADS * D + kv_head
+                kv = lo.to(tl.int64) * KV_HEADS * D + kv_head * D
                 whole = n // BLOCK_N * BLOCK_N
                 acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, n, 0, whole,
                                                  scale_log2, KV_HEADS * D, D, BLOCK_N, False)
                 acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv,
                                                  tl.zeros((BLOCK_M,), tl.int32) + (n - 1), n, whole, n, scale_log2,
                                                  KV_HEADS * D, D, BLOCK_N, True)
-            kv = (kv_start + start).to(tl.int64) * KV_HEADS * D + kv_head
-            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, 0, m0,
+            kv = (kv_start + start).to(tl.int64) * KV_HEADS * D + kv_head * D
+            first = m0 // GROUP // BLOCK_N * BLOCK_N  # every row's keys below it are unmasked
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, 0, first,
                                              scale_log2, KV_HEADS * D, D, BLOCK_N, False)
-            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, m0,
-                                             tl.minimum(m0 + BLOCK_M, length), scale_log2, KV_HEADS * D, D,
-                                             BLOCK_N, True)
-            tl.store(out_ptr + q_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=rows[:, None] < length)
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, first,
+                                             tl.minimum((m0 + BLOCK_M - 1) // GROUP + 1, length), scale_log2,
+                                             KV_HEADS * D, D, BLOCK_N, True)
+            tl.store(out_ptr + q_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 def rms_norm_triton(x, weight, eps):
@@ -1428,7 +1435,8 @@ def attention_triton(q, k, v, chunk, tile):
     assert block_m % block_n == 0  # the unmasked tiles must end exactly where the diagonal ones start
     out = torch.empty_like(q)
     grid = (triton.cdiv(chunk.max_len, block_m), len(chunk.seq_bounds) - 1, heads)
-    if chunk.ancestors is not None:  # a prefix tree's chunk: k/v are the wave's
+    if chunk.ancestors is not None:  # a prefix tree's chunk: k/v are the wave's; a program per KV head's group
+        grid = (triton.cdiv(chunk.max_len * (heads // k.shape[1]), block_m), len(chunk.seq_bounds) - 1, k.shape[1])
         _tree_attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, chunk.start, chunk.ancestor_bounds,
                                      chunk.ancestor_ranges, math.log2(math.e) / math.sqrt(D), HEADS=heads,
                                      KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
@@ -1995,8 +2003,10 @@ class Loglikelihood:
 
 
 def as_request(context, continuation, where="request"):
+    # C-speed checks (a token-by-token loop over MMLU-shaped requests cost 0.3 s of host time): ints only, not bools
     if not (isinstance(context, (list, tuple)) and isinstance(continuation, (list, tuple))
-            and all(type(t) is int and t >= 0 for t in itertools.chain(context, continuation))):
+            and set(map(type, context)) | set(map(type, continuation)) <= {int}
+            and min(context, default=0) >= 0 and min(continuation, default=0) >= 0):
         raise UserError(f"{where}: context and continuation must be lists of token ids")
     if not context or not continuation:
         raise UserError(f"{where}: the {'context' if not context else 'continuation'} has no token (each needs one: "
@@ -2005,31 +2015,57 @@ def as_request(context, continuation, where="request"):
 
 
 class PrefixTrie:
-    """The token-level trie of request inputs: node 0 the root, every other node one token, children in the order
-    they were first inserted."""
+    """The trie of request inputs, each chain of tokens without a branching kept as one node (a radix trie): a shared
+    prefix is matched by list comparisons, not token by token (2,000 MMLU-shaped requests of 780 tokens took 0.56 s
+    of host time token by token on the CPU, inside the timed window of a one-wave request). Node 0 is the root and
+    holds no token; children are in the order they were first inserted; an input may end inside a node."""
 
     def __init__(self):
-        self.children, self.token, self.parent = [{}], [None], [None]
+        self.runs, self.parent, self.children = [[]], [None], [{}]
+        self.tokens = 0  # the tokens the trie holds
 
-    def unseen(self, ids):  # how many of ids' tokens the trie lacks
-        node = 0
-        for i, t in enumerate(ids):
-            node = self.children[node].get(t)
-            if node is None:
-                return len(ids) - i
-        return 0
+    def walk(self, ids):
+        """([(node, how many of its tokens ids reads)], how many of ids the trie holds), along ids from the root."""
+        node, i, path = 0, 0, []
+        while i < len(ids) and (child := self.children[node].get(ids[i])) is not None:
+            run = self.runs[child]
+            n = min(len(run), len(ids) - i)
+            if run[:n] != ids[i:i + n]:  # the first token matches (the child's key): bisect for the last one
+                lo, hi = 1, n
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if run[:mid] == ids[i:i + mid] else (lo, mid)
+                n = lo
+            path.append((child, n))
+            i += n
+            if n < len(run):
+                break
+            node = child
+        return path, i
 
-    def insert(self, ids):  # -> the node of each of ids' tokens
-        node, path = 0, []
-        for t in ids:
-            child = self.children[node].get(t)
-            if child is None:
-                child = self.children[node][t] = len(self.token)
-                self.children.append({})
-                self.token.append(t)
-                self.parent.append(node)
-            path.append(node := child)
-        return path
+    def insert(self, ids):
+        path, i = self.walk(ids)
+        if i == len(ids):
+            return
+        node, n = path[-1] if path else (0, 0)
+        if path and n < len(self.runs[node]):  # ids leave the node inside it: its first n tokens become its parent
+            run, above = self.runs[node], self.parent[node]
+            head = self._add(above, run[:n])  # takes the node's place among its parent's children, in order
+            self.runs[node], self.parent[node] = run[n:], head
+            self.children[head][run[n]] = node
+            node = head
+        if node and not self.children[node]:  # a chain that ended here goes on
+            self.runs[node] = self.runs[node] + ids[i:]
+        else:
+            self._add(node, ids[i:])
+        self.tokens += len(ids) - i
+
+    def _add(self, parent, run):
+        self.runs.append(run)
+        self.parent.append(parent)
+        self.children.append({})
+        self.children[parent][run[0]] = len(self.runs) - 1
+        return len(self.runs) - 1
 
 
 def request_batches(items, wave_tokens, max_requests=BATCH_TEXTS):
@@ -2037,16 +2073,15 @@ def request_batches(items, wave_tokens, max_requests=BATCH_TEXTS):
     starts a new batch where the tokens it adds to the batch's trie (those no earlier request of the batch read)
     would take the batch past wave_tokens; the new batch holds its whole path again. As batches(), the cut depends
     on the requests and the settings alone, so resumed and torchrun runs form the same batches."""
-    batch, trie, tokens = [], PrefixTrie(), 0
+    batch, trie = [], PrefixTrie()
     for item in items:
         ids = item[1].input
-        new = trie.unseen(ids)
-        if batch and (len(batch) == max_requests or tokens + new > wave_tokens):
+        trie.insert(ids)  # into the batch's trie, which is dropped if the request goes to the next batch
+        if batch and (len(batch) == max_requests or trie.tokens > wave_tokens):
             yield batch
-            batch, trie, tokens, new = [], PrefixTrie(), 0, len(ids)
-        trie.insert(ids)
+            batch, trie = [], PrefixTrie()
+            trie.insert(ids)
         batch.append(item)
-        tokens += new
     if batch:
         yield batch
 
@@ -2068,28 +2103,26 @@ def tree_wave(requests, chunk_tokens, device):
     pieces of chunk_tokens (a piece's ancestors include the pieces before it); depth first, every node's ancestors
     come before it, so a chunk of consecutive nodes (<= chunk_tokens) finds its ancestors' keys computed."""
     trie = PrefixTrie()
-    paths = [trie.insert(r.input) for r in requests]
-    n = len(trie.token)
-    at, depth, node_of, order = [0] * n, [0] * n, [0] * n, []  # order: the trie's nodes as the wave holds them
-    nodes = []  # [start in the wave, length, the ancestors' key ranges]
+    for r in requests:
+        trie.insert(r.input)
+    ids, positions, parents = [], [], []  # per wave token, depth first
+    start, depth, covered = {}, {0: 0}, {0: []}  # per trie node: its first token's wave index and depth; the key
+    nodes = []  # ranges of its path, merged; [start in the wave, length, the ancestors' key ranges] per piece
     stack = list(reversed(trie.children[0].values()))
     while stack:
         t = stack.pop()
-        parent, at[t] = trie.parent[t], len(order)
-        order.append(t)
-        depth[t] = depth[parent] + 1 if parent else 0
-        if parent and len(trie.children[parent]) == 1 and nodes[node_of[parent]][1] < chunk_tokens:
-            node_of[t] = node_of[parent]  # the parent's chain goes on
-            nodes[node_of[t]][1] += 1
-        else:
-            ranges = []
-            if parent:  # the parent node's ancestors and the parent node itself, whole
-                start, length, above = nodes[node_of[parent]]
-                touching = above and above[-1][1] == start  # ranges that touch are one
-                ranges = (above[:-1] + [(above[-1][0], start + length)] if touching else
-                          above + [(start, start + length)])
-            node_of[t] = len(nodes)
-            nodes.append([at[t], 1, ranges])
+        p, run, s = trie.parent[t], trie.runs[t], len(ids)
+        start[t], depth[t] = s, depth[p] + len(trie.runs[p])
+        ids += run
+        positions += range(depth[t], depth[t] + len(run))
+        parents += [start[p] + len(trie.runs[p]) - 1 if p else -1, *range(s, s + len(run) - 1)]
+        ranges = covered[p]
+        for piece in range(s, s + len(run), chunk_tokens):
+            end = min(piece + chunk_tokens, s + len(run))
+            nodes.append([piece, end - piece, ranges])
+            touching = ranges and ranges[-1][1] == piece  # ranges that touch are one
+            ranges = ranges[:-1] + [(ranges[-1][0], end)] if touching else ranges + [(piece, end)]
+        covered[t] = ranges
         stack.extend(reversed(trie.children[t].values()))
     chunks, group = [], []
     for node in nodes + [None]:
@@ -2110,19 +2143,21 @@ def tree_wave(requests, chunk_tokens, device):
         if node is not None:
             group.append(node)
     index, pairs = {}, []  # (row, target) -> pair
-    for r, path in zip(requests, paths):
-        ids = r.context + r.continuation
-        pairs.append([index.setdefault((at[path[i]], ids[i + 1]), len(index))
-                      for i in range(len(path) - len(r.continuation), len(path))])
+    for r in requests:
+        rows, want = [], len(r.continuation)  # the wave rows of the input's last `want` tokens: they are scored
+        for t, n in reversed(trie.walk(r.input)[0]):
+            take = min(want - len(rows), n)
+            rows[:0] = range(start[t] + n - take, start[t] + n)
+            if len(rows) == want:
+                break
+        pairs.append([index.setdefault((row, target), len(index)) for row, target in zip(rows, r.continuation)])
     keys = sorted(index)
     renumber = {index[key]: j for j, key in enumerate(keys)}
-    return TreeWave(torch.tensor([trie.token[t] for t in order], dtype=torch.int64),
-                    torch.tensor([depth[t] for t in order], dtype=torch.int64),
-                    torch.tensor([at[trie.parent[t]] if trie.parent[t] else -1 for t in order], dtype=torch.int64),
-                    chunks,
+    return TreeWave(torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+                    torch.tensor(parents, dtype=torch.int64), chunks,
                     torch.tensor([row for row, _ in keys], dtype=torch.int64),
                     torch.tensor([target for _, target in keys], dtype=torch.int64),
-                    [[renumber[p] for p in mine] for mine in pairs], sum(map(len, paths)))
+                    [[renumber[p] for p in mine] for mine in pairs], sum(len(r.input) for r in requests))
 
 
 def continuation_logprobs(h, rows, targets, lm_head, final_norm, eps, chunk_tokens, kernels):
@@ -2567,9 +2602,7 @@ class Runner:
                        storage_bytes=self.streamer.storage_bytes - storage_before)  # of those, read from storage
         self.stats.update(host_budget_bytes=self.host_plan.budget_bytes,
                           storage_layers=len(self.host_plan.storage_layers))
-        phases = self.stats.setdefault("phases", {})
-        for phase, seconds in timer.totals().items():
-            phases[phase] = phases.get(phase, 0.0) + seconds
+        self.add_phases(timer)
         return scores
 
     def run_layers(self, x, cos, sin, chunks, layers, attend, wave_kv=None):
@@ -2599,8 +2632,10 @@ class Runner:
         tokens_requested (what the requests read, each alone)."""
         cfg, dev = self.cfg, self.device
         attend = self.tree_attention()
-        streamed_before = self.streamer.streamed_bytes
+        streamed_before, t0 = self.streamer.streamed_bytes, time.perf_counter()
         wave = tree_wave([request for _, request, _ in batch], self.plan.chunk_tokens, dev)
+        tree_s, timer = time.perf_counter() - t0, PhaseTimer(dev)  # the host's part, before any GPU work
+        timer.mark("layers")
         T = wave.ids.numel()
         ids = wave.ids.to(dev)
         x = self.embed.index_select(0, ids)  # [tokens, hidden]
@@ -2608,8 +2643,10 @@ class Runner:
         wave_kv = [torch.empty(T, cfg.num_key_value_heads, cfg.head_dim, dtype=DTYPE, device=dev) for _ in range(2)]
         self.run_layers(x, cos, sin, wave.chunks, layers, attend, wave_kv)
         del wave_kv
+        timer.mark("loss")
         logprob, greedy = continuation_logprobs(x, wave.rows, wave.targets, self.lm_head, self.final_norm,
                                                 cfg.rms_norm_eps, self.plan.loss_chunk_tokens, self.kernels)
+        timer.mark("end")
         logprob, greedy = logprob.tolist(), greedy.tolist()
         results = [Loglikelihood(index, math.fsum(logprob[p] for p in mine), len(mine), all(greedy[p] for p in mine),
                                  [logprob[p] for p in mine] if token_logprobs else None)
@@ -2617,8 +2654,14 @@ class Runner:
         self.add_request_stats(batch, results, waves=1, tokens_requested=wave.requested, tokens_computed=T,
                                attention_pairs=int(wave.positions.sum()) + T,  # (query, key) pairs: depth + 1 each
                                scored_rows=int(wave.rows.unique_consecutive().numel()),
-                               streamed_bytes=self.streamer.streamed_bytes - streamed_before)
+                               streamed_bytes=self.streamer.streamed_bytes - streamed_before, tree_s=tree_s)
+        self.add_phases(timer)
         return results
+
+    def add_phases(self, timer):  # a batch's GPU time per phase, into self.stats
+        phases = self.stats.setdefault("phases", {})
+        for phase, seconds in timer.totals().items():
+            phases[phase] = phases.get(phase, 0.0) + seconds
 
     def add_request_stats(self, batch, results, **more):
         # as add_stats, for a batch of continuations: requests, their tokens, the scored ones and their NLL
