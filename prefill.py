@@ -67,6 +67,17 @@ def parse_json(data, source):
         raise UserError(f"{source}: not JSON ({e})") from None
 
 
+def model_folder(model_dir):
+    # --model (or Runner's model_dir) first of all: a path that is missing or a file says so, not "no config.json"
+    path = Path(model_dir)
+    if not path.exists():
+        raise UserError(f"the model folder {model_dir} does not exist")
+    if not path.is_dir():
+        raise UserError(f"the model folder {model_dir} is not a directory: give the checkpoint's folder (config.json, "
+                        "*.safetensors, the tokenizer files)")
+    return path
+
+
 def read_bytes(path):
     try:
         return Path(path).read_bytes()
@@ -94,6 +105,7 @@ class Qwen3Config:
     rms_norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool
+    max_position_embeddings: int = 0  # 0: not given; a longer text is computed all the same, as transformers does
 
     def __post_init__(self):
         H, I, D = self.hidden_size, self.intermediate_size, self.head_dim
@@ -124,7 +136,7 @@ class Qwen3Config:
 
     @classmethod
     def from_dir(cls, model_dir):
-        path = Path(model_dir) / "config.json"
+        path = model_folder(model_dir) / "config.json"
         if not path.exists():
             raise UserError(f"{model_dir} has no config.json")
         raw = parse_json(read_bytes(path), path)
@@ -165,6 +177,8 @@ class Qwen3Config:
             rms_norm_eps=positive("rms_norm_eps", 1e-6),
             rope_theta=positive("rope_theta", rope.get("rope_theta", 10000.0)),
             tie_word_embeddings=field("tie_word_embeddings", False, lambda v: type(v) is bool, "true or false"),
+            max_position_embeddings=field("max_position_embeddings", 0, lambda v: type(v) is int and v >= 0,
+                                          "a non-negative integer"),
         )
         try:
             return cls(**fields)
@@ -2240,9 +2254,13 @@ def choose_device(requested):
     if requested == "cuda" or gpu:
         build = (f"ROCm {torch.version.hip}" if torch.version.hip else
                  f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only")
-        why = f"this machine has an {gpu} GPU" if gpu else "--device cuda asks for one"
-        raise UserError(f"torch {torch.__version__} ({build} build) sees no GPU, but {why}: install the torch "
-                        "build for this GPU (README: Install), or pass --device cpu")
+        seen = f"torch {torch.__version__} ({build} build) sees no GPU"
+        if gpu is None:
+            raise UserError(f"{seen}, but --device cuda asks for one, and this machine shows none (no /dev/kfd or "
+                            "/dev/nvidiactl): pass --device cpu")
+        fix = ("install a ROCm build of torch (README: Install on AMD (ROCm))" if gpu == "AMD" else
+               "install a CUDA build of torch (the locked one: uv sync) and check the driver (nvidia-smi)")
+        raise UserError(f"{seen}, but this machine has an {gpu} GPU: {fix}, or pass --device cpu")
     return torch.device("cpu")
 
 
@@ -2480,13 +2498,16 @@ class Runner:
         return self.tokenizer(texts) if texts else []
 
     def score(self, texts):
-        """The Python API: scores texts (a list, or any iterable of strings, read as it goes) with the model kept
+        """The Python API: scores texts (one string, or an iterable of strings read as it goes) with the model kept
         loaded, yielding one Score (index, tokens, loss, nll_sum) per text, in order, a batch at a time. The same
         path as the command line's: texts are tokenized a few batches ahead on a side thread, each batch runs as
         one wave, and batches are cut from the token counts alone, so the numbers are those of
-        `prefill.py --input`. self.stats holds the run's figures once the iterator is exhausted."""
+        `prefill.py --input`. An item that is not a string raises UserError with the command line's message
+        ("element 1 is int, not a string") once the batches before it are scored. self.stats covers this call
+        alone: emptied when its iteration starts, complete once the iterator is exhausted."""
+        texts = [texts] if isinstance(texts, str) else texts  # a string is one text, not an iterable of characters
         self.stats = {}
-        for batch in self.batches(texts):
+        for batch in self.batches(text_of(t, f"element {i}") for i, t in enumerate(texts)):
             yield from self.score_batch(batch)
 
     def losses(self, token_lists, layers=None):
@@ -2555,6 +2576,7 @@ class Runner:
                     return
                 if isinstance(batch, BaseException):
                     raise batch
+                self._note_long_texts(batch)
                 yield batch
         finally:
             stop.set()
@@ -2563,6 +2585,20 @@ class Runner:
             # (pytorch#38228). The producer ends within a tokenizer call of `stop`; one blocked reading its input
             # is left behind after a second.
             producer.join(timeout=1.0)
+
+    def _note_long_texts(self, batch):
+        # transformers computes a text past max_position_embeddings (RoPE has no hard limit) and so does prefill; the
+        # numbers are outside what the model was trained on, which deserves one line (the first such text) a run
+        limit = self.cfg.max_position_embeddings
+        kind = "request" if batch and isinstance(batch[0][1], Request) else "text"
+        lengths = ((index, len(ids.input) if kind == "request" else len(ids)) for index, ids, _ in batch)
+        over = [(index, n) for index, n in lengths if limit and n > limit]
+        if over and not self.stats.get("texts_over_positions"):
+            log(f"warning: {kind} {over[0][0]} has {over[0][1]} tokens, more than the model's max_position_embeddings "
+                f"({limit}, config.json): computed all the same, as transformers does (--stats texts_over_positions "
+                "counts every such text)")
+        if over:
+            self.stats["texts_over_positions"] = self.stats.get("texts_over_positions", 0) + len(over)
 
     @torch.inference_mode()
     def score_batch(self, batch, layers=None):
@@ -2871,6 +2907,18 @@ def h2d_gbps(device, method, nbytes=GiB):
     return rate, lock_s
 
 
+def unavailable_here(kind, device):
+    """Why attention `kind` cannot run on this machine by design (the doctor shows it as expected, not as a
+    failure), or None where it should run."""
+    if kind == "triton" and triton is None:
+        return "triton is not installed"
+    if kind == "flash" and package_version("flash_attn") is None:
+        return "flash_attn is not installed"
+    if device.type == "cpu" and kind != "sdpa" and not (kind == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return "a GPU kernel, not on the CPU"
+    return None
+
+
 def doctor(runner):
     """(report lines, figures, problems) for a loaded, warmed-up Runner."""
     cfg, plan, dev = runner.cfg, runner.plan, runner.device
@@ -2893,6 +2941,10 @@ def doctor(runner):
     report = check_attention(attention_candidates("auto", fig["gpu_family"]), dev, cfg)
     for label in BUCKET_LABELS if cuda else ():
         time_attention([e for e in report if e["attend"] is not None], label, dev, cfg)
+    for e in report:
+        if "reason" in e:
+            e["expected"] = unavailable_here(e["name"].split()[0], dev)
+    failed = [e["name"] for e in report if "reason" in e and not e["expected"]]
     fig["attention"] = runner.attention
     fig["attention_candidates"] = [{k: v for k, v in e.items() if k != "attend"} for e in report]
     fig.update(kernels=runner.kernels.name, kernel_errors=runner.kernel_errors, blas=runner.blas)
@@ -2932,21 +2984,24 @@ def doctor(runner):
              f"{runner.lock_s:.1f} s" + (f"; 1 GiB locks in {fig['lock_s_per_gb']['register']:.2f} s/GB by "
                                          f"register, {fig['lock_s_per_gb']['alloc']:.2f} s/GB by alloc; "
                                          f"host->device {fig['h2d_gbps']:.1f} GB/s" if cuda else "")]
-    lines.append(f"attention  by the longest text in a chunk: {attention_summary(runner.attention)} (checked against "
-                 f"float32 attention, texts of {CHECK_LENGTHS}, then each bucket's own)")
+    lines.append(f"attention  by the longest text in a chunk: {attention_summary(runner.attention)} (each checked "
+                 f"against float32 attention on texts of {CHECK_LENGTHS}, then each bucket's own; rel. error: the "
+                 "worst row's largest difference over that row's largest value)")
     if cuda:
         lines.append("  ms a chunk (first call) per bucket, * picked: " + ", ".join(
             f"{label} timed on {len(timed)} texts of {sum(timed)} tokens" for label, _, timed, _ in ATTENTION_BUCKETS))
     for e in fig["attention_candidates"]:
         if "reason" in e:
-            state = f"refused: {e['reason'][:90]}"
+            state = f"not here: {e['expected']}" if e["expected"] else f"FAILED: {e['reason'][:90]}"
         else:
-            state = f"error {e['error']:.1e}" + "".join(
+            state = f"rel. error {e['error']:.1e}" + "".join(
                 f"  {'*' if runner.attention[label] == e['name'] else ' '}{e['time_ms'][label]:7.3f} "
                 f"({e['first_ms'][label]:7.1f})" for label in BUCKET_LABELS if label in e.get("time_ms", {}))
         lines.append(f"    {e['name']:<14} {state}")
     errors = ", ".join(f"{k} {v:.1e}" for k, v in runner.kernel_errors.items())
-    lines.append(f"kernels    {runner.kernels.name}" + (f" (error against float32: {errors})" if errors else ""))
+    fused_here = None if cuda else "not on the CPU" if triton is not None else "triton is not installed"
+    lines.append(f"kernels    {runner.kernels.name}" + (f" (rel. error against float32 math: {errors})" if errors else
+                                                        f" (fused Triton kernels: {fused_here})" if fused_here else ""))
     if cuda:
         for library, rates in fig["gemm_tflops"].items():
             lines.append(f"{'BLAS' if library == BLAS_LIBRARIES[0] else '':<10} {'*' if library == runner.blas else ' '}"
@@ -2956,18 +3011,25 @@ def doctor(runner):
         lines.append(f"projected  contest-100 ({CONTEST_TOKENS} tokens): GEMMs {fig['contest100_compute_s']:.1f} s at "
                      f"the rates above; streaming {fig['contest100_transfer_s']:.1f} s, hidden while it is smaller")
     lines.append(f"repeat     the same request twice: {'identical' if fig['repeat_identical'] else 'DIFFERENT'}")
-    lines.append("verdict    " + ("every required path works" if not problems else "; ".join(problems)))
+    lines.append("verdict    " + ("; ".join(problems) if problems else "every required path works" + (
+        f"; {len(failed)} attention candidate(s) FAILED where they should run ({', '.join(failed)}): see above"
+        if failed else "")))
     return lines, fig, problems
 
 
 # ----------------------------------------------------------------------------- corpus I/O
 # --input FILE --output OUT.jsonl scores a corpus of any size: records are read and tokenized on a side thread a few
 # batches ahead (Runner.batches), and each batch's records are appended to OUT in one write, flushed and fsynced.
-# OUT holds whole batches at every moment, but for the one a kill cut short, which --resume cuts off and redoes.
+# OUT holds whole batches at every moment, but for the one a kill cut short, which --resume cuts off and redoes. Each
+# record carries a digest of what its numbers were computed from (its token ids and every setting), so that a resumed
+# run keeps only records it can prove were scored from the input as it is now.
 
 JSON_SPACE = " \t\r\n"
 CHECKED_RECORDS = 1000  # records read and checked before the model loads: a typo costs seconds, not a 65 GB load
-PROGRESS_LINE_S = 600   # without a terminal, a progress line this often: an hours-long run logged to a file
+# Without a terminal, a progress line at most this often, and less often as the run grows (every tenth of the time
+# elapsed): a day's run logs ~60 lines, and the harness, which reads stderr only after a run of seconds, gets none
+PROGRESS_LINE_S = 60
+DIGEST_HEX = 16  # a record's digest: 64 bits, so an edited text passes for the old one with a chance of 2^-64
 
 
 def text_of(value, where):
@@ -3001,6 +3063,7 @@ class Record:
     id: object = NO_ID
     context: str = None      # a continuation's record: the two strings instead of a text
     continuation: str = None
+    where: str = "the request"  # where the input holds it ("in.jsonl line 7"), for --resume's messages
 
 
 PAIR_FIELDS = ("context", "continuation")  # --context-field, --continuation-field
@@ -3008,7 +3071,7 @@ PAIR_FIELDS = ("context", "continuation")  # --context-field, --continuation-fie
 
 def record_of(value, where, text_field, id_field, pair_fields=PAIR_FIELDS):
     if not isinstance(value, dict):
-        return Record(text_of(value, where))
+        return Record(text_of(value, where), NO_ID, where=where)
     context_field, continuation_field = pair_fields
     if context_field in value:  # a continuation to score given its context (README: Score a corpus)
         if continuation_field not in value:
@@ -3019,11 +3082,12 @@ def record_of(value, where, text_field, id_field, pair_fields=PAIR_FIELDS):
         if not context.rstrip() or not continuation:
             raise UserError(f"{where}: the {'context' if not context.rstrip() else 'continuation'} is empty (a "
                             "continuation is predicted from at least one token of context)")
-        return Record(None, value.get(id_field, NO_ID), context, continuation)
+        return Record(None, value.get(id_field, NO_ID), context, continuation, where)
     if text_field not in value:
         raise UserError(f"{where} is an object without the text field {shown(text_field)} (--text-field) or the "
                         f"context field {shown(context_field)} (--context-field)")
-    return Record(text_of(value[text_field], f"{where} field {shown(text_field)}"), value.get(id_field, NO_ID))
+    return Record(text_of(value[text_field], f"{where} field {shown(text_field)}"), value.get(id_field, NO_ID),
+                  where=where)
 
 
 def read_records(path, text_field="text", id_field="id", pair_fields=PAIR_FIELDS):
@@ -3076,17 +3140,66 @@ def count_records(path):
     return None
 
 
-def record_key(index, ids, record):
-    """What a record of OUT must hold for --resume to take it as the input's: its index, token counts and id."""
+# The files whose bytes decide a checkpoint's numbers besides the weights' values: what an edit in place (another
+# config, tokenizer or set of tensors at the same path) changes. The weights are not read (65 GB): a safetensors file
+# counts by its header (each tensor's name, dtype, shape and offsets) and its size.
+FINGERPRINT_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+                     "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json", "tokenizer.model")
+
+
+def checkpoint_fingerprint(model_dir):
+    """A digest of model_dir's FINGERPRINT_FILES and safetensors headers: milliseconds, before the model loads."""
+    folder = model_folder(model_dir)
+    digest = hashlib.sha256()
+    for path in [folder / name for name in FINGERPRINT_FILES] + sorted(folder.glob("*.safetensors")):
+        try:
+            with open(path, "rb") as f:
+                if path.suffix != ".safetensors":
+                    data = f.read()
+                else:  # a corrupt length reads at most the header limit; the loader names what is wrong with it
+                    head = f.read(8)
+                    data = head + f.read(min(int.from_bytes(head, "little"), SAFETENSORS_MAX_HEADER)) + \
+                        os.fstat(f.fileno()).st_size.to_bytes(8, "little")
+        except FileNotFoundError:
+            data = b""
+        except OSError as e:
+            raise UserError(f"cannot read {path}: {e.strerror}") from None
+        digest.update(f"{path.name} {len(data)}\n".encode() + data)
+    return digest.hexdigest()[:DIGEST_HEX]
+
+
+def settings_digest(settings):
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def numbers_digest(settings_key, *token_lists):
+    """What a record's numbers were computed from, in DIGEST_HEX hex digits: the run's settings (settings_key, the
+    settings_digest of everything OUT.settings.json holds: the options, the checkpoint's fingerprint, the kernels
+    picked) and the token ids (a text's; a record of another kind passes each of its token lists). --resume keeps a
+    record only where what the input gives now has the digest stored with it."""
+    digest = hashlib.sha256(settings_key.encode())
+    for ids in token_lists:
+        digest.update(len(ids).to_bytes(8, "little") + array.array("q", ids).tobytes())
+    return digest.hexdigest()[:DIGEST_HEX]
+
+
+def record_key(index, ids, record, settings_key):
+    """What a record of OUT must hold for --resume to take it as the input's: its index, token counts, id, and the
+    digest of the token ids (a continuation's context and continuation, each) and settings its numbers came from."""
     key = {"index": index}
     if isinstance(ids, Request):
         key.update(tokens=len(ids.context) + len(ids.continuation), continuation_tokens=len(ids.continuation))
     else:
         key["tokens"] = len(ids)
-    return key | ({} if record.id is NO_ID else {"id": record.id})
+    return key | ({} if record.id is NO_ID else {"id": record.id}) | {"digest": record_digest(ids, settings_key)}
 
 
-def output_line(result, ids, record):
+def record_digest(ids, settings_key):
+    # a text's token ids, or a continuation's context and continuation, each
+    return numbers_digest(settings_key, *((ids.context, ids.continuation) if isinstance(ids, Request) else (ids,)))
+
+
+def output_line(result, ids, record, digest):
     # a text's Score, or a continuation's Loglikelihood: there loss and nll_sum are the continuation's (its mean and
     # summed NLL), as a text's are its predicted tokens'
     fields = {"index": result.index}
@@ -3100,7 +3213,18 @@ def output_line(result, ids, record):
             fields["token_logprobs"] = result.token_logprobs
     else:
         fields.update(tokens=result.tokens, loss=result.loss, nll_sum=result.nll_sum)
+    fields["digest"] = digest
     return json.dumps(fields) + "\n"  # floats as repr: the shortest text that reads back to the same bits
+
+
+def write_atomically(path, text):
+    # a kill leaves the old file or the new one, never a part of one
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
 
 
 # A SIGINT or SIGTERM that arrives while a batch's records are written waits until they are on disk, so that a
@@ -3127,19 +3251,30 @@ def signals_held():
             on_signal(signum, None)
 
 
+def record_differences(got, want):
+    """How a record OUT holds differs from the one the input gives now (want): a list of phrases, empty if none."""
+    if not (isinstance(got, dict) and isinstance(got.get("nll_sum"), float)):
+        return ["it is not a record prefill writes"]
+    differs = [f"{key} {shown(got[key]) if key in got else 'absent'} there, {shown(want[key])} now" for key in want
+               if key not in got or json.dumps(got[key]) != json.dumps(want[key])]
+    return differs + (["an id there, none now"] if "id" in got and "id" not in want else [])
+
+
 class CorpusOutput:
     """OUT.jsonl, appended a batch at a time. With --resume, each batch the file already holds whole is checked
-    against the input (index, tokens, id) and skipped; at the first it does not hold whole (the one a kill cut:
-    whole records and a cut line alike) the file is cut back to the batch's start and scoring goes on. Batches are
-    cut from token counts alone and each batch's numbers are the same on every run, so the finished file is byte
-    for byte what one uninterrupted run writes."""
+    against the input (index, tokens, id, and the digest of the token ids and settings its numbers came from) and
+    skipped; at the first it does not hold whole (the one a kill cut: whole records and a cut line alike) the file is
+    cut back to the batch's start and scoring goes on. Batches are cut from token counts alone and each batch's
+    numbers are the same on every run, so the finished file is byte for byte what one uninterrupted run writes.
+    OUT.settings.json (settings) is written just before OUT first changes: a refused resume leaves both as they were."""
 
-    def __init__(self, path, resume):
+    def __init__(self, path, resume, settings):
         self.path, self.records, self.size = path, 0, 0  # records and bytes that are whole batches
+        self.settings, self.settings_key = settings, settings_digest(settings)
         self.old = open(path, "rb") if resume and os.path.exists(path) and os.path.getsize(path) else None
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         if self.old is None:
-            os.ftruncate(self.fd, 0)
+            os.ftruncate(self.fd, 0)  # empty already, or absent: check_output refused anything else
 
     def holds(self, batch):
         """The batch's records as OUT holds them (dicts), or None where it does not hold the whole batch. Whole lines
@@ -3149,15 +3284,19 @@ class CorpusOutput:
         lines = list(itertools.takewhile(lambda line: line.endswith(b"\n"), (self.old.readline() for _ in batch)))
         records = []
         for line_no, line, (index, ids, record) in zip(itertools.count(self.records + 1), lines, batch):
-            want = record_key(index, ids, record)
+            want = record_key(index, ids, record, self.settings_key)
             try:
                 got = json.loads(line)
             except ValueError:
                 got = None
-            if not (isinstance(got, dict) and isinstance(got.get("nll_sum"), float) and ("id" in got) == ("id" in want)
-                    and json.dumps({k: got.get(k) for k in want}) == json.dumps(want)):
-                raise UserError(f"{self.path} line {line_no} does not match the input, which gives "
-                                f"{json.dumps(want)[:200]} there: another input, tokenizer or --id-field?")
+            differs = record_differences(got, want)
+            if differs:
+                why = ("it was scored from another text than the input holds there now, or with another checkpoint "
+                       "or setting." if differs[0].startswith("digest ") else
+                       "another input, tokenizer or --id-field?")
+                raise UserError(f"{self.path} line {line_no} does not match {record.where} ({'; '.join(differs)}): "
+                                f"{why} Resume with the input and settings it was made with, or move {self.path} "
+                                "away to score afresh")
             records.append(got)
         if len(records) < len(batch):  # the end of what an interrupted run wrote: whole records, maybe a cut line
             self._cut()
@@ -3166,8 +3305,15 @@ class CorpusOutput:
         self.size += sum(map(len, lines))
         return records
 
+    def _settings_written(self):
+        if self.settings is not None:
+            write_atomically(self.path + ".settings.json", json.dumps(self.settings))
+            self.settings = None
+
     def append(self, scores, batch):
-        data = memoryview("".join(output_line(s, ids, record) for s, (_, ids, record) in zip(scores, batch)).encode())
+        self._settings_written()
+        data = memoryview("".join(output_line(s, ids, record, record_digest(ids, self.settings_key))
+                                  for s, (_, ids, record) in zip(scores, batch)).encode())
         with signals_held():
             written = len(data)
             while data:
@@ -3184,35 +3330,40 @@ class CorpusOutput:
         os.close(self.fd)
 
     def _cut(self):
+        self._settings_written()
         self.old.close()
         self.old = None
         os.ftruncate(self.fd, self.size)
 
 
 class Progress:
-    """Texts and tokens done, tokens/s and ETA: a tqdm bar on a terminal; elsewhere a line every PROGRESS_LINE_S
-    (none in a shorter run: the harness reads stderr only after the run)."""
+    """Texts and tokens done, tokens/s and ETA: a tqdm bar on a terminal; elsewhere a line PROGRESS_LINE_S after the
+    start, then at most that often, and less often as the run grows (none in a run of seconds, such as the harness's,
+    which reads stderr only after the run)."""
 
     def __init__(self, total, unit="text"):  # unit: "request" for continuations
-        self.total, self.texts, self.tokens, self.t0 = total, 0, 0, time.perf_counter()
+        self.total, self.texts, self.scored, self.tokens, self.t0 = total, 0, 0, 0, time.perf_counter()
         self.next_line, self.unit = self.t0 + PROGRESS_LINE_S, unit
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True, smoothing=0.05)
 
-    def add(self, texts, scored_tokens):
+    def add(self, texts, scored_tokens, held=False):  # held: texts --resume kept, which take no time
         self.texts += texts
+        self.scored += 0 if held else texts
         self.tokens += scored_tokens
-        rate = self.tokens / max(1e-9, time.perf_counter() - self.t0)
+        now = time.perf_counter()
+        elapsed = max(1e-9, now - self.t0)
         if self.bar is not None:
-            self.bar.set_postfix_str(f"{self.tokens} tokens, {rate:.0f} tokens/s", refresh=False)
+            self.bar.set_postfix_str(f"{self.tokens} tokens, {self.tokens / elapsed:.0f} tokens/s", refresh=False)
             self.bar.update(texts)
-        elif time.perf_counter() >= self.next_line:
-            self.next_line += PROGRESS_LINE_S
-            elapsed = time.perf_counter() - self.t0
-            left = f" of {self.total}, ETA {(self.total - self.texts) * elapsed / self.texts:.0f} s" if self.total else ""
-            log(f"{self.texts} {self.unit}s{left}; {self.tokens} tokens, {rate:.0f} tokens/s")
+        elif now >= self.next_line:
+            self.next_line = now + max(PROGRESS_LINE_S, elapsed / 10)
+            eta = (self.total - self.texts) * elapsed / self.scored if self.total and self.scored else None
+            left = f" of {self.total}" + (f", ETA {datetime.timedelta(seconds=round(eta))}" if eta is not None
+                                          else "") if self.total else ""
+            log(f"{self.texts} {self.unit}s{left}; {self.tokens} tokens, {self.tokens / elapsed:.0f} tokens/s")
 
     def close(self):
         if self.bar is not None:
@@ -3369,9 +3520,9 @@ class Group:
                         return f"rank {rank} (pid {pid}) ended without an error: killed by a signal or the OOM killer?"
         return None
 
-    def relaunch(self):  # how this run was started, for the resume line
-        return ["torchrun", f"--nproc-per-node={self.world // self.nodes}"] + (
-            [f"--nnodes={self.nodes}", "<the same rendezvous options>"] if self.nodes > 1 else [])
+    def relaunch(self):  # how this run was started, for the resume line: torchrun's module, whatever its spelling was
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.world // self.nodes}"] + (
+            [f"--nnodes={self.nodes}", "<the same rendezvous options>"] if self.nodes > 1 else ["--standalone"])
 
 
 def process_alive(pid):
@@ -3477,8 +3628,26 @@ def score_claimed(group, runner, batches, token_logprobs=False):
 # ----------------------------------------------------------------------------- protocol / CLI
 
 def parse_request(data, source="stdin"):
-    """The protocol's request: one JSON array of strings (bytes or str)."""
-    return [text_of(t, f"{source}: element {i}") for i, t in enumerate(json_array(data, source))]
+    """The protocol's request: one JSON array of strings (bytes or str), on one line."""
+    try:
+        values = json_array(data, source)
+    except UserError:
+        if ends_short(decoded(data)):  # the first line of a pretty-printed array, say
+            raise UserError(f"{source}: the request ends at a line break before its JSON array does: the protocol "
+                            "takes the whole request on one line (--input FILE reads texts in any layout)") from None
+        raise
+    return [text_of(t, f"{source}: element {i}") for i, t in enumerate(values)]
+
+
+def ends_short(text):
+    # JSON that stops before it is whole (the parser wants more at the end), rather than JSON that is wrong
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        return e.pos >= len(text.rstrip(JSON_SPACE))
+    except (ValueError, RecursionError):
+        return False
+    return False
 
 
 def take_stdout():
@@ -3522,7 +3691,8 @@ def parse_args(argv):
         epilog="Exit codes: 0 done; 1 stdin closed before the request, stdout closed before the last loss, another "
                "torchrun rank failed, or an unexpected error; 2 a bad option, input, request, output or checkpoint "
                "(one line on stderr names it); 130 SIGINT; 143 SIGTERM (with --output: after the batch being written, "
-               "saying how many texts are done and the command that resumes).")
+               "saying how many texts are done and the command that resumes, to paste as it is). The request is one "
+               "line; texts longer than config.json's max_position_embeddings are computed, with one warning.")
     p.add_argument("--model", "--model_path", dest="model", required=True, metavar="DIR",
                    help="folder with config.json, *.safetensors (+ index) and the tokenizer files")
     p.add_argument("--input", metavar="FILE",
@@ -3531,12 +3701,15 @@ def parse_args(argv):
                         "with a string --text-field; the first records are checked before the model loads")
     p.add_argument("--output", metavar="OUT",
                    help="with --input: score it as a corpus, appending one JSON line per text to OUT in input order, "
-                        "{index, id (where the input has one), tokens, loss (null below 2 tokens), nll_sum}, a batch "
-                        "at a time, each flushed and fsynced; an existing non-empty OUT needs --resume")
+                        "{index, id (where the input has one), tokens, loss (null below 2 tokens), nll_sum, digest (of "
+                        "the token ids and settings the numbers came from)}, a batch at a time, each flushed and "
+                        "fsynced; an existing non-empty OUT needs --resume")
     p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted --output run with the same settings: the whole batches OUT holds are "
-                        "checked against the input and kept, the rest is scored; the finished file is byte-identical "
-                        "to an uninterrupted run's (a missing OUT starts afresh)")
+                   help="continue an interrupted --output run with the same settings: each record of the whole batches "
+                        "OUT holds is checked against the input (index, id, token count, and its digest of the token "
+                        "ids and settings) and kept, the rest is scored; a record that differs stops the run before "
+                        "anything is written, naming it; the finished file is byte-identical to an uninterrupted "
+                        "run's (a missing OUT starts afresh)")
     p.add_argument("--text-field", default="text", metavar="NAME",
                    help="the field holding the text where an input record is an object (default: text)")
     p.add_argument("--id-field", default="id", metavar="NAME",
@@ -3619,55 +3792,80 @@ def check_writable(path, option="--stats"):
         os.unlink(path)
 
 
-# settings kept in OUT.settings.json since continuations came, and the value every earlier file's run had
-ADDED_SETTINGS = {"context_field": PAIR_FIELDS[0], "continuation_field": PAIR_FIELDS[1], "token_logprobs": False}
-
-
 def corpus_settings(args):
-    """The settings an --output file's numbers depend on, kept beside it (OUT.settings.json) for --resume to check:
-    the file itself holds records only."""
-    return {"model": str(Path(args.model).resolve()), "text_field": args.text_field, "id_field": args.id_field,
-            "context_field": args.context_field, "continuation_field": args.continuation_field,
-            "token_logprobs": args.token_logprobs,
-            "chunk_tokens": args.chunk_tokens, "wave_tokens": args.wave_tokens, "attention": args.attention,
-            "kernels": args.kernels, "device": args.device or "auto"}
+    """The settings an --output file's numbers depend on that are known before the model loads: the options, and the
+    fingerprint of the checkpoint's files (an edit in place keeps the path). Kept beside OUT in OUT.settings.json to
+    name what changed, and digested into each record (numbers_digest) to prove nothing did."""
+    return {"model": str(Path(args.model).resolve()), "checkpoint": checkpoint_fingerprint(args.model),
+            "text_field": args.text_field, "id_field": args.id_field, "context_field": args.context_field,
+            "continuation_field": args.continuation_field, "token_logprobs": args.token_logprobs,
+            "chunk_tokens": args.chunk_tokens,
+            "wave_tokens": args.wave_tokens, "attention": args.attention, "kernels": args.kernels,
+            "device": args.device or "auto"}
+
+
+def picked_settings(runner):
+    """The settings that the start-up picks among those the options allow (by the picks file, which can change
+    between runs, or by the GPU itself): the rest of what the numbers depend on, known once the model is loaded."""
+    device = runner.device
+    return {**{f"attention {label}": name for label, name in runner.attention.items()},
+            "elementwise kernels": runner.kernels.name, "blas": runner.blas,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type}
+
+
+def settings_changes(kept, now):
+    # "key then, now now" for each setting of `now` that OUT.settings.json (`kept`, {} when unreadable) holds otherwise;
+    # one it lacks is left to the records' digests, which cover every setting
+    return [f"{key} {shown(kept[key])}, now {shown(now[key])}" for key in now if key in (kept or {}) and
+            kept[key] != now[key]]
 
 
 def check_output(args):
-    """--output, before the model loads: never clobber an earlier run; resume it only with its own settings."""
+    """--output, before the model loads: never clobber an earlier run; resume it only with its own settings. Returns
+    this run's settings (corpus_settings) and those OUT.settings.json holds (None: nothing to resume; {}: unreadable,
+    when the records' digests alone prove the settings)."""
     if not args.input:
         raise UserError("--output needs --input FILE")
     check_writable(args.output, "--output")
     size = os.path.getsize(args.output) if os.path.exists(args.output) else 0
     if size and args.input != "-" and os.path.exists(args.input) and os.path.samefile(args.input, args.output):
         raise UserError(f"--output {args.output} is the --input file")
+    now = corpus_settings(args)
     if not size:
-        return  # nothing there to lose
+        return now, None  # nothing there to lose
     if not args.resume:
         raise UserError(f"--output {args.output} exists ({size} bytes): pass --resume to continue it, or remove it")
+    with open(args.output, "rb") as f:
+        first = f.readline()
+    with contextlib.suppress(ValueError):  # a cut first line is the first batch to redo
+        record = json.loads(first)
+        if isinstance(record, dict) and "digest" not in record:
+            raise UserError(f"--output {args.output} was written by an older prefill.py, whose records carry no "
+                            "digest of the text and settings they were scored from, so none can be proven to match "
+                            f"this input: move {args.output} away to score afresh")
     try:
         kept = json.loads(Path(args.output + ".settings.json").read_text())
     except (OSError, ValueError):
-        log(f"warning: no readable {args.output}.settings.json: the settings {args.output} was made with are "
-            "unchecked (its records are checked against the input)")
-        return
-    now = corpus_settings(args)
-    kept = dict(ADDED_SETTINGS, **kept) if isinstance(kept, dict) else {}  # older files: the values then
-    changed = [f"{key} {shown(kept.get(key))}, now {shown(now[key])}" for key in now if kept.get(key) != now[key]]
+        kept = {}
+    kept = kept if isinstance(kept, dict) else {}
+    changed = settings_changes(kept, now)
     if changed:
         raise UserError(f"--output {args.output} was made with other settings ({'; '.join(changed)}): resume with "
-                        "the same ones")
+                        "the same ones" + (" (checkpoint: a digest of config.json, the tokenizer files and the "
+                                           "safetensors headers)" if "checkpoint" in kept and
+                                           kept["checkpoint"] != now["checkpoint"] else ""))
+    return now, kept
 
 
 def serve(args, protocol, group=None):
     writer = group is None or group.rank == 0  # rank 0 alone writes OUT and speaks the protocol
-    records = total = None
+    records = total = settings = kept = None
     pairs = False  # the records are continuations (context and continuation fields), not texts
     if args.doctor and group:
         raise UserError("--doctor reports on one process: run it without torchrun")
     if args.output:
         if writer:
-            check_output(args)
+            settings, kept = check_output(args)
     elif args.resume:
         raise UserError("--resume needs --output OUT")
     if args.input:  # the input opens and its first records (all of them without --output) parse before the load
@@ -3693,6 +3891,13 @@ def serve(args, protocol, group=None):
                     picks=args.picks if writer else RankZeroPicks(group))
     if group and writer:
         publish_picks(group, runner, args.attention)
+    if settings is not None:
+        settings.update(picked := picked_settings(runner))
+        changed = settings_changes(kept, picked)
+        if changed:
+            raise UserError(f"--output {args.output} was made with other kernels than this start-up picked "
+                            f"({'; '.join(changed)}): the picks file (--picks) or the GPU changed since; resume with "
+                            f"the picks file it was made with, or move {args.output} away to score afresh")
     t0 = time.perf_counter()
     runner.warm_up()
     warm_up_s = time.perf_counter() - t0
@@ -3730,9 +3935,8 @@ def serve(args, protocol, group=None):
         score_claimed(group, runner, batches, args.token_logprobs)
         return 0
     t_start, start_unix_s = time.perf_counter(), time.time()  # wall clock: bench times a corpus run's ready
-    output = CorpusOutput(args.output, args.resume) if args.output else None
-    if output:
-        Path(args.output + ".settings.json").write_text(json.dumps(corpus_settings(args)))
+    output = CorpusOutput(args.output, args.resume, settings) if args.output else None
+    announce = output is not None and args.resume  # where a resumed run picks up, once it is known
     scores, resumed = [], {"texts": 0, "tokens": 0, "predicted_tokens": 0, "nll_sum": 0.0}
     progress = Progress(total.result() if hasattr(total, "result") else total, "request" if pairs else "text")
     runner.stats = {}
@@ -3745,18 +3949,25 @@ def serve(args, protocol, group=None):
                                    predicted_tokens=resumed["predicted_tokens"]
                                    + r.get("continuation_tokens", max(0, r["tokens"] - 1)),
                                    nll_sum=resumed["nll_sum"] + r["nll_sum"])
-                progress.add(len(batch), 0)
+                progress.add(len(batch), 0, held=True)
                 continue
+            if announce:
+                log(f"resume: {resumed['texts']} {progress.unit}s of {args.output} match the input and are kept; "
+                    f"scoring from {progress.unit} {batch[0][0]} ({batch[0][2].where})")
+                announce = False
             if output:
                 output.append(batch_scores, batch)
             else:
                 scores += batch_scores
             progress.add(len(batch), sum(s.tokens for s in batch_scores))
+        if announce:
+            log(f"resume: all {resumed['texts']} {progress.unit}s of {args.output} match the input and are kept; "
+                "none is left to score")
         if output:
             output.close()
     except (KeyboardInterrupt, Terminated, PeerFailed) as e:
-        if output:
-            command = shlex.join((group.relaunch() if group else []) + ["prefill.py", *args.argv]
+        if output:  # to paste as it is: this interpreter (or torchrun's module under it), the arguments quoted
+            command = shlex.join((group.relaunch() if group else [sys.executable]) + args.command
                                  + ([] if args.resume else ["--resume"]))
             e.add_note(f"{output.records} of {progress.total or 'all'} {progress.unit}s done in {args.output}; "
                        "resume with: "
@@ -3823,7 +4034,8 @@ def main(argv=None):
     QUIET["on"] = int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0 and \
         not os.environ.get("PREFILL_DEBUG")  # an option error every rank makes is rank 0's one line
     args = parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else argv  # for the --resume command an interrupted run prints
+    # how this run was started, for the command an interrupted run prints: the script as given, and its arguments
+    args.command = sys.argv if argv is None else [__file__, *argv]
     protocol = take_stdout()
 
     def failed(line, code):  # under torchrun rank 0 speaks for all; the first rank to fail is the one it names
