@@ -2025,7 +2025,19 @@ def as_request(context, continuation, where="request"):
     if not context or not continuation:
         raise UserError(f"{where}: the {'context' if not context else 'continuation'} has no token (each needs one: "
                         "a continuation is predicted from at least one token)")
-    return Request(list(context), list(continuation))
+    return Request(context if type(context) is list else list(context),  # read, never changed: no copy
+                   continuation if type(continuation) is list else list(continuation))
+
+
+def order_key(request):
+    """Bytes that sort as the request's tokens (context + continuation) do as a tuple of ints: big-endian int64
+    compared by memcmp, where tuples of MMLU-shaped requests, 700 shared tokens each, compared element by element
+    (0.1 s of host time for 2,000 inside a one-wave request's timed window)."""
+    tokens = array.array("q", request.context)
+    tokens.extend(request.continuation)
+    if sys.byteorder == "little":
+        tokens.byteswap()
+    return tokens.tobytes()
 
 
 class PrefixTrie:
@@ -2726,21 +2738,24 @@ class Runner:
         batches are cut from the sorted requests alone, so the numbers depend on the set of requests and the
         settings, not on their order. share=(rank, world): this process scores only every world-th batch, from the
         rank-th (lm-eval's data parallel), and the others' results are None. progress: a Progress to add to."""
-        keys = {}
+        t0, groups = time.perf_counter(), {}  # (order key, continuation length) -> (Request, the positions asking)
         for i, (context, continuation) in enumerate(requests):
             request = as_request(context, continuation, f"request {i}")
-            keys.setdefault((tuple(request.context + request.continuation), len(request.continuation)), []).append(i)
-        distinct = sorted(keys)
+            key = (order_key(request), len(request.continuation))
+            if key not in groups:
+                groups[key] = (request, [])
+            groups[key][1].append(i)
+        distinct = [groups[key] for key in sorted(groups)]
         results = [None] * len(requests)
-        self.stats = {}
+        self.stats = {"prepare_s": time.perf_counter() - t0}  # the host's checks and sort, before any batch
         rank, world = share or (0, 1)
-        items = ((j, Request(list(tokens[:-n]), list(tokens[-n:])), None) for j, (tokens, n) in enumerate(distinct))
+        items = ((j, request, None) for j, (request, _) in enumerate(distinct))
         for k, batch in enumerate(request_batches(items, self.plan.tree_wave_tokens)):
             if k % world != rank:
                 continue
             computed = self.stats.get("tokens_computed", 0)
             for result in self.score_requests(batch, token_logprobs):
-                for i in keys[distinct[result.index]]:
+                for i in distinct[result.index][1]:
                     results[i] = dataclasses.replace(result, index=i)
             if progress is not None:
                 progress.add(len(batch), self.stats["tokens_computed"] - computed)

@@ -289,7 +289,8 @@ def main(argv=None) -> int:
             entry.update(t_seconds=t, requests_per_s=entry["requests"] / t, tokens_computed=stats["tokens_computed"],
                          tokens_requested_tree=stats["tokens_requested"], waves=stats["waves"],
                          scored_rows=stats["scored_rows"], peak_gpu_gib=(mine["peak_gpu_bytes"] or 0) / 2**30,
-                         tree_s=stats.get("tree_s"), gpu_phases_s=stats.get("phases"),  # where T went
+                         prepare_s=stats.get("prepare_s"), tree_s=stats.get("tree_s"),  # where T went
+                         gpu_phases_s=stats.get("phases"),
                          **floors(cfg, stats, res["gemm_sustained_tflops"]))
             entry["t_over_unique_floor"] = run._div(t, entry["unique_floor_s"])
         if theirs:

@@ -185,9 +185,20 @@ def test_a_wrong_tree_falls_outside_tolerance(eval_checkpoint, shared, bug, monk
 
 
 def test_bad_requests_are_refused_in_one_line(eval_runner):
-    for bad in [([], [1]), ([1], []), ([1, "x"], [2]), ("12", [1])]:
+    for bad in [([], [1]), ([1], []), ([1, "x"], [2]), ("12", [1]), ([1, True], [2]), ([1], [-2]), ([1.0], [2])]:
         with pytest.raises(prefill.UserError, match="request 0: "):
             eval_runner.loglikelihoods([bad])
+
+
+def test_requests_are_ordered_as_their_token_tuples():
+    # the batches are cut from the requests in this order: bytes compared by memcmp must sort as the tuples do
+    gen = torch.Generator().manual_seed(5)
+    stems = [torch.randint(2**62, (n,), generator=gen).tolist() for n in (0, 1, 5)]
+    requests = [prefill.Request(stem + torch.randint(k, (n,), generator=gen).tolist(), [t])
+                for stem in stems for k in (2, 300, 2**40) for n in (1, 2, 3) for t in (0, 255, 256, 2**62)]
+    tuples = sorted(range(len(requests)), key=lambda i: tuple(requests[i].context + requests[i].continuation))
+    keys = sorted(range(len(requests)), key=lambda i: prefill.order_key(requests[i]))
+    assert [prefill.order_key(requests[i]) for i in tuples] == [prefill.order_key(requests[i]) for i in keys]
 
 
 def test_waves_are_cut_by_unique_tokens_and_hold_every_ancestor(eval_checkpoint, shared):
