@@ -2209,9 +2209,9 @@ def pick_attention(requested, device, cfg, picks):
 TREE_KINDS = ("triton", "sdpa")
 # The tree the check runs: a 300-token root whose children are 37 and 100 tokens, the 100's children 650 and 5, a
 # second root of 70 with children of 64 and 1; cut into chunks of 512, the 650 in two pieces, so that nodes read
-# ancestors in earlier chunks, two ranges apart, a range ending mid-tile, and no ancestors at all. A window longer than
-# its 1050 deepest tokens adds a branch 300 deeper than the window under the 300 and the 100, so that the window's edge
-# falls inside the ancestors' keys and inside the node's own.
+# ancestors in earlier chunks, two ranges apart, a range ending mid-tile, and no ancestors at all. A window that does
+# not end 100 tokens above its deepest (1050) adds a branch 300 deeper than the window under the 300 and the 100, so
+# that the window's edge falls inside the ancestors' keys and inside the node's own.
 TREE_CHECK = ([[300, 37], [300, 100, 650], [300, 100, 5], [70, 64], [70, 1]], 512)
 
 
@@ -2242,7 +2242,7 @@ def tree_check_cases(device, cfg):
     # chunks' key ranges or depths
     branches, chunk_tokens = TREE_CHECK
     for how in attention_settings(cfg):
-        deep = [[300, 100, how.window - 100]] if how.window and how.window + 300 > 1050 else []
+        deep = [[300, 100, how.window - 100]] if how.window and how.window + 100 > max(map(sum, branches)) else []
         gen = torch.Generator().manual_seed(3)
         requests, stems = [], {}
         for branch in branches + deep:  # the same stem, the same tokens: requests that share a prefix
@@ -3298,13 +3298,21 @@ class Runner:
     def encode_pairs(self, pairs):
         """(context, continuation) strings -> (context ids, continuation ids), as lm-eval's _encode_pair tokenizes
         them: the context's trailing whitespace moves to the continuation, context + continuation is encoded whole
-        and split after the tokens of the context alone."""
+        and split after the tokens of the context alone. A tokenizer that adds a BOS (Llama 3, Gemma) adds it to
+        both, so the context keeps it and an empty context is the BOS alone (lm-eval's prefix_token_id then); a text
+        that starts with the BOS itself gets no second one, as lm-eval's tok_encode (has_bos_prefix) encodes it
+        without special tokens."""
         moved = []
         for context, continuation in pairs:
             kept = context.rstrip()
             moved.append((kept, context[len(kept):] + continuation))
-        contexts = self.tokenize([context for context, _ in moved])
-        wholes = self.tokenize([context + continuation for context, continuation in moved])
+        added = self.tokenize([""])[0]  # what the tokenizer puts before every text: a BOS, or nothing (Qwen)
+
+        def encoded(texts):
+            return [ids[len(added):] if added and ids[:2 * len(added)] == added * 2 else ids
+                    for ids in self.tokenize(texts)]
+        contexts = encoded([context for context, _ in moved])
+        wholes = encoded([context + continuation for context, continuation in moved])
         return [(ids, whole[len(ids):]) for ids, whole in zip(contexts, wholes)]
 
     def add_stats(self, scores, **more):
