@@ -666,16 +666,20 @@ def family_requests(seed=0):
     return requests
 
 
-def reference_logprobs(path, requests):
-    # lm-eval's HF backend's numbers in float32, from_pretrained (eager attention: Gemma 2's softcap is computed)
+def reference_logprobs(path, requests, dtype=torch.float32):
+    # lm-eval's HF backend's numbers, from_pretrained (eager attention: Gemma 2's softcap is computed)
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
     out = []
     for context, continuation in requests:
         with torch.no_grad():
             logits = model(torch.tensor([context + continuation[:-1]])).logits[0, -len(continuation):]
         out.append(logits.float().log_softmax(-1).gather(1, torch.tensor(continuation)[:, None]).sum().item())
     return out
+
+
+def worst_rel(got, want):
+    return max(abs(g - w) / abs(w) for g, w in zip(got, want))
 
 
 CONTINUATION_ABLATIONS = {"mistral": {"window": None}, "gemma3": {"window": None},
@@ -685,21 +689,27 @@ CONTINUATION_ABLATIONS = {"mistral": {"window": None}, "gemma3": {"window": None
 @pytest.mark.parametrize("name", list(CONTINUATION_ABLATIONS))
 def test_continuations_honour_windows_and_softcaps_shorter_than_the_contexts(family, name):
     # the prefix tree's attention (SDPA's tree path here; the Triton kernel's is test_eval's, interpreted) and the
-    # scored rows' lm_head (final softcap, tied head) against transformers float32: windows of 5-6 keys under
-    # 12-45-token paths, each request's window crossing into its ancestors' keys
+    # scored rows' lm_head (final softcap, tied head): windows of 5-6 keys under 12-45-token paths, each request's
+    # window crossing into its ancestors' keys. Against each request alone (one root: the whole-text path's
+    # attention) and transformers float32, whose own bf16 misses it by up to 3% on these sharp Gemma weights (a
+    # one-token continuation's log-prob is small): the tolerance is that noise, where it passes 1%
     path, _, r = family(name)
     requests = family_requests()
     want = reference_logprobs(path, requests)
-    errors = lambda: [abs(got.logprob - ref) / abs(ref) for got, ref in zip(r.loglikelihoods(requests), want)]
-    assert max(errors()) < TOLERANCE and r.stats["tokens_computed"] < r.stats["tokens_requested"]
-    text = requests[-1][0] + requests[-1][1]  # a whole text as the continuation of its BOS: the whole-text path's
+    tolerance = max(TOLERANCE, 1.25 * worst_rel(reference_logprobs(path, requests, torch.bfloat16), want))
+    shared = lambda: [result.logprob for result in r.loglikelihoods(requests)]
+    got = shared()
+    assert r.stats["tokens_computed"] < r.stats["tokens_requested"]  # prefixes were shared
+    assert worst_rel(got, want) < tolerance
+    assert worst_rel(got, [r.loglikelihoods([request])[0].logprob for request in requests]) < 5e-3
+    text = requests[-1][0] + requests[-1][1]  # a whole text as the continuation of its BOS: the whole-text loss
     [loss] = r.losses([text])
-    assert math.isclose(-r.loglikelihoods([requests[-1]])[0].logprob, loss * (len(text) - 1), rel_tol=1e-3)
+    assert math.isclose(-got[-1], loss * (len(text) - 1), rel_tol=1e-3)
     cfg = r.cfg
     ablations = [{"attention": settings(r, **{field: None})} for field in CONTINUATION_ABLATIONS[name]]
     for fields in ablations + ([{"final_softcap": None}] if name == "gemma2" else []):
         try:
             r.cfg = dataclasses.replace(cfg, **fields)
-            assert max(errors()) > 3 * TOLERANCE, fields
+            assert worst_rel(shared(), want) > 3 * tolerance, fields
         finally:
             r.cfg = cfg
