@@ -267,46 +267,41 @@ def test_the_tree_check_covers_each_setting_of_the_model_past_its_window():
                                                                                    (1 / math.sqrt(24), None, 50.0)}
 
 
-@pytest.mark.parametrize("bug", [None, "ancestor_dropped", "sibling_visible"])
-def test_tree_attention_check_refuses_a_planted_bug(bug, monkeypatch):
-    cfg = prefill.ModelConfig.from_json(TINY)
-    keys = prefill.chunk_keys
-    if bug == "ancestor_dropped":  # the last range of each node's ancestors
-        monkeypatch.setattr(prefill, "chunk_keys", lambda chunk, i, k: keys(prefill.dataclasses.replace(
-            chunk, ancestors=[a[:-1] for a in chunk.ancestors]), i, k))
-    elif bug == "sibling_visible":  # a node's ancestors plus every node before it in the chunk
-        monkeypatch.setattr(prefill, "chunk_keys", lambda chunk, i, k: keys(prefill.dataclasses.replace(
+def planted_tree_bug(bug, monkeypatch):
+    # a bug in what SDPA's tree path attends to, patched in: the keys (chunk_keys), the window's mask (seen_keys) or
+    # the softcap (softcapped_attention)
+    keys, seen, capped = prefill.chunk_keys, prefill.seen_keys, prefill.softcapped_attention
+    replaced = {
+        "ancestor_dropped": ("chunk_keys", lambda chunk, i, k: keys(prefill.dataclasses.replace(  # its last range
+            chunk, ancestors=[a[:-1] for a in chunk.ancestors]), i, k)),
+        "sibling_visible": ("chunk_keys", lambda chunk, i, k: keys(prefill.dataclasses.replace(  # + earlier nodes
             chunk, ancestors=[sorted(set(a) | {(chunk.start, chunk.start + chunk.seq_bounds[j])})
-                              for j, a in enumerate(chunk.ancestors)]), i, k))
-    if bug is None:
-        name, attend, report = prefill.pick_tree_attention("sdpa", CPU, cfg)
-        assert name == "sdpa" and report[0]["error"] < prefill.CHECK_TOLERANCE
-    else:
-        with pytest.raises(prefill.UserError, match="no attention backend reads a prefix tree on cpu: sdpa: differs"):
-            prefill.pick_tree_attention("sdpa", CPU, cfg)
-
-
-@pytest.mark.parametrize("bug", [None, "window_one_wider", "window_by_wave_index", "softcap_dropped"])
-def test_tree_attention_check_refuses_a_window_or_softcap_bug(bug, monkeypatch):
-    # SDPA's tree path on Gemma 2's settings (window 100 by depth, softcap 50, scale 24^-1/2), right or with a bug
-    cfg = prefill.ModelConfig.from_json(TREE_CONFIGS["gemma2"])
-    seen, capped = prefill.seen_keys, prefill.softcapped_attention
-    if bug == "window_one_wider":
-        monkeypatch.setattr(prefill, "seen_keys", lambda chunk, i, r, rows, keys, a, window, device: seen(
-            chunk, i, r, rows, keys, a, window and window + 1, device))
-    elif bug == "window_by_wave_index":  # the keys' wave indices taken for their depths
-        monkeypatch.setattr(prefill, "seen_keys", lambda chunk, i, r, rows, keys, a, window, device: seen(
+                              for j, a in enumerate(chunk.ancestors)]), i, k)),
+        "window_one_wider": ("seen_keys", lambda chunk, i, r, rows, keys, a, window, device: seen(
+            chunk, i, r, rows, keys, a, window and window + 1, device)),
+        "window_by_wave_index": ("seen_keys", lambda chunk, i, r, rows, keys, a, window, device: seen(  # not depth
             prefill.dataclasses.replace(chunk, depths=torch.arange(chunk.depths.numel())), i, r, rows, keys, a,
-            window, device))
-    elif bug == "softcap_dropped":
-        monkeypatch.setattr(prefill, "softcapped_attention", lambda q, k, v, seen, how: capped(
-            q, k, v, seen, prefill.dataclasses.replace(how, softcap=1e9)))
+            window, device)),
+        "softcap_dropped": ("softcapped_attention", lambda q, k, v, seen, how: capped(
+            q, k, v, seen, prefill.dataclasses.replace(how, softcap=1e9))),
+    }
+    monkeypatch.setattr(prefill, *replaced[bug])
+
+
+# Qwen3's plain attention; Gemma 2's settings (window 100 by depth, softcap 50, scale 24^-1/2)
+@pytest.mark.parametrize("config, bug", [("qwen3", None), ("qwen3", "ancestor_dropped"), ("qwen3", "sibling_visible"),
+                                         ("gemma2", None), ("gemma2", "window_one_wider"),
+                                         ("gemma2", "window_by_wave_index"), ("gemma2", "softcap_dropped")])
+def test_tree_attention_check_refuses_a_planted_bug(config, bug, monkeypatch):
+    cfg = prefill.ModelConfig.from_json(TREE_CONFIGS[config])
     if bug is None:
         name, attend, report = prefill.pick_tree_attention("sdpa", CPU, cfg)
         assert name == "sdpa" and report[0]["error"] < prefill.CHECK_TOLERANCE
-    else:
-        with pytest.raises(prefill.UserError, match="sdpa: differs from float32 attention .* with window 100"):
-            prefill.pick_tree_attention("sdpa", CPU, cfg)
+        return
+    planted_tree_bug(bug, monkeypatch)
+    with pytest.raises(prefill.UserError, match="no attention backend reads a prefix tree on cpu: sdpa: differs"
+                       + (" .* with window 100" if config == "gemma2" else "")):
+        prefill.pick_tree_attention("sdpa", CPU, cfg)
 
 
 def test_only_triton_and_sdpa_read_trees():
