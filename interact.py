@@ -282,7 +282,7 @@ def demo_texts(tokenizer, n: int, seed: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
-# Random Qwen3 checkpoints (the demo model here, the full-size one in bench/)
+# Random checkpoints of any family prefill runs (the demo model here, the full-size ones in bench/)
 # ---------------------------------------------------------------------------
 
 
@@ -320,6 +320,23 @@ QWEN3_CONFIG_DEFAULTS = {
     "tie_word_embeddings": False,
     "use_cache": True,
 }
+# Other families: their config class's defaults fill the rest (the bench geometries spell out their own keys).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+
+
+def config_json(config: dict) -> dict:
+    """A whole config.json for config (a geometry and any keys of its family's config.json; model_type defaults to
+    qwen3, whose other keys come from QWEN3_CONFIG_DEFAULTS)."""
+    model_type = config.get("model_type", "qwen3")
+    if model_type == "qwen3":
+        cfg = {**QWEN3_CONFIG_DEFAULTS, **config}
+        cfg.setdefault("max_window_layers", cfg["num_hidden_layers"])
+    else:
+        cfg = {"architectures": [ARCHITECTURES[model_type]], "torch_dtype": "bfloat16", **config}
+    cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    return cfg
+
 
 # Weight scales: each layer adds O(1/sqrt(2·layers)) to a residual stream of rms ~1 (like GPT-2's
 # residual scaling), so bf16 activations stay tame over 64 layers; normalized activations have rms ~1,
@@ -329,28 +346,28 @@ NORM_NOISE = 0.1
 
 
 def _checkpoint_tensors(cfg: dict):
-    """(name, shape, mean, std) of every tensor, in file order."""
-    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    q_out = cfg["num_attention_heads"] * cfg["head_dim"]
-    kv_out = cfg["num_key_value_heads"] * cfg["head_dim"]
+    """(name, shape, mean, std) of every tensor, in file order: the tensors prefill's config lists for the family
+    (tests/test_interact.py loads them into transformers' model, every parameter accounted for)."""
+    import prefill
+
+    model = prefill.ModelConfig.from_json(cfg)
+    h, inter, layers = model.hidden_size, model.intermediate_size, model.num_hidden_layers
     out_scale = 1 / math.sqrt(2 * layers)
-    yield "model.embed_tokens.weight", (cfg["vocab_size"], h), 0.0, LOGIT_STD / math.sqrt(h)
+    norm_mean = 0.0 if model.norm_offset else 1.0  # Gemma's norms scale by 1 + w
+    matrix_std = {"o_proj": out_scale / math.sqrt(model.q_size), "down_proj": out_scale / math.sqrt(inter)}
+    yield "model.embed_tokens.weight", (model.vocab_size, h), 0.0, LOGIT_STD / math.sqrt(h)
     for i in range(layers):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (h,), 1.0, NORM_NOISE
-        yield p + "self_attn.q_proj.weight", (q_out, h), 0.0, 1 / math.sqrt(h)
-        yield p + "self_attn.k_proj.weight", (kv_out, h), 0.0, 1 / math.sqrt(h)
-        yield p + "self_attn.v_proj.weight", (kv_out, h), 0.0, 1 / math.sqrt(h)
-        yield p + "self_attn.o_proj.weight", (h, q_out), 0.0, out_scale / math.sqrt(q_out)
-        yield p + "self_attn.q_norm.weight", (cfg["head_dim"],), 1.0, NORM_NOISE
-        yield p + "self_attn.k_norm.weight", (cfg["head_dim"],), 1.0, NORM_NOISE
-        yield p + "post_attention_layernorm.weight", (h,), 1.0, NORM_NOISE
-        yield p + "mlp.gate_proj.weight", (inter, h), 0.0, 1 / math.sqrt(h)
-        yield p + "mlp.up_proj.weight", (inter, h), 0.0, 1 / math.sqrt(h)
-        yield p + "mlp.down_proj.weight", (h, inter), 0.0, out_scale / math.sqrt(inter)
-    yield "model.norm.weight", (h,), 1.0, NORM_NOISE
-    if not cfg["tie_word_embeddings"]:
-        yield "lm_head.weight", (cfg["vocab_size"], h), 0.0, LOGIT_STD / math.sqrt(h)
+        for name, (_, shape) in model.layer_layout.items():
+            if name.endswith("norm.weight"):
+                yield f"model.layers.{i}.{name}", shape, norm_mean, NORM_NOISE
+            elif name.endswith(".bias"):
+                yield f"model.layers.{i}.{name}", shape, 0.0, NORM_NOISE
+            else:
+                std = matrix_std.get(name.split(".")[1], 1 / math.sqrt(h))
+                yield f"model.layers.{i}.{name}", shape, 0.0, std
+    yield "model.norm.weight", (h,), norm_mean, NORM_NOISE
+    if not model.tie_word_embeddings:
+        yield "lm_head.weight", (model.vocab_size, h), 0.0, LOGIT_STD / math.sqrt(h)
 
 
 def write_random_checkpoint(
@@ -362,11 +379,12 @@ def write_random_checkpoint(
     shard_bytes: int = 4 * 2**30,
     tokenizer_dir: str | Path | None = None,
 ) -> Path:
-    """Write a random bf16 Qwen3 checkpoint that transformers loads, plus tokenizer files.
+    """Write a random bf16 checkpoint of a family prefill runs that transformers loads, plus tokenizer files.
 
     config needs hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
-    num_key_value_heads and vocab_size; head_dim defaults to hidden/heads, and any key of a
-    real Qwen3 config.json may be given. tokenizer_dir defaults to the real Qwen3 tokenizer.
+    num_key_value_heads and vocab_size; model_type defaults to qwen3, head_dim to hidden/heads, and any
+    key of the family's config.json may be given (config_json). tokenizer_dir defaults to the real
+    Qwen3 tokenizer, whatever the family: random weights need ids that fit the vocabulary, nothing more.
     Tensors are drawn on `device` from one seeded generator, so a (config, seed, device)
     triple always gives the same weights. At most two shards are in host memory at a time:
     the one being filled and the one being written.
@@ -374,9 +392,7 @@ def write_random_checkpoint(
     import torch
     from safetensors.torch import save_file
 
-    cfg = {**QWEN3_CONFIG_DEFAULTS, **config}
-    cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-    cfg.setdefault("max_window_layers", cfg["num_hidden_layers"])
+    cfg = config_json(config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -438,17 +454,18 @@ DEMO_CONFIG = {
 }
 
 
-def demo_model_dir() -> Path:
-    """The demo checkpoint, built on first use; built in a temp folder and renamed, so never half-written."""
+def cached_checkpoint(name: str, build) -> Path:
+    """The checkpoint folder `name` of the cache, build(folder) on first use: in a temp folder renamed when whole,
+    so never half-written."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefill"
-    final = cache / f"demo-qwen3-{DEMO_VERSION}"
+    final = cache / name
     if (final / "config.json").is_file():
         return final
     cache.mkdir(parents=True, exist_ok=True)
-    print(f"building the demo model in {final} (once)", file=sys.stderr)
+    print(f"building {final} (once)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=cache))
     try:
-        write_random_checkpoint(tmp, DEMO_CONFIG, seed=0)
+        build(tmp)
         os.rename(tmp, final)
     except OSError:
         if not (final / "config.json").is_file():  # not just a concurrent build that won the rename
@@ -456,6 +473,12 @@ def demo_model_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def demo_model_dir() -> Path:
+    """The demo checkpoint, built on first use."""
+    return cached_checkpoint(f"demo-qwen3-{DEMO_VERSION}", lambda folder: write_random_checkpoint(folder, DEMO_CONFIG,
+                                                                                                  seed=0))
 
 
 # ---------------------------------------------------------------------------
@@ -556,6 +579,16 @@ def reference_placement(model_dir: str | Path, device: str | None = None, gpu_gi
     )
 
 
+def _softcapped(model_dir: str | Path) -> bool:
+    """Whether the model's attention softcaps its scores (Gemma 2), as prefill reads its config.json."""
+    import prefill
+
+    try:
+        return any(how.softcap for how in prefill.ModelConfig.from_dir(model_dir).attention)
+    except prefill.UserError:
+        return False  # a model prefill does not run: transformers' defaults
+
+
 def load_reference_model(model_dir: str | Path, device: str | None = None, gpu_gib: float | None = None):
     placement = reference_placement(model_dir, device, gpu_gib)  # a UserError comes before transformers' import
     print(placement.summary, flush=True)
@@ -563,6 +596,8 @@ def load_reference_model(model_dir: str | Path, device: str | None = None, gpu_g
     from transformers import AutoModelForCausalLM
 
     kwargs = {dtype_kwarg(): torch.bfloat16, **placement.kwargs}
+    if _softcapped(model_dir):  # SDPA has no softcap: transformers' SDPA path would leave Gemma 2's out
+        kwargs["attn_implementation"] = "eager"
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     if placement.move_to is not None:
         model = model.to(placement.move_to)

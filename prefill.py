@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""prefill: the per-text language-modelling loss of a Qwen3 model whose weights need not fit in GPU memory.
+"""prefill: the per-text language-modelling loss of a Llama, Mistral, Qwen2/2.5, Qwen3 or Gemma 2/3 model whose
+weights need not fit in GPU memory.
 
     python prefill.py --model DIR      prints `ready`, reads one JSON array of texts from stdin,
                                        prints one loss per text (in order) and exits.
@@ -92,9 +93,198 @@ def shown(value):
 
 
 # ----------------------------------------------------------------------------- config
+# One config for every family prefill runs, read from config.json. What config.json cannot say (the family's fixed
+# choices: norm style, sandwich norms, q/k norm, embedding scale, fixed biases, defaults, which layers slide) is a row
+# of FAMILIES; what varies per layer (its RoPE, its attention window) is a tuple with an entry per layer.
+
+@dataclass(frozen=True)
+class Rope:
+    """One RoPE (transformers' modeling_rope_utils): "default"; "linear" (positions / factor: Gemma 3's full layers);
+    "llama3" (Llama 3.1-3.3: wavelengths beyond the original context slowed by factor, a smooth band between them;
+    static, so short texts change too)."""
+    theta: float
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inv_freq(self, head_dim):
+        # [head_dim / 2] float32 on the CPU, in transformers' own float32 steps
+        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if self.kind == "linear":
+            return inv / self.factor
+        if self.kind == "llama3":
+            context, low, high = self.original_max_position_embeddings, self.low_freq_factor, self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            slowed = torch.where(wavelen > context / low, inv / self.factor, inv)
+            smooth = (context / wavelen - low) / (high - low)
+            blended = (1 - smooth) * slowed / self.factor + smooth * slowed
+            between = ~(wavelen < context / high) * ~(wavelen > context / low)
+            return torch.where(between, blended, slowed)
+        return inv
+
+
+@dataclass(frozen=True)
+class AttentionSettings:
+    """One layer's attention beyond causal GQA: the softmax of softcap(q·k · scale) over the keys j that query i sees,
+    i - window < j <= i as in transformers (window None: every earlier key), softcap(s) = cap · tanh(s / cap)."""
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+
+
+def every_layer(fields, layers):  # Mistral: sliding_window (default 4096; null: none) slides every layer
+    window = fields.off_or(fields.count, "sliding_window", 4096)
+    return ["sliding_attention" if window else "full_attention"] * layers, window
+
+
+def from_max_window_layers(fields, layers):  # Qwen2, Qwen3: with use_sliding_window, layers max_window_layers on
+    window = fields.off_or(fields.count, "sliding_window", 4096) if fields.flag("use_sliding_window") else None
+    first = fields.get("max_window_layers", 28, lambda v: type(v) is int and v >= 0, "a non-negative integer")
+    return ["sliding_attention" if window and i >= first else "full_attention" for i in range(layers)], window
+
+
+def alternate(fields, layers):  # Gemma 2: even layers slide
+    return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)], \
+        fields.off_or(fields.count, "sliding_window", 4096)
+
+
+def one_full_in_pattern(fields, layers):  # Gemma 3: sliding_window_pattern - 1 sliding layers, then a full one
+    n = fields.count("sliding_window_pattern", 6)
+    return ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers)], \
+        fields.off_or(fields.count, "sliding_window", 4096)
+
+
+def no_window(fields, layers):  # Llama
+    return ["full_attention"] * layers, None
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a model_type's config.json leaves to transformers' modeling code (read in transformers 5.24)."""
+    layer_types: object = no_window  # (fields, layers) -> (each layer's type, the window of sliding ones)
+    reads_layer_types: bool = False  # whether config.json's own layer_types overrides that (transformers reads them)
+    qk_norm: bool = False          # an RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    norm_offset: bool = False      # Gemma: every RMSNorm is x̂·(1 + w), scaled in float32 before the cast
+    sandwich_norms: bool = False   # Gemma: four norms a layer, the attention's and the MLP's outputs normed too
+    embed_scale: bool = False      # Gemma: embeddings × √hidden, rounded to bf16
+    qkv_bias: bool = False         # Qwen2: q, k and v always have biases, o never
+    attention_bias: bool = False   # attention_bias is read: biases on q, k, v and o
+    mlp_bias: bool = False         # mlp_bias is read: biases on gate, up and down (Llama)
+    softcaps: tuple = None         # defaults of attn_logit_softcapping and final_logit_softcapping (None: not read)
+    scale_key: str = None          # the key whose value^-½ scales the scores (None: head_dim)
+    head_dim: int = None           # head_dim's default (None: hidden / heads)
+    activation_key: str = "hidden_act"
+    activation: str = "silu"       # its default
+    tied: bool = False             # tie_word_embeddings' default
+    two_ropes: bool = False        # Gemma 3: a RoPE for sliding layers and another for full ones
+
+
+GEMMA = dict(reads_layer_types=True, norm_offset=True, sandwich_norms=True, embed_scale=True, attention_bias=True,
+             scale_key="query_pre_attn_scalar", head_dim=256, activation_key="hidden_activation",
+             activation="gelu_pytorch_tanh", tied=True)
+FAMILIES = {
+    "llama": Family(attention_bias=True, mlp_bias=True),
+    "mistral": Family(layer_types=every_layer),
+    "qwen2": Family(layer_types=from_max_window_layers, reads_layer_types=True, qkv_bias=True),
+    "qwen3": Family(layer_types=from_max_window_layers, reads_layer_types=True, qk_norm=True, attention_bias=True,
+                    head_dim=128),
+    "gemma2": Family(layer_types=alternate, softcaps=(50.0, 30.0), **GEMMA),
+    "gemma3_text": Family(layer_types=one_full_in_pattern, qk_norm=True, softcaps=(None, None), two_ropes=True,
+                          **GEMMA),
+}
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' ACT2FN names
+ROPE_KINDS = ("default", "linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# Gemma 3 saved as multimodal (model_type gemma3): the text model's config is its text_config, its tensors lie under
+# language_model.model. (as transformers 4 saves it) or model.language_model. (5); the vision tower is never read.
+MULTIMODAL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                       ("language_model.lm_head.", "lm_head."))
+SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+class ConfigFields:
+    """Checked reads of one JSON object of config.json: one message per bad field, naming the file and the field;
+    null means absent."""
+
+    def __init__(self, source, where):
+        if not isinstance(source, dict):
+            raise UserError(f"{where}: expected a JSON object, got {shown(source)}")
+        self.source, self.where = source, where
+
+    def get(self, key, default, valid, expected):
+        value = self.source.get(key)
+        if value is None:
+            if default is None:
+                raise UserError(f"{self.where} lacks {key}")
+            value = default
+        if isinstance(value, list) and key in SIZES:
+            raise UserError(f"{self.where}: {key} is a list (layers of different sizes); prefill runs layers of one "
+                            "size only")
+        if not valid(value):
+            raise UserError(f"{self.where}: {key} is {shown(value)}; expected {expected}")
+        return value
+
+    def count(self, key, default=None):  # bool is an int to Python, not to JSON
+        return self.get(key, default, lambda v: type(v) is int and v > 0, "a positive integer")
+
+    def positive(self, key, default=None):
+        return self.get(key, default, lambda v: type(v) in (int, float) and 0 < v < math.inf, "a positive number")
+
+    def flag(self, key, default=False):
+        return self.get(key, default, lambda v: type(v) is bool, "true or false")
+
+    def off_or(self, read, key, default):  # read(key, default), or None where the value is null (off), or it is
+        #                                        absent and the default is None
+        return None if self.source.get(key, default) is None else read(key, default)
+
+
+def rope_of(params, where):
+    fields = ConfigFields(params, where)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_KINDS:
+        raise UserError(f"{where}: RoPE type {shown(kind)} is not supported (only {', '.join(ROPE_KINDS)})")
+    if params.get("partial_rotary_factor") is not None and not (type(params["partial_rotary_factor"]) in (int, float)
+                                                                and params["partial_rotary_factor"] == 1):
+        raise UserError(f"{where}: partial_rotary_factor is {shown(params['partial_rotary_factor'])}; RoPE on part of "
+                        "a head is not supported")
+    theta = fields.positive("rope_theta")
+    if kind == "default":
+        return Rope(theta)
+    if kind == "linear":
+        return Rope(theta, kind, fields.positive("factor"))
+    return Rope(theta, kind, fields.positive("factor"), fields.positive("low_freq_factor"),
+                fields.positive("high_freq_factor"), fields.count("original_max_position_embeddings"))
+
+
+def read_ropes(raw, family, path):
+    """{layer type: Rope} for Gemma 3 (its two RoPEs), else {None: the one Rope}, from either spelling: transformers 4's
+    rope_theta + rope_scaling (Gemma 3: + rope_local_base_freq), or transformers 5's rope_parameters (nested per
+    layer type for Gemma 3)."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise UserError(f"{path}: rope_parameters (or rope_scaling) is {shown(params)}, not a JSON object")
+    part = {"partial_rotary_factor": raw["partial_rotary_factor"]} if "partial_rotary_factor" in raw else {}
+    if family.two_ropes:
+        nested = raw.get("rope_parameters") or {}
+        if not isinstance(nested, dict) or not set(nested) <= set(LAYER_TYPES):
+            raise UserError(f"{path}: rope_parameters must be nested by layer type ({', '.join(LAYER_TYPES)})")
+        # transformers 4's rope_scaling scales the full layers
+        full = {**part, **(nested.get("full_attention") or {}), **(raw.get("rope_scaling") or {})}
+        full.setdefault("rope_theta", raw.get("rope_theta", 1e6))
+        sliding = {**part, **(nested.get("sliding_attention") or {})}
+        sliding.setdefault("rope_theta", raw.get("rope_local_base_freq", 1e4))
+        return {"full_attention": rope_of(full, f"{path}: full_attention RoPE"),
+                "sliding_attention": rope_of(sliding, f"{path}: sliding_attention RoPE")}
+    if set(params) & set(LAYER_TYPES):
+        raise UserError(f"{path}: rope_parameters nested by layer type: {raw.get('model_type')} has one RoPE")
+    return {None: rope_of({"rope_theta": raw.get("rope_theta", 10000.0), **part, **params}, f"{path}: RoPE")}
+
 
 @dataclass
-class Qwen3Config:
+class ModelConfig:
+    model_type: str
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -103,85 +293,152 @@ class Qwen3Config:
     head_dim: int
     vocab_size: int
     rms_norm_eps: float
-    rope_theta: float
     tie_word_embeddings: bool
+    ropes: tuple                # Rope per layer
+    attention: tuple            # AttentionSettings per layer
+    activation: str = "silu"    # the gated MLP's: "silu" or "gelu_tanh"
+    qk_norm: bool = False       # the rest: as Family says
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    embed_scale: bool = False
+    final_softcap: float | None = None  # of the logits: cap · tanh(logits / cap), in bf16 as transformers
+    tensor_prefixes: tuple = ()  # (prefix in the files, prefix read) pairs: a multimodal Gemma 3
     max_position_embeddings: int = 0  # 0: not given; a longer text is computed all the same, as transformers does
 
     def __post_init__(self):
-        H, I, D = self.hidden_size, self.intermediate_size, self.head_dim
+        D = self.head_dim
         self.q_size = self.num_attention_heads * D  # != hidden_size in Qwen3-32B (8192 vs 5120)
         self.kv_size = self.num_key_value_heads * D
         if self.num_attention_heads % self.num_key_value_heads:
             raise UserError("num_attention_heads must be a multiple of num_key_value_heads")
         if D < 2 or D % 2:
             raise UserError(f"head_dim is {D}; RoPE rotates pairs of a head's channels: it must be even and positive")
-        # One layer's tensors in their order inside the layer's flat buffer. q,k,v and gate,up sit in adjacent rows,
-        # so the fused qkv and gate_up matrices are plain views; only group starts are aligned (128 B).
-        shapes = [
-            ("input_layernorm", (H,)), ("self_attn.q_proj", (self.q_size, H)),
-            ("self_attn.k_proj", (self.kv_size, H)), ("self_attn.v_proj", (self.kv_size, H)),
-            ("self_attn.o_proj", (H, self.q_size)), ("self_attn.q_norm", (D,)), ("self_attn.k_norm", (D,)),
-            ("post_attention_layernorm", (H,)), ("mlp.gate_proj", (I, H)), ("mlp.up_proj", (I, H)),
-            ("mlp.down_proj", (H, I)),
-        ]
-        fused_followers = {"self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj"}
+        # One layer's tensors in their order inside the layer's flat buffer. q,k,v (and their biases) and gate,up (and
+        # theirs) sit in adjacent rows, so the fused matrices and bias vectors are plain views; only group starts are
+        # aligned (128 B).
         self.layer_layout, offset = {}, 0
-        for name, shape in shapes:
-            if name not in fused_followers:
+        for name, shape, fused in self.attention_tensors() + self.mlp_tensors():
+            if not fused:
                 offset = -(-offset // 64) * 64
             self.layer_layout[name] = (offset, shape)
             offset += math.prod(shape)
         self.layer_numel = offset
         self.layer_bytes = offset * DTYPE.itemsize
 
+    def attention_tensors(self):
+        # (name inside model.layers.N, shape, whether it continues the fused view before it): the attention half
+        H, Q, KV, D = self.hidden_size, self.q_size, self.kv_size, self.head_dim
+        out = [("input_layernorm.weight", (H,), False), ("self_attn.q_proj.weight", (Q, H), False),
+               ("self_attn.k_proj.weight", (KV, H), True), ("self_attn.v_proj.weight", (KV, H), True)]
+        if self.qkv_bias:
+            out += [("self_attn.q_proj.bias", (Q,), False), ("self_attn.k_proj.bias", (KV,), True),
+                    ("self_attn.v_proj.bias", (KV,), True)]
+        out.append(("self_attn.o_proj.weight", (H, Q), False))
+        if self.o_bias:
+            out.append(("self_attn.o_proj.bias", (H,), False))
+        if self.qk_norm:
+            out += [("self_attn.q_norm.weight", (D,), False), ("self_attn.k_norm.weight", (D,), False)]
+        if self.sandwich_norms:  # Gemma's post_attention_layernorm norms the attention's output
+            out.append(("post_attention_layernorm.weight", (H,), False))
+        return out
+
+    def mlp_tensors(self):
+        # the feed-forward half: its input norm, the gated MLP (a second feed-forward kind lists its own tensors here)
+        H, I = self.hidden_size, self.intermediate_size
+        norm = "pre_feedforward_layernorm" if self.sandwich_norms else "post_attention_layernorm"
+        out = [(f"{norm}.weight", (H,), False), ("mlp.gate_proj.weight", (I, H), False),
+               ("mlp.up_proj.weight", (I, H), True)]
+        if self.mlp_bias:
+            out += [("mlp.gate_proj.bias", (I,), False), ("mlp.up_proj.bias", (I,), True)]
+        out.append(("mlp.down_proj.weight", (H, I), False))
+        if self.mlp_bias:
+            out.append(("mlp.down_proj.bias", (H,), False))
+        if self.sandwich_norms:
+            out.append(("post_feedforward_layernorm.weight", (H,), False))
+        return out
+
     @classmethod
     def from_dir(cls, model_dir):
         path = model_folder(model_dir) / "config.json"
         if not path.exists():
             raise UserError(f"{model_dir} has no config.json")
-        raw = parse_json(read_bytes(path), path)
-        if not isinstance(raw, dict):
-            raise UserError(f"{path}: expected a JSON object, got {shown(raw)}")
-        if raw.get("model_type") != "qwen3":
-            raise UserError(f"{path}: model_type is {shown(raw.get('model_type'))}; prefill runs dense Qwen3 ('qwen3') "
-                            "only")
-        # transformers >= 5 writes rope_parameters instead of the top-level rope_theta.
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise UserError(f"{path}: rope_parameters (or rope_scaling) is {shown(rope)}, not a JSON object")
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise UserError(f"{path}: rope scaling {shown(rope.get('rope_type', rope.get('type')))} is not supported")
+        return cls.from_json(parse_json(read_bytes(path), path), path)
 
-        def field(key, default, valid, expected):  # one message per bad field, naming it; null means absent
-            value = raw.get(key)
-            if value is None:
-                if default is None:
-                    raise UserError(f"{path} lacks {key}")
-                value = default
-            if not valid(value):
-                raise UserError(f"{path}: {key} is {shown(value)}; expected {expected}")
-            return value
+    @classmethod
+    def from_json(cls, raw, path="config.json"):
+        """The config of config.json's contents (path names it in errors). Whatever transformers would compute
+        otherwise than prefill implements is refused here with one line naming it, never ignored."""
+        fields = ConfigFields(raw, path)
+        quantized = raw.get("quantization_config")
+        if quantized is not None:
+            method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+            raise UserError(f"{path}: quantized weights (quantization_config {shown(method)}); prefill computes in "
+                            "BF16 from BF16, F16 or F32 weights")
+        prefixes = ()
+        if raw.get("model_type") == "gemma3" and "text_config" in raw:
+            tied = raw.get("tie_word_embeddings")
+            prefixes, path = MULTIMODAL_PREFIXES, f"{path}: text_config"
+            raw = dict(ConfigFields(raw["text_config"], path).source, model_type="gemma3_text")
+            fields = ConfigFields(raw, path)
+            if tied is not None and tied != fields.flag("tie_word_embeddings", True):
+                raise UserError(f"{path}: tie_word_embeddings differs from the multimodal config's; not supported")
+        model_type = raw.get("model_type")
+        family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+        if family is None:
+            raise UserError(f"{path}: model_type is {shown(model_type)}; prefill runs dense "
+                            f"{', '.join(FAMILIES)} (and gemma3 with a text_config) only")
+        if raw.get("use_bidirectional_attention") not in (None, False):  # (True == 1 in Python: compared by type too)
+            raise UserError(f"{path}: use_bidirectional_attention is {shown(raw['use_bidirectional_attention'])}; "
+                            "prefill computes causal language-model losses")
 
-        def count(key, default=None):  # bool is an int to Python, not to JSON
-            return field(key, default, lambda v: type(v) is int and v > 0, "a positive integer")
-
-        def positive(key, default):
-            return field(key, default, lambda v: type(v) in (int, float) and 0 < v < math.inf, "a positive number")
-
-        hidden, heads = count("hidden_size"), count("num_attention_heads")
-        fields = dict(
-            hidden_size=hidden, intermediate_size=count("intermediate_size"),
-            num_hidden_layers=count("num_hidden_layers"), num_attention_heads=heads,
-            num_key_value_heads=count("num_key_value_heads", heads),
-            head_dim=count("head_dim", hidden // heads), vocab_size=count("vocab_size"),
-            rms_norm_eps=positive("rms_norm_eps", 1e-6),
-            rope_theta=positive("rope_theta", rope.get("rope_theta", 10000.0)),
-            tie_word_embeddings=field("tie_word_embeddings", False, lambda v: type(v) is bool, "true or false"),
-            max_position_embeddings=field("max_position_embeddings", 0, lambda v: type(v) is int and v >= 0,
-                                          "a non-negative integer"),
+        hidden, heads, layers = fields.count("hidden_size"), fields.count("num_attention_heads"), \
+            fields.count("num_hidden_layers")
+        head_dim = fields.count("head_dim", family.head_dim or hidden // heads)
+        activation = fields.get(family.activation_key, family.activation, lambda v: v in ACTIVATIONS,
+                                f"one of {', '.join(ACTIVATIONS)}")
+        # which layers slide: config.json's own layer_types where the family reads them (transformers does, first)
+        types, window = family.layer_types(fields, layers)
+        given = raw.get("layer_types")
+        if given is not None and given != types and not family.reads_layer_types:
+            raise UserError(f"{path}: layer_types in a {model_type} config, which transformers' {model_type} model "
+                            f"ignores (it slides {types.count('sliding_attention')} of {layers} layers); not supported")
+        if given is not None:
+            types = given
+        if not (isinstance(types, list) and len(types) == layers and all(t in LAYER_TYPES for t in types)):
+            raise UserError(f"{path}: layer_types must name {' or '.join(LAYER_TYPES)} for each of the {layers} "
+                            "layers")
+        softcap = fields.off_or(fields.positive, "attn_logit_softcapping", family.softcaps[0]) if family.softcaps \
+            else None
+        scale = 1.0 / math.sqrt(fields.positive(family.scale_key, 256) if family.scale_key else head_dim)
+        settings = {t: AttentionSettings(scale, window if t == "sliding_attention" else None, softcap)
+                    for t in LAYER_TYPES}
+        ropes = read_ropes(raw, family, path)
+        attention_bias = family.attention_bias and fields.flag("attention_bias")
+        config = dict(
+            model_type=model_type, hidden_size=hidden, intermediate_size=fields.count("intermediate_size"),
+            num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=fields.count("num_key_value_heads", heads), head_dim=head_dim,
+            vocab_size=fields.count("vocab_size"), rms_norm_eps=fields.positive("rms_norm_eps", 1e-6),
+            tie_word_embeddings=fields.flag("tie_word_embeddings", family.tied),
+            ropes=tuple(ropes[t if family.two_ropes else None] for t in types),
+            attention=tuple(settings[t] for t in types), activation=ACTIVATIONS[activation],
+            qk_norm=family.qk_norm, norm_offset=family.norm_offset, sandwich_norms=family.sandwich_norms,
+            qkv_bias=family.qkv_bias or attention_bias, o_bias=attention_bias,
+            mlp_bias=family.mlp_bias and fields.flag("mlp_bias"), embed_scale=family.embed_scale,
+            final_softcap=fields.off_or(fields.positive, "final_logit_softcapping", family.softcaps[1])
+            if family.softcaps else None,
+            tensor_prefixes=prefixes,
+            max_position_embeddings=fields.get("max_position_embeddings", 0, lambda v: type(v) is int and v >= 0,
+                                               "a non-negative integer"),
         )
+        if prefixes and config["final_softcap"] is not None:
+            raise UserError(f"{path}: final_logit_softcapping in a multimodal Gemma 3, which transformers' "
+                            "Gemma3ForConditionalGeneration does not apply; not supported")
         try:
-            return cls(**fields)
+            return cls(**config)
         except UserError as e:  # the checks across fields (head counts, head_dim) name the file too
             raise UserError(f"{path}: {e}") from None
 
@@ -300,9 +557,10 @@ HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (hipHostRegisterReadOnly
 class Checkpoint:
     """A folder's safetensors tensors: zero-copy views through (copy-on-write) memory maps, positioned reads straight
     into a destination buffer, and each tensor's raw bytes in a shared read-only map of its file, which `lock()`
-    page-locks in place so that the device copies straight out of the page cache."""
+    page-locks in place so that the device copies straight out of the page cache. prefixes: (prefix in the files,
+    prefix the tensor is known by) pairs, the config's tensor_prefixes (a multimodal Gemma 3's text model)."""
 
-    def __init__(self, model_dir):
+    def __init__(self, model_dir, prefixes=()):
         model_dir = Path(model_dir)
         index = model_dir / "model.safetensors.index.json"
         if index.exists():
@@ -328,6 +586,7 @@ class Checkpoint:
         self.lock_seconds = 0.0  # spent page-locking
         self.read_ahead_bytes = 0  # read into the page cache by prefetch() before locking
         self.tensors = {}  # name -> (file index, dtype, shape, byte offset, byte count)
+        self.prefixes = prefixes
         for name in files:
             self._open(model_dir / name)
         self.nbytes = sum(len(data) for _, data in self.files)
@@ -351,7 +610,8 @@ class Checkpoint:
             raise UserError(f"cannot read safetensors file {path}: {e}") from None
         self.files.append((fd, data))
         for name, (dtype, shape, start, nbytes) in tensors.items():
-            self.tensors[name] = (len(self.files) - 1, dtype, shape, 8 + header_len + start, nbytes)
+            known = next((to + name[len(prefix):] for prefix, to in self.prefixes if name.startswith(prefix)), name)
+            self.tensors[known] = (len(self.files) - 1, dtype, shape, 8 + header_len + start, nbytes)
 
     def get(self, name, shape):
         if name not in self.tensors:
@@ -470,32 +730,46 @@ def byte_range(flat, offset, count):
 
 def layer_tensors(cfg, layer):
     # (checkpoint name, offset, element count) of each tensor inside the layer's flat buffer, in layout order
-    return [(f"model.layers.{layer}.{name}.weight", offset, math.prod(shape))
+    return [(f"model.layers.{layer}.{name}", offset, math.prod(shape))
             for name, (offset, shape) in cfg.layer_layout.items()]
 
 
 @dataclass
-class LayerWeights:
+class LayerWeights:  # None: the family has no such tensor
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor         # [q_size + 2 kv_size, hidden]
-    q_norm: torch.Tensor      # [head_dim]
-    k_norm: torch.Tensor      # [head_dim]
+    qkv_bias: object          # [q_size + 2 kv_size]
+    q_norm: object            # [head_dim]
+    k_norm: object            # [head_dim]
     o_proj: torch.Tensor      # [hidden, q_size]
-    post_norm: torch.Tensor   # [hidden]
+    o_bias: object            # [hidden]
+    attn_out_norm: object     # [hidden]: Gemma's norm of the attention's output
+    mlp_norm: torch.Tensor    # [hidden]: the norm before the MLP
     gate_up: torch.Tensor     # [2 intermediate, hidden]
+    gate_up_bias: object      # [2 intermediate]
     down: torch.Tensor        # [hidden, intermediate]
+    down_bias: object         # [hidden]
+    mlp_out_norm: object      # [hidden]: Gemma's norm of the MLP's output
 
 
 def layer_views(flat, cfg):
-    def view(name, rows=None):
+    def view(name, rows=None):  # rows: the fused view's, which starts at this tensor
+        if name not in cfg.layer_layout:
+            return None
         offset, shape = cfg.layer_layout[name]
         shape = (rows, *shape[1:]) if rows else shape
         return flat[offset:offset + math.prod(shape)].view(shape)
+    qkv, gate_up = cfg.q_size + 2 * cfg.kv_size, 2 * cfg.intermediate_size
+    mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
     return LayerWeights(
-        input_norm=view("input_layernorm"), qkv=view("self_attn.q_proj", cfg.q_size + 2 * cfg.kv_size),
-        q_norm=view("self_attn.q_norm"), k_norm=view("self_attn.k_norm"), o_proj=view("self_attn.o_proj"),
-        post_norm=view("post_attention_layernorm"), gate_up=view("mlp.gate_proj", 2 * cfg.intermediate_size),
-        down=view("mlp.down_proj"),
+        input_norm=view("input_layernorm.weight"), qkv=view("self_attn.q_proj.weight", qkv),
+        qkv_bias=view("self_attn.q_proj.bias", qkv), q_norm=view("self_attn.q_norm.weight"),
+        k_norm=view("self_attn.k_norm.weight"), o_proj=view("self_attn.o_proj.weight"),
+        o_bias=view("self_attn.o_proj.bias"),
+        attn_out_norm=view("post_attention_layernorm.weight") if cfg.sandwich_norms else None,
+        mlp_norm=view(f"{mlp_norm}.weight"), gate_up=view("mlp.gate_proj.weight", gate_up),
+        gate_up_bias=view("mlp.gate_proj.bias", gate_up), down=view("mlp.down_proj.weight"),
+        down_bias=view("mlp.down_proj.bias"), mlp_out_norm=view("post_feedforward_layernorm.weight"),
     )
 
 
@@ -658,12 +932,14 @@ class MemoryPlan:
 def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536):
     H, D, V, L = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.num_hidden_layers
     loss_chunk_tokens = max(16, min(chunk_tokens, LOGITS_CHUNK_BYTES // (4 * V)))
-    # bf16 activations of one chunk (norm out, qkv, rotated q/k, attention out, o_proj out, gate_up, act, down out)
-    # plus the float32 temporaries of an RMSNorm over the widest row.
-    per_token = 2 * (3 * H + 2 * (cfg.q_size + cfg.kv_size) + cfg.q_size + 3 * cfg.intermediate_size)
+    # bf16 activations of one chunk (norm out, qkv, rotated q/k, attention out, o_proj out, gate_up, act, down out;
+    # Gemma's normed attention and MLP outputs) plus the float32 temporaries of an RMSNorm over the widest row.
+    per_token = 2 * ((5 if cfg.sandwich_norms else 3) * H + 2 * (cfg.q_size + cfg.kv_size) + cfg.q_size
+                     + 3 * cfg.intermediate_size)
     layer_scratch = chunk_tokens * (per_token + 12 * max(H, cfg.q_size))
     loss_scratch = loss_chunk_tokens * V * (2 + 4 + 4)  # bf16 logits, float32 copy, float32 log-softmax
-    state = 2 * H + 4 * D + 32  # per token: hidden states, rope cos/sin, ids/targets/positions
+    state = 2 * H + 4 * D * len(set(cfg.ropes)) + 32  # per token: hidden states, each RoPE's cos/sin (Gemma 3 has
+    #                                                   two), ids/targets/positions
     wave_state = wave_tokens * state
     # a prefix tree's wave keeps every token's keys and values across the layer's chunks: fewer tokens, same bytes
     tree_wave_tokens = max(1, wave_tokens * state // (state + 4 * cfg.kv_size))
@@ -971,19 +1247,23 @@ class WeightStreamer:
             self.copier.stop()
 
 
-# ----------------------------------------------------------------------------- Qwen3 math
+# ----------------------------------------------------------------------------- model math
+# One decoder for every family: each difference from Qwen3 is a flag of the config or a tensor of the layer (None
+# where the family has none), read once where it applies.
 
-def rms_norm(x, weight, eps):
-    # as transformers: normalize in float32, cast back, then scale in the model dtype
+def rms_norm(x, weight, eps, offset=False):
+    # as transformers: normalize in float32; Llama and Qwen cast back, then scale in the model dtype; Gemma (offset)
+    # scales by 1 + w in float32 and casts last
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (xf * (1.0 + weight.float())).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
-def rope_tables(positions, cfg):
+def rope_tables(positions, rope, head_dim):
     # positions: [tokens] int64 -> cos, sin: [tokens, head_dim]; angles in float32 as transformers, then cast
-    D = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))  # on the CPU, as HF
+    inv_freq = rope.inv_freq(head_dim)  # on the CPU, as transformers computes it
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [tokens, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(DTYPE), emb.sin().to(DTYPE)
@@ -996,15 +1276,16 @@ def apply_rope(x, cos, sin):
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def head_norm_rope(x, weight, cos, sin, eps):
-    # x: [tokens, heads, head_dim] (a view into qkv); Qwen3's per-head q/k RMSNorm, then RoPE
-    return apply_rope(rms_norm(x, weight, eps), cos, sin)
+def head_norm_rope(x, weight, cos, sin, eps, offset):
+    # x: [tokens, heads, head_dim] (a view into qkv); the per-head q/k RMSNorm (Qwen3, Gemma 3), then RoPE; weight
+    # None (no q/k norm): RoPE alone
+    return apply_rope(x if weight is None else rms_norm(x, weight, eps, offset), cos, sin)
 
 
-def silu_mul(gate_up):
-    # gate_up: [tokens, 2 intermediate] -> [tokens, intermediate]
+def gated_act(gate_up, activation):
+    # gate_up: [tokens, 2 intermediate] -> act(gate) * up: [tokens, intermediate]; SiLU, or Gemma's tanh GELU
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
 
 
 def token_nll(logits, targets):
@@ -1012,18 +1293,36 @@ def token_nll(logits, targets):
     return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none")
 
 
+def embed_tokens(embed, ids, cfg):
+    # ids: [tokens] -> [tokens, hidden]; Gemma multiplies by √hidden rounded to bf16 (torch.tensor of the float, cast:
+    # transformers' own rounding), in bf16
+    x = embed.index_select(0, ids)
+    if cfg.embed_scale:
+        x *= torch.tensor(cfg.hidden_size ** 0.5).to(DTYPE).item()
+    return x
+
+
+def lm_logits(h, lm_head, final_norm, cfg, kernels):
+    # h: [tokens, hidden] -> [tokens, vocab] bf16: the final norm, lm_head, and Gemma 2's final softcap, in bf16 and
+    # in transformers' steps (divide, tanh, multiply), in place
+    logits = F.linear(kernels.rms_norm(h, final_norm, cfg.rms_norm_eps, cfg.norm_offset), lm_head)
+    if cfg.final_softcap is not None:
+        logits.div_(cfg.final_softcap).tanh_().mul_(cfg.final_softcap)
+    return logits
+
+
 @dataclass
 class Kernels:
     """The per-token elementwise work: plain PyTorch, or the fused Triton kernels below (same roundings)."""
     name: str
-    rms_norm: object        # (x [tokens, n], weight [n], eps) -> [tokens, n]
-    head_norm_rope: object  # (x [tokens, heads, head_dim], weight, cos, sin, eps) -> [tokens, heads, head_dim]
-    silu_mul: object        # (gate_up [tokens, 2 intermediate]) -> [tokens, intermediate]
+    rms_norm: object        # (x [tokens, n], weight [n], eps, offset) -> [tokens, n]
+    head_norm_rope: object  # (x [tokens, heads, head_dim], weight or None, cos, sin, eps, offset) -> x's shape
+    gated_act: object       # (gate_up [tokens, 2 intermediate], activation) -> [tokens, intermediate]
     token_nll: object       # (logits [tokens, vocab], targets [tokens]) -> [tokens] float32
 
 
 # late-bound, so that tests can swap a piece of the math for a broken one
-TORCH_KERNELS = Kernels("torch", lambda *a: rms_norm(*a), lambda *a: head_norm_rope(*a), lambda *a: silu_mul(*a),
+TORCH_KERNELS = Kernels("torch", lambda *a: rms_norm(*a), lambda *a: head_norm_rope(*a), lambda *a: gated_act(*a),
                         lambda *a: token_nll(*a))
 
 
@@ -1040,6 +1339,7 @@ class Chunk:
     ancestors: list = None
     ancestor_bounds: object = None  # device int32 [sequences + 1]: each sequence's ranges in ancestor_ranges
     ancestor_ranges: object = None  # device int32 [ranges, 2]
+    depths: object = None           # device int32 [wave tokens]: each token's depth (a window is by depth)
 
 
 def chunk_keys(chunk, i, k):
@@ -1053,137 +1353,32 @@ def chunk_keys(chunk, i, k):
     return keys, keys.numel() - (e - s)
 
 
-SDPA_SCORES = 1 << 24  # scores one SDPA call may hold (64 MB in float32): its math backend keeps a few copies
-
-
-def attention_sdpa(q, k, v, chunk):
-    # q: [tokens, heads, D], k/v: [tokens, kv_heads, D]; causal SDPA per sequence, in blocks of query rows once a
-    # sequence's scores would pass SDPA_SCORES. Unblocked, the start-up check and timing of this candidate peaked at
-    # 5.6 GiB (texts up to 3000 tokens) and 38.8 GiB (8292) on the H200, the size of float32 scores: SDPA fell back
-    # to its math backend there. They run while the weights fill the GPU. In a prefix tree's chunk (k/v: the wave's)
-    # a sequence's ancestors' keys come first, seen by every query row.
-    out = torch.empty_like(q)
-    heads, group = q.shape[1], q.shape[1] // k.shape[1]
-    for i, (s, e) in enumerate(zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:])):
-        n, (keys, a) = e - s, chunk_keys(chunk, i, k)
-        ks = k[keys].transpose(0, 1).repeat_interleave(group, dim=0)  # query head h reads kv head h // group
-        vs = v[keys].transpose(0, 1).repeat_interleave(group, dim=0)
-        rows = max(1, SDPA_SCORES // (heads * (a + n)))
-        for r in range(0, n, rows):
-            stop = min(r + rows, n)
-            qs = q[s + r:s + stop].transpose(0, 1)  # [heads, rows, D]
-            if stop - r == n and not a:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-            else:  # query r + i sees keys 0 .. a + r + i; blocks of one shape, so the allocator reuses its blocks
-                seen = torch.ones(stop - r, a + n, dtype=torch.bool, device=q.device).tril(a + r)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen)
-            out[s + r:s + stop] = o.transpose(0, 1)
-    return out
-
-
-def max_len_bucket(n):
-    # flash-attn's Triton AMD kernels compile once per max_seqlen: round it up to a power of two (>= 128)
-    return max(128, 1 << (n - 1).bit_length())
-
-
-# The order decides where nothing was timed (no writable picks file): prefill's own kernel first, the fastest on the
-# H200 and, on RDNA3, compiled spill-free for gfx1100, where flash-attn 2.8.3's default config spills (SPEC §8).
-ATTENTION_KINDS = ["triton", "flash", "torch-flash", "cudnn", "sdpa"]
-# Kinds offered only on some GPU families. cuDNN: torch's can_use_cudnn_attention returns false on every ROCm build
-# ("#if defined(USE_ROCM) || !AT_CUDNN_ENABLED()", aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) and needs
-# sm80-sm121 (check_cudnn_hardware_support there): it is never offered on AMD, and the start-up check refuses it where
-# torch cannot run it.
-ATTENTION_FAMILIES = {"cudnn": ("nvidia",)}
-
-
-def make_attention(kind, tile=None):
-    """An attention function (q, k, v, chunk) -> [tokens, heads, D] for the named backend."""
-    if kind == "sdpa":
-        return attention_sdpa
-    if kind == "flash":
-        from flash_attn import flash_attn_varlen_func
-
-        def attention_flash(q, k, v, chunk):
-            n = max_len_bucket(chunk.max_len)
-            return flash_attn_varlen_func(q, k, v, chunk.cu_seqlens, chunk.cu_seqlens, n, n, causal=True)
-        return attention_flash
-    if kind == "triton":
-        if triton is None:
-            raise RuntimeError("triton is not installed")
-        return lambda q, k, v, chunk: attention_triton(q, k, v, chunk, tile)
-    if kind == "cudnn":
-        # torch's cuDNN SDPA, one call per text, GQA without repeating the KV heads (enable_gqa). On the H200 it ran
-        # 589-637 TFLOP/s on single 8k-32k texts against Triton's 456-476, but is launch-bound on short texts (48 on
-        # eight 512-token texts against Triton's 234): hence the pick per length bucket.
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        def attention_cudnn(q, k, v, chunk):
-            out = torch.empty_like(q)
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # this backend or an error, never a silent other one
-                for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
-                    o = F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1)[None] for t in (q, k, v)),
-                                                       is_causal=True, enable_gqa=True)  # [1, heads, n, D]
-                    out[s:e] = o[0].transpose(0, 1)
-            return out
-        return attention_cudnn
-    if kind == "torch-flash":
-        # torch's own flash kernel, called directly: its varlen_attn wrapper (torch 2.11) has no GQA and would need
-        # the KV heads repeated 8x, which cost 0.2 s of copies and attention per 45k-token request on the H200
-        flash_forward = torch.ops.aten._flash_attention_forward
-
-        def attention_torch_flash(q, k, v, chunk):
-            cu = chunk.cu_seqlens
-            return flash_forward(q, k, v, cu, cu, chunk.max_len, chunk.max_len, 0.0, True, False)[0]
-        return attention_torch_flash
-    raise UserError(f"unknown attention backend {kind!r}")
-
-
-def attention_inputs(device, cfg, lens, seed):
-    # random q, k, v for texts of the given lengths, drawn on the device (a 4096-token set is 42M values)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    heads, kv_heads, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    T = sum(lens)
-    q, k, v = (torch.randn(T, h, D, generator=gen, device=device, dtype=DTYPE) for h in (heads, kv_heads, kv_heads))
-    bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
-    return q, k, v, Chunk(0, T, bounds, torch.tensor(bounds, dtype=torch.int32, device=device), max(lens))
-
-
-def attention_candidates(requested, family, tiles=None):
-    # (name, kind, tile) of each backend and Triton tile (those offered for this GPU family) that `requested` names:
-    # "auto", a kind, or a name that pick_attention returned (so that a second Runner can use exactly that kernel)
-    named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}", kind, tile)
-             for kind in ATTENTION_KINDS if family in ATTENTION_FAMILIES.get(kind, (family,))
-             for tile in ((tiles or ATTENTION_TILES)[family] if kind == "triton" else [None])]
-    chosen = [c for c in named if requested in ("auto", c[0], c[1])]
-    if not chosen and requested in ATTENTION_KINDS:
-        raise UserError(f"attention backend {requested!r} is not offered on this GPU family ({family})")
-    if not chosen:
-        raise UserError(f"unknown attention backend {requested!r}")
-    return chosen
-
-
-def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels, wave_kv=None):
-    # x: [tokens, hidden] — a chunk of whole sequences, updated in place. wave_kv: a prefix tree's wave, whose keys
-    # and values stay for the chunks after this one (a node's descendants): ([wave tokens, kv_heads, head_dim],) * 2
-    T, Q, KV, D, eps = x.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim, cfg.rms_norm_eps
-    qkv = F.linear(kernels.rms_norm(x, w.input_norm, eps), w.qkv)  # [tokens, q_size + 2 kv_size]
-    q = kernels.head_norm_rope(qkv[:, :Q].view(T, -1, D), w.q_norm, cos, sin, eps)  # per-head norm before RoPE
-    k = kernels.head_norm_rope(qkv[:, Q:Q + KV].view(T, -1, D), w.k_norm, cos, sin, eps)
+def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels, how, wave_kv=None):
+    # x: [tokens, hidden] — a chunk of whole sequences, updated in place; how: the layer's AttentionSettings. wave_kv:
+    # a prefix tree's wave, whose keys and values stay for the chunks after this one (a node's descendants):
+    # ([wave tokens, kv_heads, head_dim],) * 2
+    T, Q, KV, D = x.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
+    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+    qkv = F.linear(kernels.rms_norm(x, w.input_norm, eps, offset), w.qkv, w.qkv_bias)  # [tokens, q_size + 2 kv_size]
+    q = kernels.head_norm_rope(qkv[:, :Q].view(T, -1, D), w.q_norm, cos, sin, eps, offset)  # q/k norm before RoPE
+    k = kernels.head_norm_rope(qkv[:, Q:Q + KV].view(T, -1, D), w.k_norm, cos, sin, eps, offset)
     v = qkv[:, Q + KV:].reshape(T, -1, D).contiguous()
     if wave_kv is not None:
         wave_kv[0][chunk.start:chunk.end], wave_kv[1][chunk.start:chunk.end] = k, v
         if chunk.ancestors is not None:
             k, v = wave_kv
-    o = attend(q, k, v, chunk)  # [tokens, heads, head_dim]
-    x += F.linear(o.reshape(T, Q), w.o_proj)
+    o = F.linear(attend(q, k, v, chunk, how).reshape(T, Q), w.o_proj, w.o_bias)  # [tokens, hidden]
+    x += o if w.attn_out_norm is None else kernels.rms_norm(o, w.attn_out_norm, eps, offset)
 
 
 def mlp_block(x, w, cfg, max_tokens, kernels):
     # x: [tokens, hidden], updated in place, in slices of max_tokens rows
+    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     for s in range(0, x.shape[0], max_tokens):
         xs = x[s:s + max_tokens]
-        gate_up = F.linear(kernels.rms_norm(xs, w.post_norm, cfg.rms_norm_eps), w.gate_up)
-        xs += F.linear(kernels.silu_mul(gate_up), w.down)
+        gate_up = F.linear(kernels.rms_norm(xs, w.mlp_norm, eps, offset), w.gate_up, w.gate_up_bias)
+        out = F.linear(kernels.gated_act(gate_up, cfg.activation), w.down, w.down_bias)
+        xs += out if w.mlp_out_norm is None else kernels.rms_norm(out, w.mlp_out_norm, eps, offset)
 
 
 # ----------------------------------------------------------------------------- fused kernels (Triton, optional)
@@ -1198,19 +1393,31 @@ except ImportError:
 
 if triton is not None:
     @triton.jit
-    def _rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
+    def _tanh(x):
+        # float32 tanh from exp2 (Triton has no portable tanh): odd, and exact to a few ulps
+        e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr, OFFSET: tl.constexpr):
+        # OFFSET: Gemma's x̂·(1 + w) in float32, rounded once; else w·bf16(x̂), as rms_norm
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
-        y = (x * rstd).to(tl.bfloat16).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n + cols, (y * w).to(tl.bfloat16), mask=mask)
+        if OFFSET:
+            y = x * rstd * (1.0 + w)
+        else:
+            y = (x * rstd).to(tl.bfloat16).to(tl.float32) * w
+        tl.store(out_ptr + row * n + cols, y.to(tl.bfloat16), mask=mask)
 
     @triton.jit
     def _head_norm_rope_kernel(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps,
-                               HEADS: tl.constexpr, HALF: tl.constexpr):
+                               HEADS: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+        # NORM: 0 RoPE alone (no q/k norm), 1 Qwen3's per-head RMSNorm first, 2 Gemma 3's (x̂·(1 + w))
         t = tl.program_id(0)
         h = tl.arange(0, HEADS)[:, None]
         c = tl.arange(0, HALF)[None, :]
@@ -1218,11 +1425,18 @@ if triton is not None:
         src = x_ptr + t * x_stride + h * (2 * HALF) + c
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
-        w1 = tl.load(w_ptr + c).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + c).to(tl.float32)
-        y1 = ((x1 * rstd).to(tl.bfloat16).to(tl.float32) * w1).to(tl.bfloat16).to(tl.float32)
-        y2 = ((x2 * rstd).to(tl.bfloat16).to(tl.float32) * w2).to(tl.bfloat16).to(tl.float32)
+        if NORM == 0:
+            y1, y2 = x1, x2
+        else:
+            rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+            w1 = tl.load(w_ptr + c).to(tl.float32)
+            w2 = tl.load(w_ptr + HALF + c).to(tl.float32)
+            if NORM == 1:
+                y1 = ((x1 * rstd).to(tl.bfloat16).to(tl.float32) * w1).to(tl.bfloat16).to(tl.float32)
+                y2 = ((x2 * rstd).to(tl.bfloat16).to(tl.float32) * w2).to(tl.bfloat16).to(tl.float32)
+            else:
+                y1 = (x1 * rstd * (1.0 + w1)).to(tl.bfloat16).to(tl.float32)
+                y2 = (x2 * rstd * (1.0 + w2)).to(tl.bfloat16).to(tl.float32)
         cos1 = tl.load(cos_ptr + t * 2 * HALF + c).to(tl.float32)
         cos2 = tl.load(cos_ptr + t * 2 * HALF + HALF + c).to(tl.float32)
         sin1 = tl.load(sin_ptr + t * 2 * HALF + c).to(tl.float32)
@@ -1235,14 +1449,18 @@ if triton is not None:
         tl.store(dst + HALF, o2.to(tl.bfloat16), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    def _gated_act_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, GELU: tl.constexpr):
+        # act(gate) rounded to bf16, times up: SiLU, or (GELU) the tanh GELU, 0.5 g (1 + tanh(√(2/π) (g + 0.044715 g³)))
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
         gate = tl.load(gu_ptr + t * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gu_ptr + t * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(tl.bfloat16).to(tl.float32)
-        tl.store(out_ptr + t * inter + cols, (act * up).to(tl.bfloat16), mask=mask)
+        if GELU:
+            act = 0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
+        else:
+            act = gate / (1.0 + tl.exp(-gate))
+        tl.store(out_ptr + t * inter + cols, (act.to(tl.bfloat16).to(tl.float32) * up).to(tl.bfloat16), mask=mask)
 
     @triton.jit
     def _token_nll_kernel(logits_ptr, stride, targets_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
@@ -1264,9 +1482,11 @@ if triton is not None:
         tl.store(out_ptr + row, tl.where(target >= 0, lse - picked, 0.0))
 
     @triton.jit
-    def _attention_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, rows, length, n_lo, n_hi, scale_log2,
-                         KV_STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
-        # online softmax over key tiles [n_lo, n_hi); only the tiles on the diagonal need the causal/length mask
+    def _attention_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, rows, length, n_lo, n_hi, scale_log2, window, cap_log2,
+                         KV_STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr,
+                         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+        # online softmax over key tiles [n_lo, n_hi); only the tiles on the diagonal, and with WINDOW those on its
+        # left edge (DIAGONAL too), need the causal/length/window mask. SOFTCAP: scores capped to ±cap (log2 units)
         d = tl.arange(0, D)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
@@ -1277,11 +1497,20 @@ if triton is not None:
             else:
                 k = tl.load(k_at)
             s = tl.dot(q, k) * scale_log2  # [BLOCK_M, BLOCK_N] float32, in log2 units
+            if SOFTCAP:
+                s = cap_log2 * _tanh(s / cap_log2)
             if DIAGONAL:
-                s = tl.where((cols[None, :] <= rows[:, None]) & (cols[None, :] < length), s, -float("inf"))
+                seen = (cols[None, :] <= rows[:, None]) & (cols[None, :] < length)
+                if WINDOW:  # query i sees keys i - window < j <= i
+                    seen = seen & (cols[None, :] > rows[:, None] - window)
+                s = tl.where(seen, s, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            if WINDOW:  # a row may have seen no key yet (all -inf): exponents from 0 then, which keep p and alpha 0
+                m_exp = tl.where(m_new == -float("inf"), 0.0, m_new)
+            else:  # column 0 is in every row's window: the running max is finite from the first tile on
+                m_exp = m_new
+            alpha = tl.exp2(m_i - m_exp)
+            p = tl.exp2(s - m_exp[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if DIAGONAL:
                 v = tl.load(v_at, mask=cols[:, None] < length, other=0.0)
@@ -1292,11 +1521,12 @@ if triton is not None:
         return acc, m_i, l_i
 
     @triton.jit
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, scale_log2, HEADS: tl.constexpr,
-                          KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, scale_log2, window, cap_log2, HEADS: tl.constexpr,
+                          KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
         # one program: BLOCK_M query rows of one head of one sequence; q/out: [tokens, HEADS, D], k/v: [tokens,
-        # KV_HEADS, D]; query head h reads kv head h // (HEADS // KV_HEADS). Column 0 is in every row's window, so
-        # the running max is finite after the first tile and no row divides by 0.
+        # KV_HEADS, D]; query head h reads kv head h // (HEADS // KV_HEADS). Every row sees its own key, so no row
+        # divides by 0. WINDOW: the key tiles left of every row's window are skipped, not masked.
         block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(cu_ptr + seq)
         length = tl.load(cu_ptr + seq + 1) - start
@@ -1309,17 +1539,27 @@ if triton is not None:
             acc = tl.zeros((BLOCK_M, D), tl.float32)
             m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
             l_i = tl.zeros((BLOCK_M,), tl.float32)
-            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, 0, m0,
-                                             scale_log2, KV_HEADS * D, D, BLOCK_N, False)
+            inside = 0  # key tiles from here to the diagonal lie inside every row's window
+            if WINDOW:
+                first = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N  # the first tile the top row sees
+                inside = tl.minimum((tl.maximum(m0 + BLOCK_M - window, first) + BLOCK_N - 1) // BLOCK_N * BLOCK_N,
+                                    m0)
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, first,
+                                                 inside, scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N,
+                                                 True, WINDOW, SOFTCAP)
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, inside, m0,
+                                             scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N, False, WINDOW,
+                                             SOFTCAP)
             acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, m0,
-                                             tl.minimum(m0 + BLOCK_M, length), scale_log2, KV_HEADS * D, D,
-                                             BLOCK_N, True)
+                                             tl.minimum(m0 + BLOCK_M, length), scale_log2, window, cap_log2,
+                                             KV_HEADS * D, D, BLOCK_N, True, WINDOW, SOFTCAP)
             tl.store(out_ptr + q_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=rows[:, None] < length)
 
     @triton.jit
-    def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, kv_start, anc_cu_ptr, anc_ptr, scale_log2,
-                               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr):
+    def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, kv_start, anc_cu_ptr, anc_ptr, depth_ptr,
+                               scale_log2, window, cap_log2, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                               SOFTCAP: tl.constexpr):
         # _attention_kernel for a prefix tree's chunk: one program, BLOCK_M query rows of one KV head's group of
         # query heads in one node, row r the node's token r // GROUP in head r % GROUP of the group, so that a key tile
         # serves GROUP heads at once: a tree's nodes are short (a question's 80 tokens under a 700-token few-shot
@@ -1329,8 +1569,10 @@ if triton is not None:
         # (anc_ptr[anc_cu_ptr[node]:...], [start, end) pairs in the wave), then its own keys causally. A range's last
         # partial tile is masked by the diagonal path with every row at the range's end. A root node (no ranges) is
         # _attention_kernel's case; the first tile read holds key 0 of a range or of the node, so no row's running
-        # max stays -inf. A sliding window (by depth) or a softcap would go where _attention_tiles computes s, with
-        # each range's depth beside its start (a range of an ancestor covers consecutive depths).
+        # max stays -inf. WINDOW is by depth (depth_ptr: the wave's): a range of an ancestor covers consecutive
+        # depths, so a row compares as row + (node's depth - range's depth) against the range's columns, which puts
+        # every column before it (causal: all seen) and the window's edge where it lies; the tiles left of the top
+        # row's window are skipped, the rest masked.
         GROUP: tl.constexpr = HEADS // KV_HEADS
         block, node, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(cu_ptr + node)
@@ -1346,51 +1588,71 @@ if triton is not None:
             acc = tl.zeros((BLOCK_M, D), tl.float32)
             m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
             l_i = tl.zeros((BLOCK_M,), tl.float32)
+            if WINDOW:
+                depth = tl.load(depth_ptr + kv_start + start)  # the node's first token's
             for a in range(tl.load(anc_cu_ptr + node), tl.load(anc_cu_ptr + node + 1)):
                 lo = tl.load(anc_ptr + 2 * a)
                 n = tl.load(anc_ptr + 2 * a + 1) - lo
                 kv = lo.to(tl.int64) * KV_HEADS * D + kv_head * D
-                whole = n // BLOCK_N * BLOCK_N
-                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, n, 0, whole,
-                                                 scale_log2, KV_HEADS * D, D, BLOCK_N, False)
-                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv,
-                                                 tl.zeros((BLOCK_M,), tl.int32) + (n - 1), n, whole, n, scale_log2,
-                                                 KV_HEADS * D, D, BLOCK_N, True)
+                if WINDOW:
+                    shift = depth - tl.load(depth_ptr + lo)  # >= n: the range lies above the node
+                    first = tl.maximum(m0 // GROUP + shift - window + 1, 0) // BLOCK_N * BLOCK_N
+                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows + shift, n,
+                                                     first, n, scale_log2, window, cap_log2, KV_HEADS * D, D,
+                                                     BLOCK_N, True, WINDOW, SOFTCAP)
+                else:
+                    whole = n // BLOCK_N * BLOCK_N
+                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, n, 0, whole,
+                                                     scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N, False,
+                                                     WINDOW, SOFTCAP)
+                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv,
+                                                     tl.zeros((BLOCK_M,), tl.int32) + (n - 1), n, whole, n,
+                                                     scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N, True,
+                                                     WINDOW, SOFTCAP)
             kv = (kv_start + start).to(tl.int64) * KV_HEADS * D + kv_head * D
-            first = m0 // GROUP // BLOCK_N * BLOCK_N  # every row's keys below it are unmasked
-            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, 0, first,
-                                             scale_log2, KV_HEADS * D, D, BLOCK_N, False)
+            first = m0 // GROUP // BLOCK_N * BLOCK_N  # every row's keys below it are unmasked (without a window)
+            if WINDOW:  # the window's first tile for the top row on, masked
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length,
+                                                 tl.maximum(m0 // GROUP - window + 1, 0) // BLOCK_N * BLOCK_N,
+                                                 first, scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N,
+                                                 True, WINDOW, SOFTCAP)
+            else:
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, 0, first,
+                                                 scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N, False,
+                                                 WINDOW, SOFTCAP)
             acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, first,
-                                             tl.minimum((m0 + BLOCK_M - 1) // GROUP + 1, length), scale_log2,
-                                             KV_HEADS * D, D, BLOCK_N, True)
+                                             tl.minimum((m0 + BLOCK_M - 1) // GROUP + 1, length), scale_log2, window,
+                                             cap_log2, KV_HEADS * D, D, BLOCK_N, True, WINDOW, SOFTCAP)
             tl.store(out_ptr + q_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
-def rms_norm_triton(x, weight, eps):
+def rms_norm_triton(x, weight, eps, offset=False):
     assert x.stride(-1) == 1
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n = x.shape[-1]
     block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(x.shape[0],)](x, x.stride(0), weight, out, n, eps, BLOCK=block,
+    _rms_norm_kernel[(x.shape[0],)](x, x.stride(0), weight, out, n, eps, BLOCK=block, OFFSET=offset,
                                     num_warps=min(16, max(1, block // 512)))
     return out
 
 
-def head_norm_rope_triton(x, weight, cos, sin, eps):
+def head_norm_rope_triton(x, weight, cos, sin, eps, offset):
     T, heads, D = x.shape
     assert x.stride(2) == 1 and x.stride(1) == D and cos.is_contiguous() and sin.is_contiguous()
     out = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
-    _head_norm_rope_kernel[(T,)](x, x.stride(0), weight, cos, sin, out, heads, eps,
-                                 HEADS=triton.next_power_of_2(heads), HALF=D // 2, num_warps=4)
+    norm = 0 if weight is None else 2 if offset else 1
+    _head_norm_rope_kernel[(T,)](x, x.stride(0), x if weight is None else weight, cos, sin, out, heads, eps,
+                                 HEADS=triton.next_power_of_2(heads), HALF=D // 2, NORM=norm, num_warps=4)
     return out
 
 
-def silu_mul_triton(gate_up):
+def gated_act_triton(gate_up, activation):
     T, inter = gate_up.shape[0], gate_up.shape[1] // 2
     assert gate_up.is_contiguous()
     out = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    _gated_act_kernel[(T, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block,
+                                                      GELU=activation == "gelu_tanh", num_warps=4)
     return out
 
 
@@ -1401,6 +1663,180 @@ def token_nll_triton(logits, targets):
     _token_nll_kernel[(logits.shape[0],)](logits, logits.stride(0), targets, out, logits.shape[1], BLOCK=4096,
                                           num_warps=8)
     return out
+
+
+TRITON_KERNELS = Kernels("triton", rms_norm_triton, head_norm_rope_triton, gated_act_triton, token_nll_triton)
+
+
+# ----------------------------------------------------------------------------- attention backends
+# Every backend computes attend(q, k, v, chunk, how) -> [tokens, heads, D] over the chunk's texts, causal, GQA, with
+# the layer's AttentionSettings `how` (scale, window, softcap), or is not offered for a model that needs what it lacks.
+
+SDPA_SCORES = 1 << 24  # scores one SDPA call may hold (64 MB in float32): its math backend keeps a few copies
+
+
+def own_scale(how, head_dim):
+    # how.scale where a kernel's default (head_dim^-½) is not the model's (Gemma's query_pre_attn_scalar), else None:
+    # the kernel's own, and today's bits for the others
+    return None if how.scale == 1.0 / math.sqrt(head_dim) else how.scale
+
+
+def seen_keys(chunk, i, r, rows, keys, ancestors, window, device):
+    # [rows, ancestors + n] bool: which of keys (chunk_keys of sequence i: its ancestors' first, then its own n) its
+    # query rows r .. r + rows see: the ancestors' all and its own causally; with a window, only keys less than
+    # `window` deep above the query's depth (the positions of a plain text; a prefix tree's chunk.depths)
+    n = chunk.seq_bounds[i + 1] - chunk.seq_bounds[i]
+    seen = torch.ones(rows, ancestors + n, dtype=torch.bool, device=device).tril(ancestors + r)
+    if window is None:
+        return seen
+    if chunk.depths is None:
+        return seen.triu(r - window + 1)
+    at = chunk.start + chunk.seq_bounds[i] + r
+    query_depth = chunk.depths[at:at + rows].to(device)  # [rows]
+    return seen & (chunk.depths[keys].to(device)[None, :] > query_depth[:, None] - window)
+
+
+def softcapped_attention(q, k, v, seen, how):
+    # q: [heads, rows, D], k/v: [heads, n, D] float32 -> [heads, rows, D] float32: the math written out, SDPA having
+    # no softcap
+    scores = (q.float() @ k.transpose(1, 2)).mul_(how.scale / how.softcap).tanh_().mul_(how.softcap)  # [heads, rows, n]
+    return scores.masked_fill_(~seen, -math.inf).softmax(-1) @ v
+
+
+def attention_sdpa(q, k, v, chunk, how):
+    # q: [tokens, heads, D], k/v: [tokens, kv_heads, D]; causal SDPA per sequence, in blocks of query rows once a
+    # sequence's scores would pass SDPA_SCORES. Unblocked, the start-up check and timing of this candidate peaked at
+    # 5.6 GiB (texts up to 3000 tokens) and 38.8 GiB (8292) on the H200, the size of float32 scores: SDPA fell back
+    # to its math backend there. They run while the weights fill the GPU. A window is an explicit mask; a softcap
+    # goes through softcapped_attention, the last resort of a model with one. In a prefix tree's chunk (k/v: the
+    # wave's) a sequence's ancestors' keys come first, seen by every query row (within its window, by depth).
+    out = torch.empty_like(q)
+    heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    scale = own_scale(how, q.shape[2])
+    for i, (s, e) in enumerate(zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:])):
+        n, (keys, a) = e - s, chunk_keys(chunk, i, k)
+        ks = k[keys].transpose(0, 1).repeat_interleave(group, dim=0)  # query head h reads kv head h // group
+        vs = v[keys].transpose(0, 1).repeat_interleave(group, dim=0)
+        if how.softcap is not None:
+            ks, vs = ks.float(), vs.float()
+        rows = max(1, SDPA_SCORES // (heads * (a + n)))
+        for r in range(0, n, rows):
+            stop = min(r + rows, n)
+            qs = q[s + r:s + stop].transpose(0, 1)  # [heads, rows, D]
+            if stop - r == n and not a and how.window is None and how.softcap is None:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            else:  # query r + i sees keys 0 .. a + r + i; blocks of one shape, so the allocator reuses its blocks
+                seen = seen_keys(chunk, i, r, stop - r, keys, a, how.window, q.device)
+                o = (softcapped_attention(qs, ks, vs, seen, how) if how.softcap is not None else
+                     F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen, scale=scale))
+            out[s + r:s + stop] = o.transpose(0, 1)
+    return out
+
+
+def max_len_bucket(n):
+    # flash-attn's Triton AMD kernels compile once per max_seqlen: round it up to a power of two (>= 128)
+    return max(128, 1 << (n - 1).bit_length())
+
+
+# The order decides where nothing was timed (no writable picks file): prefill's own kernel first, the fastest on the
+# H200 and, on RDNA3, compiled spill-free for gfx1100, where flash-attn 2.8.3's default config spills (SPEC §8).
+ATTENTION_KINDS = ["triton", "flash", "torch-flash", "cudnn", "sdpa"]
+# Kinds offered only on some GPU families. cuDNN: torch's can_use_cudnn_attention returns false on every ROCm build
+# ("#if defined(USE_ROCM) || !AT_CUDNN_ENABLED()", aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) and needs
+# sm80-sm121 (check_cudnn_hardware_support there): it is never offered on AMD, and the start-up check refuses it where
+# torch cannot run it.
+ATTENTION_FAMILIES = {"cudnn": ("nvidia",)}
+# What each kind computes besides causal GQA at the model's scale: a sliding window, a softcap of the scores (Gemma 2).
+# flash-attn has both (window_size, softcap); torch's flash kernel a window (window_size_left/right) but no softcap;
+# cuDNN's SDPA neither; SDPA a window as a mask and a softcap through float32 math written out. A kind a model needs
+# more of is not offered for it.
+ATTENTION_FEATURES = {"triton": {"window", "softcap"}, "flash": {"window", "softcap"}, "torch-flash": {"window"},
+                      "cudnn": set(), "sdpa": {"window", "softcap"}}
+
+
+def attention_needs(cfg):
+    # the features beyond causal GQA that some layer of the model needs
+    return ({"window"} if any(how.window for how in cfg.attention) else set()) | \
+        ({"softcap"} if any(how.softcap for how in cfg.attention) else set())
+
+
+def make_attention(kind, tile=None):
+    """An attention function (q, k, v, chunk, how) -> [tokens, heads, D] for the named backend."""
+    if kind == "sdpa":
+        return attention_sdpa
+    if kind == "flash":
+        from flash_attn import flash_attn_varlen_func
+
+        def attention_flash(q, k, v, chunk, how):
+            n, scale = max_len_bucket(chunk.max_len), own_scale(how, q.shape[2])
+            extra = dict(({"softmax_scale": scale} if scale else {}),
+                         **({"window_size": (how.window - 1, 0)} if how.window else {}),  # j >= i - (window - 1)
+                         **({"softcap": how.softcap} if how.softcap else {}))
+            return flash_attn_varlen_func(q, k, v, chunk.cu_seqlens, chunk.cu_seqlens, n, n, causal=True, **extra)
+        return attention_flash
+    if kind == "triton":
+        if triton is None:
+            raise RuntimeError("triton is not installed")
+        return lambda q, k, v, chunk, how: attention_triton(q, k, v, chunk, how, tile)
+    if kind == "cudnn":
+        # torch's cuDNN SDPA, one call per text, GQA without repeating the KV heads (enable_gqa). On the H200 it ran
+        # 589-637 TFLOP/s on single 8k-32k texts against Triton's 456-476, but is launch-bound on short texts (48 on
+        # eight 512-token texts against Triton's 234): hence the pick per length bucket.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def attention_cudnn(q, k, v, chunk, how):
+            out, scale = torch.empty_like(q), own_scale(how, q.shape[2])
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # this backend or an error, never a silent other one
+                for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
+                    o = F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1)[None] for t in (q, k, v)),
+                                                       is_causal=True, enable_gqa=True, scale=scale)  # [1, heads, n, D]
+                    out[s:e] = o[0].transpose(0, 1)
+            return out
+        return attention_cudnn
+    if kind == "torch-flash":
+        # torch's own flash kernel, called directly: its varlen_attn wrapper (torch 2.11) has no GQA and would need
+        # the KV heads repeated 8x, which cost 0.2 s of copies and attention per 45k-token request on the H200
+        flash_forward = torch.ops.aten._flash_attention_forward
+
+        def attention_torch_flash(q, k, v, chunk, how):
+            cu, scale = chunk.cu_seqlens, own_scale(how, q.shape[2])
+            extra = dict(({"scale": scale} if scale else {}),
+                         **({"window_size_left": how.window - 1, "window_size_right": 0} if how.window else {}))
+            return flash_forward(q, k, v, cu, cu, chunk.max_len, chunk.max_len, 0.0, True, False, **extra)[0]
+        return attention_torch_flash
+    raise UserError(f"unknown attention backend {kind!r}")
+
+
+def attention_inputs(device, cfg, lens, seed):
+    # random q, k, v for texts of the given lengths, drawn on the device (a 4096-token set is 42M values)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    heads, kv_heads, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    T = sum(lens)
+    q, k, v = (torch.randn(T, h, D, generator=gen, device=device, dtype=DTYPE) for h in (heads, kv_heads, kv_heads))
+    bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
+    return q, k, v, Chunk(0, T, bounds, torch.tensor(bounds, dtype=torch.int32, device=device), max(lens))
+
+
+def attention_candidates(requested, family, cfg=None, tiles=None):
+    # (name, kind, tile) of each backend and Triton tile (those offered for this GPU family and model, cfg: None for
+    # plain causal attention; tiles(family, cfg): the Triton kernel's, attention_tiles unless given) that `requested`
+    # names: "auto", a kind, or a name that pick_attention returned (so that a second Runner can use exactly that
+    # kernel)
+    needs = attention_needs(cfg) if cfg is not None else set()
+    named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}", kind, tile)
+             for kind in ATTENTION_KINDS if family in ATTENTION_FAMILIES.get(kind, (family,))
+             and needs <= ATTENTION_FEATURES[kind]
+             for tile in ((tiles or attention_tiles)(family, cfg) if kind == "triton" else [None])]
+    chosen = [c for c in named if requested in ("auto", c[0], c[1])]
+    if not chosen and requested in ATTENTION_KINDS and not needs <= ATTENTION_FEATURES[requested]:
+        missing = " or ".join(sorted(needs - ATTENTION_FEATURES[requested]))
+        raise UserError(f"attention backend {requested!r} has no {missing}, which this model needs")
+    if not chosen and requested in ATTENTION_KINDS:
+        raise UserError(f"attention backend {requested!r} is not offered on this GPU family ({family})"
+                        + (f" for head_dim {cfg.head_dim}" if cfg is not None and requested == "triton" else ""))
+    if not chosen:
+        raise UserError(f"unknown attention backend {requested!r}")
+    return chosen
 
 
 # (BLOCK_M, BLOCK_N, warps, stages) offered for the attention kernel, per GPU family (gpu_family below).
@@ -1418,9 +1854,32 @@ ATTENTION_TILES = {
     "cpu": [(64, 64, 4, 2), (64, 32, 4, 2)],  # Triton's interpreter (tests): the NVIDIA tiles
 }
 ATTENTION_TILES["amd"] = ATTENTION_TILES["rdna3"]
+# RDNA3's tiles for the window and softcap variants: in 64-row tiles those spill under Triton 3.9 (window: 5-49 VGPRs,
+# window and softcap: 5-48, Gemma 3 and Gemma 2 27B), these two do not (221-253 VGPRs). A head_dim over 128 (Gemma 3
+# 4B-12B, Gemma 2 9B: 256) spills 190-560 VGPRs in every tile tried (16-64 rows): the kernel is not offered there.
+RDNA3_VARIANT_TILES = [(32, 16, 8, 1), (16, 16, 4, 1)]
+RDNA3_MAX_HEAD_DIM = 128
+
+
+def attention_tiles(family, cfg=None):
+    # the Triton attention tiles offered for this GPU family and model (cfg None: plain causal attention)
+    if family not in ("rdna3", "amd") or cfg is None:
+        return ATTENTION_TILES[family]
+    if cfg.head_dim > RDNA3_MAX_HEAD_DIM:
+        return []
+    return RDNA3_VARIANT_TILES if attention_needs(cfg) else ATTENTION_TILES[family]
+
+
 # The tree kernel's tiles (_tree_attention_kernel: the ancestor loop keeps more live): on gfx1100 under Triton 3.9
-# the 64x32 tile spills 54 VGPRs there (tests/test_gfx1100_compile.py), the 64x16 tile none
+# the 64x32 tile spills 54 VGPRs there (tests/test_gfx1100_compile.py), the 64x16 tile none; its window and softcap
+# variants get the RDNA3 variant tiles of _attention_kernel, a head_dim over 128 none
 TREE_ATTENTION_TILES = dict(ATTENTION_TILES, rdna3=[(64, 16, 8, 1)], amd=[(64, 16, 8, 1)])
+
+
+def tree_attention_tiles(family, cfg=None):
+    if family not in ("rdna3", "amd") or cfg is None or not (attention_needs(cfg) or cfg.head_dim > RDNA3_MAX_HEAD_DIM):
+        return TREE_ATTENTION_TILES[family]
+    return attention_tiles(family, cfg)
 
 
 def gpu_family(device):
@@ -1440,29 +1899,29 @@ def gpu_arch(props):
     return f"sm_{props.major}{props.minor}"
 
 
-def attention_triton(q, k, v, chunk, tile):
+def attention_triton(q, k, v, chunk, how, tile):
     # q: [tokens, heads, D], k/v: [tokens, kv_heads, D]; one launch per chunk, no per-sequence Python loop. The
     # grid covers the longest sequence; shorter ones' surplus programs exit at once. No recompilation per max_len.
+    # A window and a softcap are compile-time variants: a model without them runs the kernel it ran before.
     T, heads, D = q.shape
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
     block_m, block_n, warps, stages = tile
     assert block_m % block_n == 0  # the unmasked tiles must end exactly where the diagonal ones start
     out = torch.empty_like(q)
     grid = (triton.cdiv(chunk.max_len, block_m), len(chunk.seq_bounds) - 1, heads)
+    scale_log2, cap_log2 = math.log2(math.e) * how.scale, math.log2(math.e) * (how.softcap or 1.0)
+    variant = dict(WINDOW=how.window is not None, SOFTCAP=how.softcap is not None)
     if chunk.ancestors is not None:  # a prefix tree's chunk: k/v are the wave's; a program per KV head's group
         grid = (triton.cdiv(chunk.max_len * (heads // k.shape[1]), block_m), len(chunk.seq_bounds) - 1, k.shape[1])
         _tree_attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, chunk.start, chunk.ancestor_bounds,
-                                     chunk.ancestor_ranges, math.log2(math.e) / math.sqrt(D), HEADS=heads,
-                                     KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-                                     num_stages=stages)
+                                     chunk.ancestor_ranges, chunk.depths, scale_log2, how.window or 0, cap_log2,
+                                     HEADS=heads, KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n,
+                                     **variant, num_warps=warps, num_stages=stages)
         return out
-    _attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, math.log2(math.e) / math.sqrt(D), HEADS=heads,
-                            KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+    _attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, scale_log2, how.window or 0, cap_log2, HEADS=heads,
+                            KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n, **variant, num_warps=warps,
                             num_stages=stages)
     return out
-
-
-TRITON_KERNELS = Kernels("triton", rms_norm_triton, head_norm_rope_triton, silu_mul_triton, token_nll_triton)
 
 
 # ----------------------------------------------------------------------------- start-up checks and picks
@@ -1490,31 +1949,39 @@ def check_error(got, want):
     return (err / scale).max().item()
 
 
-def attention_reference(q, k, v, chunk):
-    # float32 causal attention written out: softmax(q k^T / sqrt(D)) v per text and KV head ([group, n, n] scores)
+def attention_reference(q, k, v, chunk, how):
+    # float32 causal attention written out: softmax(softcap(q k^T · scale)) v per text and KV head ([group, n, n]
+    # scores), over the keys each row sees (its window's)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    kv_heads, D = k.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
     for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
         for r in range(s, e, 512):  # blocks of query rows, each over the keys up to its last row only
             rows = slice(r, min(r + 512, e))
-            future = torch.ones(rows.stop - r, rows.stop - s, dtype=torch.bool, device=q.device).triu(r - s + 1)
+            hidden = torch.ones(rows.stop - r, rows.stop - s, dtype=torch.bool, device=q.device).triu(r - s + 1)
+            if how.window is not None:  # and the keys at or before row - window
+                hidden |= torch.ones_like(hidden).tril(r - s - how.window)
             for h in range(kv_heads):
                 heads = slice(h * group, (h + 1) * group)  # the query heads that read KV head h
-                scores = q[rows, heads].float().transpose(0, 1) @ k[s:rows.stop, h].float().T / math.sqrt(D)
-                probs = scores.masked_fill(future, -math.inf).softmax(-1)
+                scores = q[rows, heads].float().transpose(0, 1) @ k[s:rows.stop, h].float().T * how.scale
+                if how.softcap is not None:
+                    scores = how.softcap * torch.tanh(scores / how.softcap)
+                probs = scores.masked_fill(hidden, -math.inf).softmax(-1)
                 out[rows, heads] = (probs @ v[s:rows.stop, h].float()).transpose(0, 1)
     return out
 
 
-def tree_attention_reference(q, k, v, seen):
+def tree_attention_reference(q, k, v, seen, how):
     # float32 attention written out over an explicit visibility mask: q [rows, heads, D], k/v [keys, kv_heads, D],
-    # seen [rows, keys] bool (a prefix tree's: each row's own path, from tree_visibility)
+    # seen [rows, keys] bool (a prefix tree's: each row's own path within its window, from tree_visibility); the
+    # scale and softcap of how
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     group = q.shape[1] // k.shape[1]
     for h in range(k.shape[1]):
         heads = slice(h * group, (h + 1) * group)
-        scores = q[:, heads].float().transpose(0, 1) @ k[:, h].float().T / math.sqrt(q.shape[2])  # [group, rows, keys]
+        scores = q[:, heads].float().transpose(0, 1) @ k[:, h].float().T * how.scale  # [group, rows, keys]
+        if how.softcap is not None:
+            scores = how.softcap * torch.tanh(scores / how.softcap)
         out[:, heads] = (scores.masked_fill(~seen, -math.inf).softmax(-1) @ v[:, h].float()).transpose(0, 1)
     return out
 
@@ -1540,8 +2007,8 @@ def attention_bucket(max_len):
 
 def bucketed_attention(attends):
     # {bucket label: attention function} -> one attention function routing each chunk by its longest text
-    def attend(q, k, v, chunk):
-        return attends[attention_bucket(chunk.max_len)](q, k, v, chunk)
+    def attend(q, k, v, chunk, how):
+        return attends[attention_bucket(chunk.max_len)](q, k, v, chunk, how)
     return attend
 
 
@@ -1549,43 +2016,96 @@ def attention_summary(names):
     return ", ".join(f"{name} ({label})" for label, name in names.items())
 
 
+SHARP_SCORES = 8.0  # the spread of sharp check inputs' scores (natural units, std): most of a row's weight on a
+# few keys, so that a window one key too wide or too narrow moves some rows by O(1), not by 1/window
+
+
+def sharpened(q, cfg, how):
+    # q scaled for sharp inputs: scores spread SHARP_SCORES, or as far as the softcap, where capping them matters
+    # (with the N(0, 1) inputs a cap of 50 changes nothing)
+    return (q.float() * ((how.softcap or SHARP_SCORES) / (math.sqrt(cfg.head_dim) * how.scale))).to(DTYPE)
+
+
+def check_inputs(device, cfg, lens, seed, how, sharp):
+    # attention_inputs, with q sharpened for sharp inputs
+    q, k, v, chunk = attention_inputs(device, cfg, lens, seed)
+    return (sharpened(q, cfg, how) if sharp else q), k, v, chunk
+
+
+def attention_settings(cfg):
+    # the model's distinct AttentionSettings and how many layers use each, in layer order
+    return collections.Counter(cfg.attention)
+
+
+def check_cases(cfg):
+    # (settings, sharp, text lengths) the start-up check runs every candidate on: per distinct setting, N(0, 1) inputs
+    # (diffuse rows, where a fault in a late key tile shows), and sharp ones where a window or a softcap is to show;
+    # a window's texts outrun it
+    cases = []
+    for how in attention_settings(cfg):
+        lengths = CHECK_LENGTHS + ([how.window + 300] if how.window and how.window + 300 > max(CHECK_LENGTHS) else [])
+        cases += [(how, sharp, lengths) for sharp in ((False, True) if how.window or how.softcap else (False,))]
+    return cases
+
+
+def text_check_cases(device, cfg):
+    # (settings, sharp, (q, k, v, chunk), float32 reference) of each of check_cases, made one at a time on the device
+    for how, sharp, lengths in check_cases(cfg):
+        q, k, v, chunk = check_inputs(device, cfg, lengths, 0, how, sharp)
+        yield how, sharp, (q, k, v, chunk), attention_reference(q, k, v, chunk, how)
+
+
 def check_attention(candidates, device, cfg, cases=None):
-    """Each (name, kind, tile) candidate, run twice on texts of CHECK_LENGTHS (or on `cases`: ((q, k, v, chunk),
-    float32 reference) each): a list of dicts with name, attend (None where refused), error and, where refused,
-    reason."""
-    if cases is None:
-        inputs = attention_inputs(device, cfg, CHECK_LENGTHS, seed=0)
-        cases = [(inputs, attention_reference(*inputs))]
-    cases, references = [case for case, _ in cases], [reference for _, reference in cases]
-    report = []
-    for name, kind, tile in candidates:
-        entry = {"name": name, "attend": None, "error": None}
+    """Each (name, kind, tile) candidate, run twice on texts of CHECK_LENGTHS with each of the model's attention
+    settings (text_check_cases; or on `cases`, an iterable of the same tuples: a prefix tree's): a list of dicts with
+    name, attend (None where refused), error (the worst) and, where refused, reason."""
+    report = [{"name": name, "kind": kind, "tile": tile, "attend": None, "error": 0.0}
+              for name, kind, tile in candidates]
+    for entry in report:
         try:
-            attend = make_attention(kind, tile)
-            got = [attend(*case) for case in cases]
-            entry["error"] = max(check_error(g, want) for g, want in zip(got, references))
-            if not entry["error"] <= CHECK_TOLERANCE:
-                entry["reason"] = f"differs from float32 attention by {entry['error']:.3g} (relative)"
-            elif not all(torch.equal(g, attend(*case)) for g, case in zip(got, cases)):  # cuDNN: nondeterministic
-                entry["reason"] = "gave other bits for the same input the second time"
-            else:
-                entry["attend"] = attend
+            entry["attend"] = make_attention(entry.pop("kind"), entry.pop("tile"))
         except Exception as e:
-            entry["reason"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        report.append(entry)
+            entry.update(error=None, reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    for how, sharp, (q, k, v, chunk), reference in text_check_cases(device, cfg) if cases is None else cases:
+        for entry in report:
+            attend = entry["attend"]
+            if attend is None:
+                continue
+            try:
+                got = attend(q, k, v, chunk, how)
+                error = check_error(got, reference)
+                entry["error"] = max(entry["error"], error)
+                if not error <= CHECK_TOLERANCE:
+                    entry["reason"] = f"differs from float32 attention by {error:.3g} (relative)" + (
+                        f" with {describe_attention(how)}" if how.window or how.softcap or sharp else "")
+                elif not torch.equal(got, attend(q, k, v, chunk, how)):  # torch flags cuDNN SDPA nondeterministic
+                    entry["reason"] = "gave other bits for the same input the second time"
+            except Exception as e:
+                entry.update(error=None, reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            if "reason" in entry:
+                entry["attend"] = None
     return report
 
 
+def describe_attention(how):
+    return ", ".join(([f"window {how.window}"] if how.window else []) + ([f"softcap {how.softcap:g}"] if how.softcap
+                                                                          else [])) or "full attention"
+
+
 def passes_bucket(entry, label, device, cfg):
-    # an entry's kernel, through the dispatcher, on a chunk of the bucket's check texts; records bucket_error[label]
+    # an entry's kernel, through the dispatcher, on a chunk of the bucket's check texts, with each of the model's
+    # settings (sharp inputs where a window or softcap is to show); records bucket_error[label], the worst
     lengths = next(checked for name, _, _, checked in ATTENTION_BUCKETS if name == label)
-    q, k, v, chunk = attention_inputs(device, cfg, lengths, seed=2)
-    got = bucketed_attention({label: entry["attend"]})(q, k, v, chunk)
-    entry.setdefault("bucket_error", {})[label] = error = check_error(got, attention_reference(q, k, v, chunk))
+    error = 0.0
+    for how in attention_settings(cfg):
+        q, k, v, chunk = check_inputs(device, cfg, lengths, 2, how, bool(how.window or how.softcap))
+        got = bucketed_attention({label: entry["attend"]})(q, k, v, chunk, how)
+        error = max(error, check_error(got, attention_reference(q, k, v, chunk, how)))
+    entry.setdefault("bucket_error", {})[label] = error
     return error <= CHECK_TOLERANCE
 
 
-def attention_ms(attend, inputs):
+def attention_ms(attend, inputs, how):
     # (first call, mean of the next five) in ms, timed on a stream of its own: the weights are being copied on others
     # while this runs. The first call of a new shape includes whatever the kernel plans per shape (cuDNN's graph).
     q, k, v, chunk = inputs
@@ -1593,21 +2113,25 @@ def attention_ms(attend, inputs):
     events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     with torch.cuda.stream(stream):
         events[0].record()
-        attend(q, k, v, chunk)
+        attend(q, k, v, chunk, how)
         events[1].record()
         for _ in range(5):
-            attend(q, k, v, chunk)
+            attend(q, k, v, chunk, how)
         events[2].record()
     events[2].synchronize()
     return events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2]) / 5
 
 
 def time_attention(entries, label, device, cfg):
-    # adds time_ms[label] and first_ms[label] to each entry, on a chunk of the bucket's timing texts
+    # adds time_ms[label] and first_ms[label] to each entry, on a chunk of the bucket's timing texts: per layer, the
+    # mean over the model's layers of each one's settings (Gemma 3: five windowed layers to one full)
     lengths = next(timed for name, _, timed, _ in ATTENTION_BUCKETS if name == label)
     inputs = attention_inputs(device, cfg, lengths, seed=1)
     for entry in entries:
-        first, ms = attention_ms(entry["attend"], inputs)
+        first = ms = 0.0
+        for how, layers in attention_settings(cfg).items():
+            once, each = attention_ms(entry["attend"], inputs, how)
+            first, ms = first + once * layers / cfg.num_hidden_layers, ms + each * layers / cfg.num_hidden_layers
         entry.setdefault("first_ms", {})[label], entry.setdefault("time_ms", {})[label] = first, ms
 
 
@@ -1640,7 +2164,8 @@ def pick_attention(requested, device, cfg, picks):
     family, exact = gpu_family(device), isinstance(requested, dict)
     if exact and sorted(requested) != sorted(BUCKET_LABELS):
         raise UserError(f"attention kernels per bucket must name each of {BUCKET_LABELS}")
-    options = {label: attention_candidates(requested[label] if exact else requested, family) for label in BUCKET_LABELS}
+    options = {label: attention_candidates(requested[label] if exact else requested, family, cfg)
+               for label in BUCKET_LABELS}
     kept = {label: requested[label] if exact else picks.get(f"attention {requested} {label}")
             for label in BUCKET_LABELS}
     offered = list(dict.fromkeys(c for label in BUCKET_LABELS for c in options[label]))
@@ -1684,15 +2209,18 @@ def pick_attention(requested, device, cfg, picks):
 TREE_KINDS = ("triton", "sdpa")
 # The tree the check runs: a 300-token root whose children are 37 and 100 tokens, the 100's children 650 and 5, a
 # second root of 70 with children of 64 and 1; cut into chunks of 512, the 650 in two pieces, so that nodes read
-# ancestors in earlier chunks, two ranges apart, a range ending mid-tile, and no ancestors at all
+# ancestors in earlier chunks, two ranges apart, a range ending mid-tile, and no ancestors at all. A window that does
+# not end 100 tokens above its deepest (1050) adds a branch 300 deeper than the window under the 300 and the 100, so
+# that the window's edge falls inside the ancestors' keys and inside the node's own.
 TREE_CHECK = ([[300, 37], [300, 100, 650], [300, 100, 5], [70, 64], [70, 1]], 512)
 
 
-def tree_visibility(parents, rows):
+def tree_visibility(parents, rows, window=None):
     """[rows, tokens] bool: which of a prefix tree's tokens each of `rows` (wave indices) attends to, itself and its
-    ancestors, from each token's parent alone (parents: [tokens] int64, -1 at a root), so that it checks the tree's
-    key ranges and chunks rather than restate them. Token j is row i's ancestor where i's ancestor at i's depth less
-    j's depth is j (binary lifting over the distance's bits)."""
+    ancestors (with a window: those less than `window` above it), from each token's parent alone (parents: [tokens]
+    int64, -1 at a root), so that it checks the tree's key ranges, chunks and depths rather than restate them. Token j
+    is row i's ancestor where i's ancestor at i's depth less j's depth is j (binary lifting over the distance's
+    bits)."""
     tokens = parents.numel()
     up = torch.where(parents < 0, torch.arange(tokens), parents)  # a root's parent: itself
     depth = torch.zeros(tokens, dtype=torch.int64)
@@ -1703,33 +2231,43 @@ def tree_visibility(parents, rows):
     for bit in range(max(1, int(depth.max()) + 1).bit_length()):
         at = torch.where((distance >> bit) & 1 == 1, up[at], at)
         up = up[up]
-    return (distance >= 0) & (at == torch.arange(tokens)[None, :])
+    seen = (distance >= 0) & (at == torch.arange(tokens)[None, :])
+    return seen if window is None else seen & (distance < window)
 
 
 def tree_check_cases(device, cfg):
-    # ((q, k, v, chunk), float32 reference) of each chunk of TREE_CHECK's wave that has ancestors: q the chunk's,
-    # k/v the wave's; the reference's visibility from each token's parent, not from the chunks' key ranges
+    # (settings, sharp, (q, k, v, chunk), float32 reference) of each chunk of TREE_CHECK's wave that has ancestors,
+    # for each of the model's attention settings (sharp inputs too where a window or softcap is to show, as
+    # check_cases): q the chunk's, k/v the wave's; the reference's visibility from each token's parent, not from the
+    # chunks' key ranges or depths
     branches, chunk_tokens = TREE_CHECK
-    gen = torch.Generator().manual_seed(3)
-    requests, stems = [], {}
-    for branch in branches:  # the same stem, the same tokens: requests that share a prefix
-        ids = [t for depth in range(len(branch)) for t in stems.setdefault(tuple(branch[:depth + 1]), torch.randint(
-            cfg.vocab_size, (branch[depth],), generator=gen).tolist())]
-        requests.append(Request(ids[:1], ids[1:] + [0]))
-    wave = tree_wave(requests, chunk_tokens, device)
-    q, k, v, _ = attention_inputs(device, cfg, [wave.ids.numel()], seed=4)
-    return [((q[c.start:c.end], k, v, c), tree_attention_reference(
-        q[c.start:c.end], k, v, tree_visibility(wave.parents, torch.arange(c.start, c.end)).to(device)))
-            for c in wave.chunks if c.ancestors is not None]
+    for how in attention_settings(cfg):
+        deep = [[300, 100, how.window - 100]] if how.window and how.window + 100 > max(map(sum, branches)) else []
+        gen = torch.Generator().manual_seed(3)
+        requests, stems = [], {}
+        for branch in branches + deep:  # the same stem, the same tokens: requests that share a prefix
+            ids = [t for depth in range(len(branch)) for t in stems.setdefault(
+                tuple(branch[:depth + 1]), torch.randint(cfg.vocab_size, (branch[depth],), generator=gen).tolist())]
+            requests.append(Request(ids[:1], ids[1:] + [0]))
+        wave = tree_wave(requests, chunk_tokens, device)
+        q, k, v, _ = attention_inputs(device, cfg, [wave.ids.numel()], seed=4)
+        for sharp in (False, True) if how.window or how.softcap else (False,):
+            qs = sharpened(q, cfg, how) if sharp else q
+            for c in wave.chunks:
+                if c.ancestors is not None:
+                    seen = tree_visibility(wave.parents, torch.arange(c.start, c.end), how.window).to(device)
+                    yield how, sharp, (qs[c.start:c.end], k, v, c), tree_attention_reference(qs[c.start:c.end], k, v,
+                                                                                             seen, how)
 
 
 def pick_tree_attention(requested, device, cfg):
     """(name, attend, report) for a prefix tree's chunks: the first of the TREE_KINDS candidates (prefill's Triton
-    kernel in this GPU family's tiles, then SDPA) that matches float32 attention on TREE_CHECK's chunks, twice alike.
+    kernel in this GPU family's and model's tiles, then SDPA) that matches float32 attention on TREE_CHECK's chunks
+    with each of the model's attention settings (scale, window by depth, softcap), twice alike.
     Nothing is timed: where Triton runs it is the one. --attention triton or sdpa (or one's name) asks for that one;
     a backend without a tree variant asks for none in particular."""
     named = requested if isinstance(requested, str) and requested.split()[0] in TREE_KINDS else "auto"
-    candidates = [c for c in attention_candidates(named, gpu_family(device), TREE_ATTENTION_TILES)
+    candidates = [c for c in attention_candidates(named, gpu_family(device), cfg, tree_attention_tiles)
                   if c[1] in TREE_KINDS]
     report = check_attention(candidates, device, cfg, tree_check_cases(device, cfg))
     entry = next((e for e in report if e["attend"] is not None), None)
@@ -1739,33 +2277,37 @@ def pick_tree_attention(requested, device, cfg):
     return entry["name"], entry["attend"], report
 
 
-def rms_norm_f32(x, weight, eps):
+def rms_norm_f32(x, weight, eps, offset):
     xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + offset)
 
 
 def check_kernels(device, cfg):
-    """{kernel: relative error} of each fused Triton kernel against float32 math on random inputs."""
+    """{kernel: relative error} of each fused Triton kernel, in the variants this model runs (norm offset, q/k norm
+    or none, activation), against float32 math on random inputs."""
     gen = torch.Generator().manual_seed(1)
-    T, H, D, eps = 67, cfg.hidden_size, cfg.head_dim, 1e-6
+    T, H, D, eps, offset = 67, cfg.hidden_size, cfg.head_dim, 1e-6, cfg.norm_offset
     qkv = torch.randn(T, cfg.q_size + 2 * cfg.kv_size, generator=gen).to(device, DTYPE)
     x = torch.randn(T, H, generator=gen).to(device, DTYPE)
     w_h, w_d = (torch.rand(n, generator=gen).add(0.5).to(device, DTYPE) for n in (H, D))
-    cos, sin = rope_tables(torch.arange(T, device=device), cfg)
+    cos, sin = rope_tables(torch.arange(T, device=device), cfg.ropes[0], D)
     gate_up = torch.randn(T, 2 * cfg.intermediate_size, generator=gen).to(device, DTYPE)
     heads = qkv[:, :cfg.q_size].view(T, -1, D)
+    w_qk = w_d if cfg.qk_norm else None
     logits = (torch.randn(T, cfg.vocab_size, generator=gen) * 4).to(device, DTYPE)
     targets = torch.randint(cfg.vocab_size, (T,), generator=gen).to(device)
     targets[::7] = -100
     gate, up = gate_up.float().chunk(2, dim=-1)
     want = {
-        "rms_norm": rms_norm_f32(x, w_h, eps),
-        "head_norm_rope": apply_rope(rms_norm_f32(heads, w_d, eps), cos.float(), sin.float()),
-        "silu_mul": F.silu(gate) * up,
+        "rms_norm": rms_norm_f32(x, w_h, eps, offset),
+        "head_norm_rope": apply_rope(rms_norm_f32(heads, w_d, eps, offset) if cfg.qk_norm else heads.float(),
+                                     cos.float(), sin.float()),
+        "gated_act": (F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")) * up,
         "token_nll": F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none"),
     }
-    got = {"rms_norm": rms_norm_triton(x, w_h, eps), "head_norm_rope": head_norm_rope_triton(heads, w_d, cos, sin, eps),
-           "silu_mul": silu_mul_triton(gate_up), "token_nll": token_nll_triton(logits, targets)}
+    got = {"rms_norm": rms_norm_triton(x, w_h, eps, offset),
+           "head_norm_rope": head_norm_rope_triton(heads, w_qk, cos, sin, eps, offset),
+           "gated_act": gated_act_triton(gate_up, cfg.activation), "token_nll": token_nll_triton(logits, targets)}
     return {name: check_error(got[name], want[name]) for name in want}
 
 
@@ -1900,6 +2442,7 @@ def machine_key(device, cfg):
     versions = [torch.__version__, torch.version.hip or torch.version.cuda,
                 triton.__version__ if triton is not None else None, package_version("flash_attn")]
     geometry = [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim]
+    geometry += [cfg.model_type] + [[how.scale, how.window, how.softcap] for how in attention_settings(cfg)]
     return json.dumps([device.type, *gpu, *versions, *geometry, source])
 
 
@@ -1977,13 +2520,13 @@ def scores_of(batch, sums):
             for (index, ids, _), total in zip(batch, sums)]
 
 
-def sequence_nll(h, lm_head, final_norm, targets, seq_index, n_seqs, eps, chunk_tokens, kernels):
+def sequence_nll(h, lm_head, final_norm, targets, seq_index, n_seqs, cfg, chunk_tokens, kernels):
     # h: [tokens, hidden]; targets: [tokens] (next token, -100 after each sequence's last); seq_index: [tokens] on the
     # host. Returns [n_seqs] float64 sums, added on the host in token order: index_add_ on a GPU adds with atomics in
     # whatever order the threads arrive, so its last bits would vary from run to run.
     nll = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
     for s in range(0, h.shape[0], chunk_tokens):
-        logits = F.linear(kernels.rms_norm(h[s:s + chunk_tokens], final_norm, eps), lm_head)  # [chunk, vocab] bf16
+        logits = lm_logits(h[s:s + chunk_tokens], lm_head, final_norm, cfg, kernels)  # [chunk, vocab] bf16
         nll[s:s + chunk_tokens] = kernels.token_nll(logits, targets[s:s + chunk_tokens])
     return torch.zeros(n_seqs, dtype=torch.float64).index_add_(0, seq_index, nll.cpu().double())
 
@@ -2150,7 +2693,7 @@ def tree_wave(requests, chunk_tokens, device):
             ranges = ranges[:-1] + [(ranges[-1][0], end)] if touching else ranges + [(piece, end)]
         covered[t] = ranges
         stack.extend(reversed(trie.children[t].values()))
-    chunks, group = [], []
+    chunks, group, depths = [], [], torch.tensor(positions, dtype=torch.int32, device=device)
     for node in nodes + [None]:
         if group and (node is None or group[-1][0] + group[-1][1] - group[0][0] + node[1] > chunk_tokens):
             bounds = [s - group[0][0] for s, _, _ in group] + [group[-1][0] + group[-1][1] - group[0][0]]
@@ -2164,6 +2707,7 @@ def tree_wave(requests, chunk_tokens, device):
                                                      device=device)
                 chunk.ancestor_ranges = torch.tensor([list(r) for rs in ancestors for r in rs] or [[0, 0]],
                                                      dtype=torch.int32, device=device)
+                chunk.depths = depths
             chunks.append(chunk)
             group = []
         if node is not None:
@@ -2186,16 +2730,17 @@ def tree_wave(requests, chunk_tokens, device):
                     [[renumber[p] for p in mine] for mine in pairs], sum(len(r.input) for r in requests))
 
 
-def continuation_logprobs(h, rows, targets, lm_head, final_norm, eps, chunk_tokens, kernels):
+def continuation_logprobs(h, rows, targets, lm_head, final_norm, cfg, chunk_tokens, kernels):
     """h: [tokens, hidden]; rows, targets: [pairs] int64 on the host, rows ascending. The float32 log-prob of each
-    target at its row, and whether it is the row's argmax: the final norm and lm_head on the scored rows alone, a
-    row once however many targets read it, chunk_tokens pairs at a time; the log-softmax is the loss's own kernel
-    (token_nll, negated). Returns ([pairs] float32, [pairs] bool) on the host."""
+    target at its row, and whether it is the row's argmax: the final norm, lm_head (tied or not) and final softcap
+    (lm_logits, the loss's own) on the scored rows alone, a row once however many targets read it, chunk_tokens pairs
+    at a time; the log-softmax is the loss's own kernel (token_nll, negated). Returns ([pairs] float32, [pairs] bool)
+    on the host."""
     logprob = torch.empty(rows.numel(), dtype=torch.float32, device=h.device)
     greedy = torch.empty(rows.numel(), dtype=torch.bool, device=h.device)
     for s in range(0, rows.numel(), chunk_tokens):
         unique, inverse = torch.unique_consecutive(rows[s:s + chunk_tokens], return_inverse=True)
-        logits = F.linear(kernels.rms_norm(h[unique.to(h.device)], final_norm, eps), lm_head)  # [rows, vocab] bf16
+        logits = lm_logits(h[unique.to(h.device)], lm_head, final_norm, cfg, kernels)  # [rows, vocab] bf16
         inverse, t = inverse.to(h.device), targets[s:s + chunk_tokens].to(h.device)
         greedy[s:s + t.numel()] = logits.argmax(-1)[inverse] == t
         if unique.numel() < t.numel():  # several targets read one row (a question's choices): a row for each
@@ -2293,12 +2838,12 @@ class Runner:
 
         self.device = choose_device(device)
         self.pin_method = pin_method(pin)
-        self.cfg = cfg = Qwen3Config.from_dir(model_dir)
-        ckpt = Checkpoint(model_dir)
+        self.cfg = cfg = ModelConfig.from_dir(model_dir)
+        ckpt = Checkpoint(model_dir, cfg.tensor_prefixes)
         H, V = cfg.hidden_size, cfg.vocab_size
         for layer in range(cfg.num_hidden_layers):  # every missing or misshapen tensor fails before any heavy work
             for name, (_, shape) in cfg.layer_layout.items():
-                ckpt.get(f"model.layers.{layer}.{name}.weight", shape)
+                ckpt.get(f"model.layers.{layer}.{name}", shape)
         fixed = [("model.embed_tokens.weight", (V, H)), ("model.norm.weight", (H,))]
         if not cfg.tie_word_embeddings:
             fixed.append(("lm_head.weight", (V, H)))
@@ -2349,8 +2894,8 @@ class Runner:
         weakref.finalize(self, self.streamer.stop)  # its threads end with this Runner, or before the process exits
         self.stats = {}
         self.requested_attention, self.tree_attend = attention, None  # the latter picked at the first prefix tree
-        log(f"loaded {cfg.num_hidden_layers}-layer Qwen3 ({self._model_bytes() / 1e9:.1f} GB) from {model_dir} "
-            f"in {time.perf_counter() - t0:.1f} s on {self.device}, {self.load_mode} ({self.load_seconds}); "
+        log(f"loaded {cfg.num_hidden_layers}-layer {cfg.model_type} ({self._model_bytes() / 1e9:.1f} GB) from "
+            f"{model_dir} in {time.perf_counter() - t0:.1f} s on {self.device}, {self.load_mode} ({self.load_seconds}); "
             f"attention: {attention_summary(self.attention)}, elementwise kernels: {self.kernels.name}"
             + (f", BLAS: {self.blas}" if self.blas else ""))
         log(f"{plan.describe()}; {self.host_plan.describe()}")
@@ -2626,20 +3171,21 @@ class Runner:
             timer.mark("layers")
             T = wave.ids.numel()
             ids = wave.ids.to(dev)
-            x = self.embed.index_select(0, ids)  # [tokens, hidden]
+            x = embed_tokens(self.embed, ids, cfg)  # [tokens, hidden]
             lengths = torch.tensor(wave.lengths)
             starts = torch.cumsum(lengths, 0) - lengths
             seq_index = torch.repeat_interleave(torch.arange(len(wave.lengths)), lengths)  # [tokens]
             positions = torch.arange(T) - starts[seq_index]
-            cos, sin = rope_tables(positions.to(dev), cfg)  # [tokens, head_dim] each
+            tables = {rope: rope_tables(positions.to(dev), rope, cfg.head_dim)  # [tokens, head_dim] cos, sin each
+                      for rope in dict.fromkeys(cfg.ropes)}
             for chunk in wave.chunks:
                 chunk.cu_seqlens = torch.tensor(chunk.seq_bounds, dtype=torch.int32, device=dev)
-            self.run_layers(x, cos, sin, wave.chunks, layers, self.attend)
+            self.run_layers(x, tables, wave.chunks, layers, self.attend)
             timer.mark("loss")
             targets = torch.cat((ids[1:], ids[:1]))
             targets[(starts + lengths - 1).to(dev)] = -100  # no target after a sequence's last token
             wave_sums = sequence_nll(x, self.lm_head, self.final_norm, targets, seq_index,
-                                     len(wave.seqs), cfg.rms_norm_eps, plan.loss_chunk_tokens, self.kernels)
+                                     len(wave.seqs), cfg, plan.loss_chunk_tokens, self.kernels)
             for seq, total in zip(wave.seqs, wave_sums.tolist()):
                 sums[seq] = total
             timer.mark("end")
@@ -2653,14 +3199,16 @@ class Runner:
         self.add_phases(timer)
         return scores
 
-    def run_layers(self, x, cos, sin, chunks, layers, attend, wave_kv=None):
-        # x: [tokens, hidden], the wave, updated in place through every layer (or `layers`)
-        for layer in range(self.cfg.num_hidden_layers) if layers is None else layers:
-            w = self.streamer.acquire(layer)
+    def run_layers(self, x, tables, chunks, layers, attend, wave_kv=None):
+        # x: [tokens, hidden], the wave, updated in place through every layer (or `layers`); tables: {Rope: (cos,
+        # sin)} at the wave's positions, [tokens, head_dim] each
+        cfg = self.cfg
+        for layer in range(cfg.num_hidden_layers) if layers is None else layers:
+            w, (cos, sin) = self.streamer.acquire(layer), tables[cfg.ropes[layer]]
             for c in chunks:  # attention needs whole sequences; the MLP (80% of FLOPs) does not, so...
-                attention_block(x[c.start:c.end], w, cos[c.start:c.end], sin[c.start:c.end], c, self.cfg, attend,
-                                self.kernels, wave_kv)
-            mlp_block(x, w, self.cfg, self.plan.chunk_tokens, self.kernels)  # ...it runs in GEMM-friendly slices
+                attention_block(x[c.start:c.end], w, cos[c.start:c.end], sin[c.start:c.end], c, cfg, attend,
+                                self.kernels, cfg.attention[layer], wave_kv)
+            mlp_block(x, w, cfg, self.plan.chunk_tokens, self.kernels)  # ...it runs in GEMM-friendly equal slices
             self.streamer.release(layer)
 
     def tree_attention(self):
@@ -2669,7 +3217,7 @@ class Runner:
         if self.tree_attend is None:
             name, tree, _ = pick_tree_attention(self.requested_attention, self.device, self.cfg)
             self.tree_attention_name = name
-            self.tree_attend = lambda q, k, v, c: (self.attend if c.ancestors is None else tree)(q, k, v, c)
+            self.tree_attend = lambda q, k, v, c, how: (self.attend if c.ancestors is None else tree)(q, k, v, c, how)
             log(f"prefix trees: attention {name} where a node has ancestors")
         return self.tree_attend
 
@@ -2686,14 +3234,15 @@ class Runner:
         timer.mark("layers")
         T = wave.ids.numel()
         ids = wave.ids.to(dev)
-        x = self.embed.index_select(0, ids)  # [tokens, hidden]
-        cos, sin = rope_tables(wave.positions.to(dev), cfg)  # [tokens, head_dim] each, at each token's depth
+        x = embed_tokens(self.embed, ids, cfg)  # [tokens, hidden]
+        positions = wave.positions.to(dev)  # each token's depth
+        tables = {rope: rope_tables(positions, rope, cfg.head_dim) for rope in dict.fromkeys(cfg.ropes)}
         wave_kv = [torch.empty(T, cfg.num_key_value_heads, cfg.head_dim, dtype=DTYPE, device=dev) for _ in range(2)]
-        self.run_layers(x, cos, sin, wave.chunks, layers, attend, wave_kv)
+        self.run_layers(x, tables, wave.chunks, layers, attend, wave_kv)
         del wave_kv
         timer.mark("loss")
-        logprob, greedy = continuation_logprobs(x, wave.rows, wave.targets, self.lm_head, self.final_norm,
-                                                cfg.rms_norm_eps, self.plan.loss_chunk_tokens, self.kernels)
+        logprob, greedy = continuation_logprobs(x, wave.rows, wave.targets, self.lm_head, self.final_norm, cfg,
+                                                self.plan.loss_chunk_tokens, self.kernels)
         timer.mark("end")
         logprob, greedy = logprob.tolist(), greedy.tolist()
         results = [Loglikelihood(index, math.fsum(logprob[p] for p in mine), len(mine), all(greedy[p] for p in mine),
@@ -2764,13 +3313,21 @@ class Runner:
     def encode_pairs(self, pairs):
         """(context, continuation) strings -> (context ids, continuation ids), as lm-eval's _encode_pair tokenizes
         them: the context's trailing whitespace moves to the continuation, context + continuation is encoded whole
-        and split after the tokens of the context alone."""
+        and split after the tokens of the context alone. A tokenizer that adds a BOS (Llama 3, Gemma) adds it to
+        both, so the context keeps it and an empty context is the BOS alone (lm-eval's prefix_token_id then); a text
+        that starts with the BOS itself gets no second one, as lm-eval's tok_encode (has_bos_prefix) encodes it
+        without special tokens."""
         moved = []
         for context, continuation in pairs:
             kept = context.rstrip()
             moved.append((kept, context[len(kept):] + continuation))
-        contexts = self.tokenize([context for context, _ in moved])
-        wholes = self.tokenize([context + continuation for context, continuation in moved])
+        added = self.tokenize([""])[0]  # what the tokenizer puts before every text: a BOS, or nothing (Qwen)
+
+        def encoded(texts):
+            return [ids[len(added):] if added and ids[:2 * len(added)] == added * 2 else ids
+                    for ids in self.tokenize(texts)]
+        contexts = encoded([context for context, _ in moved])
+        wholes = encoded([context + continuation for context, continuation in moved])
         return [(ids, whole[len(ids):]) for ids, whole in zip(contexts, wholes)]
 
     def add_stats(self, scores, **more):
@@ -2810,8 +3367,9 @@ class Runner:
             self.streamer = streamer
         if "flash" in self.attention.values():  # a chunk of several texts has max_len <= chunk_tokens: 128, 256, ...
             top = max_len_bucket(self.plan.chunk_tokens)
-            for bucket in (128 << i for i in range(top.bit_length() - 7)):
-                self.attend(*attention_inputs(self.device, self.cfg, [bucket], seed=0))
+            for bucket, how in itertools.product((128 << i for i in range(top.bit_length() - 7)),
+                                                 attention_settings(self.cfg)):
+                self.attend(*attention_inputs(self.device, self.cfg, [bucket], seed=0), how)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -2953,7 +3511,7 @@ def doctor(runner):
         fig["lock_s_per_gb"] = {m: lock_s / (GiB / 1e9) for m, (_, lock_s) in measured.items()}
         fig["h2d_gbps"] = measured[runner.pin_method][0]
     # every candidate offered here, checked and timed per bucket (the start-up checks only the kept ones where known)
-    report = check_attention(attention_candidates("auto", fig["gpu_family"]), dev, cfg)
+    report = check_attention(attention_candidates("auto", fig["gpu_family"], cfg), dev, cfg)
     for label in BUCKET_LABELS if cuda else ():
         time_attention([e for e in report if e["attend"] is not None], label, dev, cfg)
     for e in report:
@@ -3697,7 +4255,9 @@ MAX_TOKENS = 2**31 - 1  # cu_seqlens are int32
 
 def parse_args(argv):
     p = ArgumentParser(
-        description="Per-text loss of a dense Qwen3 checkpoint (safetensors), streaming the layers that do not fit "
+        description="Per-text loss of a dense Llama, Mistral, Qwen2/2.5, Qwen3 or Gemma 2/3 checkpoint (safetensors; "
+                    "model_type llama, mistral, qwen2, qwen3, gemma2, gemma3_text, or gemma3 saved as multimodal: its "
+                    "text model), streaming the layers that do not fit "
                     "in GPU memory. Without --input: prints `ready`, reads one JSON array of strings on stdin, "
                     "prints one loss per text (nan for texts of < 2 tokens) and exits. With --input FILE: the same "
                     "losses for FILE's texts, without the handshake. With --input FILE --output OUT.jsonl: scores a "
@@ -3753,9 +4313,12 @@ def parse_args(argv):
                         "kernel, torch's cuDNN SDPA per text (NVIDIA only), or SDPA per text (default: of those that "
                         "run here and match float32 attention at start-up, per bucket of a chunk's longest text "
                         f"({', '.join(BUCKET_LABELS)} tokens) the one kept in --picks; the first run on a GPU times "
-                        "them per bucket and keeps the fastest)")
+                        "them per bucket and keeps the fastest). A backend without what the model's attention needs "
+                        "is not offered for it: cuDNN has no sliding window nor softcap, torch's flash kernel no "
+                        "softcap (Gemma 2)")
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
-                   help="per-token elementwise work (norms, RoPE, SiLU): fused Triton kernels or plain PyTorch "
+                   help="per-token elementwise work (norms, RoPE, the MLP's SiLU or GELU): fused Triton kernels or "
+                        "plain PyTorch "
                         "(default: Triton on a GPU where each kernel matches float32 math, else PyTorch)")
     p.add_argument("--chunk-tokens", type=bounded(int, 1, MAX_TOKENS), default=4096, metavar="N",
                    help="tokens per GEMM step: attention runs on chunks of whole texts of up to N tokens, the MLP "

@@ -17,6 +17,7 @@ import lm_eval.models  # noqa: F401 (first: the registry fills itself only while
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.models.utils import has_bos_prefix
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 import prefill
@@ -29,12 +30,13 @@ NOT_GENERATING = "prefill scores log-likelihoods and does not generate text"
 class PrefillLM(TemplateLM):
     """model_args: pretrained=DIR (required), gpu_memory=GIB, max_length=N (default: the config's
     max_position_embeddings), wave_tokens, chunk_tokens, attention, kernels, host_memory=GIB, picks=FILE, as
-    prefill.py's options. batch_size and max_batch_size are accepted and unused: waves are sized in tokens. The model
-    loads at the first request; under torchrun each rank takes its own GPU and the ranks share the batches."""
+    prefill.py's options; add_bos_token=True|False as the HF backend's (default: the tokenizer's own, which adds a
+    BOS for Llama 3 and Gemma). batch_size and max_batch_size are accepted and unused: waves are sized in tokens. The
+    model loads at the first request; under torchrun each rank takes its own GPU and the ranks share the batches."""
 
     def __init__(self, pretrained=None, gpu_memory=None, max_length=None, wave_tokens=65536, chunk_tokens=4096,
-                 attention="auto", kernels="auto", host_memory=None, picks=None, batch_size=None, max_batch_size=None,
-                 device=None):
+                 attention="auto", kernels="auto", host_memory=None, picks=None, add_bos_token=None, batch_size=None,
+                 max_batch_size=None, device=None):
         super().__init__()
         if not pretrained:
             raise ValueError("prefill needs model_args pretrained=DIR (a checkpoint folder)")
@@ -42,7 +44,13 @@ class PrefillLM(TemplateLM):
         from lm_eval.models.utils import resolve_max_length
         self.pretrained = str(pretrained)
         # the HF backend's tokenizer, so that every request's ids are the ones it would score
-        self.tokenizer = AutoTokenizer.from_pretrained(self.pretrained, trust_remote_code=False)
+        if add_bos_token is not None and not isinstance(add_bos_token, bool):  # model_args' text, as lm-eval reads it
+            add_bos_token = {"true": True, "false": False}.get(str(add_bos_token).lower())
+            if add_bos_token is None:
+                raise ValueError("add_bos_token must be True or False")
+        self.add_bos_token = add_bos_token
+        self.tokenizer = AutoTokenizer.from_pretrained(self.pretrained, trust_remote_code=False, **(
+            {} if add_bos_token is None else {"add_bos_token": add_bos_token}))
         self._max_length = int(max_length) if max_length else resolve_max_length(
             AutoConfig.from_pretrained(self.pretrained, trust_remote_code=False), self.tokenizer)
         if str(device or "").split(":")[0] not in ("", "cuda", "cpu"):
@@ -79,8 +87,13 @@ class PrefillLM(TemplateLM):
         return torch.device("cpu")
 
     def tok_encode(self, string, add_special_tokens=None, **kwargs):
-        # the HF backend's tok_encode for a tokenizer that adds no BOS: the tokenizer's own default
-        special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        # the HF backend's tok_encode: the tokenizer's own default (Llama 3 and Gemma add a BOS, Qwen nothing) unless
+        # add_special_tokens or model_args' add_bos_token says otherwise; a string that starts with the BOS (its
+        # prefix_token_id's text) itself gets none added
+        given = add_special_tokens if add_special_tokens is not None else self.add_bos_token
+        special = {} if given is None else {"add_special_tokens": given}
+        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+            special["add_special_tokens"] = False
         return self.tokenizer.encode(string, **special)
 
     def _runner(self):

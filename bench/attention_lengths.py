@@ -19,9 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = [4500, 5001, 8292, 12000, 24795]  # each new to the process; 24795: long-32's longest text
-GEOMETRY = dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-                num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1e6,
-                tie_word_embeddings=False)
+GEOMETRY = dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+                rope_theta=1e6, tie_word_embeddings=False)
 
 
 def measure() -> dict:
@@ -30,7 +30,8 @@ def measure() -> dict:
     sys.path.insert(0, str(ROOT))
     import prefill
 
-    dev, cfg = torch.device("cuda"), prefill.Qwen3Config(**GEOMETRY)
+    dev, cfg = torch.device("cuda"), prefill.ModelConfig.from_json(GEOMETRY)
+    how = cfg.attention[0]
     per_pair = 4 * cfg.num_attention_heads * cfg.head_dim
     out = {}
     for name, kind, tile in prefill.attention_candidates("auto", prefill.gpu_family(dev)):
@@ -40,9 +41,10 @@ def measure() -> dict:
         try:
             attend = prefill.make_attention(kind, tile)
             q, k, v, chunk = prefill.attention_inputs(dev, cfg, [4500], seed=3)
-            row["error_4500"] = prefill.check_error(attend(q, k, v, chunk), prefill.attention_reference(q, k, v, chunk))
+            row["error_4500"] = prefill.check_error(attend(q, k, v, chunk, how),
+                                                    prefill.attention_reference(q, k, v, chunk, how))
             for n in LENGTHS:
-                first, ms = prefill.attention_ms(attend, prefill.attention_inputs(dev, cfg, [n], seed=n))
+                first, ms = prefill.attention_ms(attend, prefill.attention_inputs(dev, cfg, [n], seed=n), how)
                 flops = per_pair * n * (n + 1) / 2
                 row[n] = {"first_ms": first, "ms": ms, "tflops": flops / ms / 1e9}
                 print(f"{name} {n}: first {first:.1f} ms, {ms:.2f} ms, {flops / ms / 1e9:.0f} TFLOP/s", file=sys.stderr,

@@ -1,7 +1,9 @@
-"""Write a random bf16 checkpoint with Qwen3-32B's geometry (or a shallower / tiny one) for benchmarks.
+"""Write a random bf16 checkpoint with a real model's geometry (Qwen3-32B by default; Gemma-3-27B, Qwen2.5-32B,
+Llama-3.1-70B's layers; or a shallower / tiny one) for benchmarks.
 
     python bench/make_checkpoint.py --out /dev/shm/qwen3-32b-random --device cuda --tokenizer DIR
     python bench/make_checkpoint.py --out /tmp/q4 --layers 4 --device cuda --tokenizer DIR
+    python bench/make_checkpoint.py --out /dev/shm/gemma3 --geometry gemma3-27b --device cuda
 
 The weights come from interact.write_random_checkpoint (seeded; the same config, seed and device give the
 same weights).  A marker file, written last, records what was built: `--reuse` skips the build when the
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -48,12 +51,53 @@ QWEN3_32B = {
     "max_position_embeddings": 40960,
 }
 
-# A CPU-sized model with the same structure (untied, heads*head_dim != hidden, GQA), for testing the
-# bench scripts; the vocabulary stays the real one so that the real tokenizer's ids fit.
-TINY = {**QWEN3_32B, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+# The other families' geometries, from their config.json (text model only for Gemma 3). Every one is run with the
+# Qwen3 tokenizer: the weights are random, the ids need only fit the vocabulary.
+GEMMA3_27B = {  # google/gemma-3-27b: 5 sliding layers (window 1024, RoPE θ 1e4) to 1 full (θ 1e6, linear ×8); tied
+    "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 5376, "intermediate_size": 21504,
+    "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+    "query_pre_attn_scalar": 168, "sliding_window": 1024, "sliding_window_pattern": 6, "rope_theta": 1e6,
+    "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attn_logit_softcapping": None,
+    "final_logit_softcapping": None, "max_position_embeddings": 131072,
+}
+QWEN2_5_32B = {  # Qwen/Qwen2.5-32B: q/k/v biases, no window (use_sliding_window false)
+    "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 27648,
+    "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+    "rope_theta": 1e6, "use_sliding_window": False, "sliding_window": 131072, "max_window_layers": 64,
+    "hidden_act": "silu", "tie_word_embeddings": False, "max_position_embeddings": 32768,
+}
+LLAMA_3_1_70B = {  # meta-llama/Llama-3.1-70B's layers (RoPE llama3), run with --layers N: 80 of them (141 GB) fit
+    # neither the H200 machine's RAM nor its disk. Vocabulary 151936, not 128256: the Qwen3 tokenizer's ids reach
+    # 151668 (its chat template's <|im_start|> is 151644), and the bench's texts are chats
+    "model_type": "llama", "vocab_size": 151936, "hidden_size": 8192, "intermediate_size": 28672,
+    "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192},
+    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+    "max_position_embeddings": 131072,
+}
 
-GEOMETRIES = {"qwen3-32b": QWEN3_32B, "tiny": TINY}
+
+def tiny(geometry: dict, **dims) -> dict:
+    """A CPU-sized model of the same family and structure (GQA, heads*head_dim != hidden, windows, biases), for
+    testing the bench scripts; the vocabulary stays the real one so that the real tokenizer's ids fit."""
+    return {**geometry, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, **dims}
+
+
+GEOMETRIES = {"qwen3-32b": QWEN3_32B, "gemma3-27b": GEMMA3_27B, "qwen2.5-32b": QWEN2_5_32B,
+              "llama-3.1-70b": LLAMA_3_1_70B, "tiny": tiny(QWEN3_32B),
+              # 6 layers, a window of 16: both kinds of layer and both RoPEs, windows that bite on short texts
+              "tiny-gemma3": tiny(GEMMA3_27B, num_hidden_layers=6, sliding_window=16, query_pre_attn_scalar=64),
+              "tiny-qwen2.5": tiny(QWEN2_5_32B), "tiny-llama": tiny(LLAMA_3_1_70B)}
+
+
+def model_config(cfg: dict):
+    """prefill's own reading of the geometry's config.json (its layers' tensors, RoPEs and windows)."""
+    import prefill
+    return prefill.ModelConfig.from_json(interact.config_json(cfg))
 
 
 def geometry(name: str, layers: int | None = None) -> dict:
@@ -67,7 +111,8 @@ def matrix_shapes(cfg: dict) -> dict[str, tuple[int, int, int]]:
     """name -> (N, K, count): each projection as an N x K weight, and how many of it a token meets.
 
     q/k/v and gate/up are listed fused, as a runner would run them (the FLOPs are the same either way)."""
-    h, heads, kv, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // heads
     layers = cfg["num_hidden_layers"]
     return {
         "qkv": ((heads + 2 * kv) * hd, h, layers),
@@ -86,19 +131,23 @@ def flops_per_token(cfg: dict) -> float:
 
 def attention_flops(cfg: dict, lengths: list[int]) -> float:
     """Causal attention's FLOPs for texts of these token counts: q.k and p.v, 2 x head_dim each, per head, for each
-    of a text's n(n+1)/2 (query, key) pairs, in every layer (a 30k-token text: ~1/3 of its FLOPs)."""
-    per_pair = 4 * cfg["num_attention_heads"] * cfg["head_dim"] * cfg["num_hidden_layers"]
-    return float(sum(per_pair * n * (n + 1) // 2 for n in lengths if n >= 2))
+    (query, key) pair a layer computes: a text's n(n+1)/2, or with a window w each query's min(i + 1, w) keys (a
+    30k-token text: ~1/3 of its FLOPs without windows)."""
+    model = model_config(cfg)
+    per_pair = 4 * model.num_attention_heads * model.head_dim
+
+    def pairs(n, w):
+        return n * (n + 1) // 2 if w is None or w >= n else w * (w + 1) // 2 + (n - w) * w
+    windows = [how.window for how in model.attention]
+    return float(sum(per_pair * pairs(n, w) for n in lengths if n >= 2 for w in windows))
 
 
 def checkpoint_bytes(cfg: dict) -> int:
-    """bf16 bytes of every tensor the checkpoint holds (norm vectors included)."""
-    h = cfg["hidden_size"]
-    shapes = matrix_shapes(cfg)
-    layer_params = sum(n * k * count for name, (n, k, count) in shapes.items() if name != "lm_head")
-    norm_params = cfg["num_hidden_layers"] * (2 * h + 2 * cfg["head_dim"]) + h
-    embed_params = cfg["vocab_size"] * h * (1 if cfg["tie_word_embeddings"] else 2)
-    return 2 * (layer_params + norm_params + embed_params)
+    """bf16 bytes of every tensor the checkpoint holds (norms and biases included)."""
+    model = model_config(cfg)
+    layer_params = sum(math.prod(shape) for _, shape in model.layer_layout.values())
+    embed_params = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
+    return 2 * (model.num_hidden_layers * layer_params + model.hidden_size + embed_params)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ Prints a table last and writes it as JSON to --out.
 """
 import argparse
 import ctypes
-import dataclasses
 import json
 import mmap
 import os
@@ -303,10 +302,11 @@ def section_attention():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import prefill
     from bench.make_checkpoint import QWEN3_32B
-    cfg = prefill.Qwen3Config(**{f.name: QWEN3_32B[f.name] for f in dataclasses.fields(prefill.Qwen3Config)})
+    cfg = prefill.ModelConfig.from_json(dict(QWEN3_32B, model_type="qwen3"))
+    how = cfg.attention[0]
     lens = [279, 607, 455, 512, 330, 600, 390, 470, 440]  # 4083 tokens, the contest's range
     q, k, v, chunk = prefill.attention_inputs(torch.device("cuda"), cfg, lens, seed=0)
-    ref = prefill.attention_sdpa(q, k, v, chunk).float()
+    ref = prefill.attention_sdpa(q, k, v, chunk, how).float()
     flops = sum(2 * cfg.num_attention_heads * cfg.head_dim * n * (n + 1) for n in lens)  # QK^T and PV, causal
     candidates = [(kind, None) for kind in ("torch-flash", "flash")]
     offered = prefill.ATTENTION_TILES["nvidia"] + prefill.ATTENTION_TILES["rdna3"]
@@ -317,8 +317,8 @@ def section_attention():
         name = kind if tile is None else f"triton {tile}"
         try:
             attend = prefill.make_attention(kind, tile)
-            err = (attend(q, k, v, chunk).float() - ref).abs().max().item() / ref.abs().max().item()
-            ms = gpu_ms(lambda: attend(q, k, v, chunk), 50)
+            err = (attend(q, k, v, chunk, how).float() - ref).abs().max().item() / ref.abs().max().item()
+            ms = gpu_ms(lambda: attend(q, k, v, chunk, how), 50)
         except Exception as e:
             print(f"{name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
             continue

@@ -245,7 +245,8 @@ def step_texts(args, ckpt: dict | None, work: Path, log: Log) -> tuple[Path, lis
     from bench import workload
     # Without --tokenizer, the checkpoint's copy (make_checkpoint found one) serves as well.
     tok = workload.load_tokenizer(args.tokenizer or (ckpt and ckpt["path"]))
-    texts = (workload.make_long_texts if args.long else workload.make_texts)(args.texts, args.seed, tok)
+    texts = (workload.make_long_texts(args.texts, args.seed, tok, args.long_max_tokens) if args.long
+             else workload.make_texts(args.texts, args.seed, tok))
     path = work / "texts.json"
     path.write_text(json.dumps(texts, ensure_ascii=False))
     counts = workload.token_counts(texts, tok)
@@ -315,8 +316,8 @@ _WARM_RE = re.compile(r"prefill: ready \(warm-up ([\d.]+) s[;)]")
 def parse_runner_log(stderr: str | None) -> dict:
     """load_s, load_threads, load_thread_seconds {phase: thread-seconds}, warm_up_s from prefill's stderr lines
 
-        prefill: loaded 64-layer Qwen3 (65.5 GB) from DIR in 5.1 s on cuda, copied (16 threads: fill 27.2, pin 2.4, stage 45.9 s); ...
-        prefill: loaded 64-layer Qwen3 (65.5 GB) from DIR in 3.1 s on cuda, mapped (16 threads: stage 30.1 s; in place: lock 1.2 s, 0.0 GB read ahead, total 2.3 s); ...
+        prefill: loaded 64-layer qwen3 (65.5 GB) from DIR in 5.1 s on cuda, copied (16 threads: fill 27.2, pin 2.4, stage 45.9 s); ...
+        prefill: loaded 64-layer qwen3 (65.5 GB) from DIR in 3.1 s on cuda, mapped (16 threads: stage 30.1 s; in place: lock 1.2 s, 0.0 GB read ahead, total 2.3 s); ...
         prefill: ready (warm-up 0.8 s; 5.0 s since the process started)
 
     Lenient: what is not there (another format, a runner that failed) is None."""
@@ -666,7 +667,7 @@ def fill_report(res: dict, cfg: dict, figures: dict) -> None:
     if losses and ref_losses and len(losses) == len(ref_losses):
         import interact
         errs = rel_errors(losses, ref_losses)
-        bad, _ = interact.compare_losses(losses, ref_losses)
+        bad = interact.compare_losses(losses, ref_losses)[0]
         res.update(max_rel_err=max(errs) if errs else None, median_rel_err=statistics.median(errs) if errs else None,
                    check_mismatches=len(bad), check_pass=not bad)
     else:
@@ -843,6 +844,11 @@ def print_table(res: dict) -> None:
 # Command line
 # ---------------------------------------------------------------------------------------------------------
 
+def workload_long_tokens() -> tuple[int, int]:
+    from bench import workload
+    return workload.LONG_TOKENS
+
+
 def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--texts", type=int, default=100, help="number of workload texts (default 100, the contest's)")
@@ -850,8 +856,12 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--long", action="store_true",
                     help="the long workload: --texts documents of 1k-32k tokens, contest texts joined "
                          "(bench/workload.py make_long_texts; named long-N)")
+    ap.add_argument("--long-max-tokens", type=int, default=workload_long_tokens()[1], metavar="N",
+                    help="--long: the longest document, in tokens (default %(default)s; 16384 for a 262k vocabulary, "
+                         "whose float32 logits the reference holds whole: 10 bytes x tokens x vocab on the GPU)")
     ap.add_argument("--geometry", choices=sorted(make_checkpoint.GEOMETRIES), default="qwen3-32b",
-                    help="model geometry (tiny: for testing this script on a CPU)")
+                    help="model geometry: a real model's (random weights; each family's config.json keys, the "
+                         "report's model_type) or tiny-*: the same family, CPU-sized, for testing this script")
     ap.add_argument("--layers", type=int, help="a shallower model (default: the geometry's, 64 for Qwen3-32B)")
     ap.add_argument("--ckpt-seed", type=int, default=0, help="seed of the random weights (default 0)")
     ap.add_argument("--cap-gib", type=float, default=48.0,
@@ -935,6 +945,8 @@ def main(argv: list[str] | None = None) -> int:
     vers = versions(args.device)
     machine = args.machine or machine_name(vers)
     name = args.workload or (f"{'long' if args.long else 'contest'}-{args.texts}"
+                             + (f"-max{args.long_max_tokens}" if args.long and args.long_max_tokens !=
+                                workload_long_tokens()[1] else "")
                              + ("" if layers == full_layers else f"-L{layers}")
                              + ("" if args.geometry == "qwen3-32b" else f"-{args.geometry}"))
     date = time.strftime("%Y-%m-%d", time.gmtime())
@@ -945,7 +957,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": name, "machine": machine, "date": date, "commit": args.commit or git_commit(),
         "command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", "bench/run.py", *argv]),
         "gpu_memory_cap_gib": args.cap_gib if args.device == "cuda" else None, "layers": layers,
-        "geometry": cfg, "versions": vers, "steps": {}, "errors": [],
+        "model_type": cfg.get("model_type", "qwen3"), "geometry": cfg, "versions": vers, "steps": {}, "errors": [],
     }
     figures: dict = {}
     log(f"bench: {name} on {machine}; checkpoint {args.ckpt_dir}; deadline {args.deadline_s:g} s")

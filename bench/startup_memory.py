@@ -28,7 +28,8 @@ def measure(module_dir, picks_path):
     from make_checkpoint import QWEN3_32B
     folder = tempfile.mkdtemp()
     Path(folder, "config.json").write_text(json.dumps(dict(QWEN3_32B, model_type="qwen3", torch_dtype="bfloat16")))
-    cfg, device = prefill.Qwen3Config.from_dir(folder), torch.device("cuda")
+    config = getattr(prefill, "ModelConfig", None) or prefill.Qwen3Config  # a --rev before the families' config
+    cfg, device = config.from_dir(folder), torch.device("cuda")
     torch.empty(1, device=device)
     free = torch.cuda.mem_get_info()[0]
     picks = prefill.Picks(picks_path, prefill.machine_key(device, cfg))

@@ -366,15 +366,16 @@ def make_texts(n: int, seed: int, tokenizer) -> list[str]:
     return [next(texts) for _ in range(n)]
 
 
-def make_long_texts(n: int, seed: int, tokenizer) -> list[str]:
-    """n documents of LONG_TOKENS[0]-LONG_TOKENS[1] tokens (log-uniform: as many texts of 1k-2k tokens as of
+def make_long_texts(n: int, seed: int, tokenizer, max_tokens: int = LONG_TOKENS[1]) -> list[str]:
+    """n documents of LONG_TOKENS[0]-max_tokens tokens (log-uniform: as many texts of 1k-2k tokens as of
     16k-32k), each contest texts joined by blank lines until it reaches its drawn length (overshooting it by one
-    text at most), deterministic in (n's prefix, seed): what scoring whole documents (books, code files) meets."""
+    text at most), deterministic in (n's prefix, seed, max_tokens): what scoring whole documents (books, code files)
+    meets."""
     r = random.Random(f"long-{seed}")
     parts = _contest_texts(r, tokenizer)
     texts: list[str] = []
     for _ in range(n):
-        target = round(math.exp(r.uniform(math.log(LONG_TOKENS[0]), math.log(LONG_TOKENS[1] - 700))))
+        target = round(math.exp(r.uniform(math.log(LONG_TOKENS[0]), math.log(max_tokens - 700))))
         joined, tokens = [], 0
         while tokens < target:
             joined.append(next(parts))

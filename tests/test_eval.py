@@ -239,14 +239,23 @@ def test_tree_waves_put_ancestors_first_and_positions_at_depth():
 # ----------------------------------------------------------------------------- the tree backends' start-up check
 
 CPU = torch.device("cpu")
-TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-            head_dim=16, vocab_size=1000, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
+TINY = dict(model_type="qwen3", hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=16, vocab_size=1000, rms_norm_eps=1e-6, rope_theta=1e6,
+            tie_word_embeddings=False)
+# the families' attention at the tree check's lengths: Gemma 2's scale and softcaps with a window, Gemma 3's windowed
+# and full layers, windows far shorter than the tree's 1050-token paths (and Gemma 3's real 1024, which the check
+# outruns with a deeper branch)
+GEMMA = dict(TINY, head_dim=16, query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh")
+TREE_CONFIGS = {"qwen3": TINY,
+                "gemma2": dict(GEMMA, model_type="gemma2", sliding_window=100, attn_logit_softcapping=50.0,
+                               final_logit_softcapping=30.0),
+                "gemma3": dict(GEMMA, model_type="gemma3_text", sliding_window=1024, sliding_window_pattern=2)}
 
 
 def test_the_tree_check_covers_what_can_go_wrong():
-    cfg = prefill.Qwen3Config(**TINY)
-    cases = prefill.tree_check_cases(CPU, cfg)
-    chunks = [chunk for (_, _, _, chunk), _ in cases]
+    cfg = prefill.ModelConfig.from_json(TINY)
+    cases = list(prefill.tree_check_cases(CPU, cfg))
+    chunks = [chunk for _, _, (_, _, _, chunk), _ in cases]
     ranges = [r for c in chunks for rs in c.ancestors for r in rs]
     assert any(len(rs) >= 2 for c in chunks for rs in c.ancestors)  # two ranges apart
     assert any((b - a) % 64 for a, b in ranges)  # a range ends mid-tile
@@ -254,27 +263,60 @@ def test_the_tree_check_covers_what_can_go_wrong():
     assert any(a < c.start for c in chunks for a, _ in (r for rs in c.ancestors for r in rs))  # earlier chunks
 
 
-@pytest.mark.parametrize("bug", [None, "ancestor_dropped", "sibling_visible"])
-def test_tree_attention_check_refuses_a_planted_bug(bug, monkeypatch):
-    cfg = prefill.Qwen3Config(**TINY)
-    keys = prefill.chunk_keys
-    if bug == "ancestor_dropped":  # the last range of each node's ancestors
-        monkeypatch.setattr(prefill, "chunk_keys", lambda chunk, i, k: keys(prefill.dataclasses.replace(
-            chunk, ancestors=[a[:-1] for a in chunk.ancestors]), i, k))
-    elif bug == "sibling_visible":  # a node's ancestors plus every node before it in the chunk
-        monkeypatch.setattr(prefill, "chunk_keys", lambda chunk, i, k: keys(prefill.dataclasses.replace(
+def test_the_tree_check_covers_each_setting_of_the_model_past_its_window():
+    for name, config in TREE_CONFIGS.items():
+        cfg = prefill.ModelConfig.from_json(config)
+        cases = list(prefill.tree_check_cases(CPU, cfg))
+        assert {(how, sharp) for how, sharp, _, _ in cases} == {
+            (how, sharp) for how in prefill.attention_settings(cfg)
+            for sharp in ((False, True) if how.window or how.softcap else (False,))}, name
+        for how, _, (_, _, _, chunk), _ in cases:  # the window's edge inside some node's ancestors' keys
+            if how.window:
+                assert int(chunk.depths.max()) >= how.window + 299, name
+    gemma2 = prefill.ModelConfig.from_json(TREE_CONFIGS["gemma2"])
+    assert {(how.scale, how.window, how.softcap) for how in gemma2.attention} == {(1 / math.sqrt(24), 100, 50.0),
+                                                                                   (1 / math.sqrt(24), None, 50.0)}
+
+
+def planted_tree_bug(bug, monkeypatch):
+    # a bug in what SDPA's tree path attends to, patched in: the keys (chunk_keys), the window's mask (seen_keys) or
+    # the softcap (softcapped_attention)
+    keys, seen, capped = prefill.chunk_keys, prefill.seen_keys, prefill.softcapped_attention
+    replaced = {
+        "ancestor_dropped": ("chunk_keys", lambda chunk, i, k: keys(prefill.dataclasses.replace(  # its last range
+            chunk, ancestors=[a[:-1] for a in chunk.ancestors]), i, k)),
+        "sibling_visible": ("chunk_keys", lambda chunk, i, k: keys(prefill.dataclasses.replace(  # + earlier nodes
             chunk, ancestors=[sorted(set(a) | {(chunk.start, chunk.start + chunk.seq_bounds[j])})
-                              for j, a in enumerate(chunk.ancestors)]), i, k))
+                              for j, a in enumerate(chunk.ancestors)]), i, k)),
+        "window_one_wider": ("seen_keys", lambda chunk, i, r, rows, keys, a, window, device: seen(
+            chunk, i, r, rows, keys, a, window and window + 1, device)),
+        "window_by_wave_index": ("seen_keys", lambda chunk, i, r, rows, keys, a, window, device: seen(  # not depth
+            prefill.dataclasses.replace(chunk, depths=torch.arange(chunk.depths.numel())), i, r, rows, keys, a,
+            window, device)),
+        "softcap_dropped": ("softcapped_attention", lambda q, k, v, seen, how: capped(
+            q, k, v, seen, prefill.dataclasses.replace(how, softcap=1e9))),
+    }
+    monkeypatch.setattr(prefill, *replaced[bug])
+
+
+# Qwen3's plain attention; Gemma 2's settings (window 100 by depth, softcap 50, scale 24^-1/2)
+@pytest.mark.parametrize("config, bug", [("qwen3", None), ("qwen3", "ancestor_dropped"), ("qwen3", "sibling_visible"),
+                                         ("gemma2", None), ("gemma2", "window_one_wider"),
+                                         ("gemma2", "window_by_wave_index"), ("gemma2", "softcap_dropped")])
+def test_tree_attention_check_refuses_a_planted_bug(config, bug, monkeypatch):
+    cfg = prefill.ModelConfig.from_json(TREE_CONFIGS[config])
     if bug is None:
         name, attend, report = prefill.pick_tree_attention("sdpa", CPU, cfg)
         assert name == "sdpa" and report[0]["error"] < prefill.CHECK_TOLERANCE
-    else:
-        with pytest.raises(prefill.UserError, match="no attention backend reads a prefix tree on cpu: sdpa: differs"):
-            prefill.pick_tree_attention("sdpa", CPU, cfg)
+        return
+    planted_tree_bug(bug, monkeypatch)
+    with pytest.raises(prefill.UserError, match="no attention backend reads a prefix tree on cpu: sdpa: differs"
+                       + (" .* with window 100" if config == "gemma2" else "")):
+        prefill.pick_tree_attention("sdpa", CPU, cfg)
 
 
 def test_only_triton_and_sdpa_read_trees():
-    cfg = prefill.Qwen3Config(**TINY)
+    cfg = prefill.ModelConfig.from_json(TINY)
     for requested in ("flash", "cudnn", "torch-flash", "auto"):  # no tree variant: the tree kinds in their order
         named = requested if requested in prefill.TREE_KINDS else "auto"
         kinds = [kind for _, kind, _ in prefill.attention_candidates(named, "nvidia") if kind in prefill.TREE_KINDS]
@@ -283,33 +325,59 @@ def test_only_triton_and_sdpa_read_trees():
 
 
 TREE_KERNEL_CHECK = """
-import json, torch, prefill
-cfg = prefill.Qwen3Config(**json.loads(__import__("sys").argv[1]))
+import json, sys, torch, prefill
+cfg = prefill.ModelConfig.from_json(json.loads(sys.argv[1]))
+prefill.TREE_CHECK = json.loads(sys.argv[2]) or prefill.TREE_CHECK
 report = {}
-for (q, k, v, chunk), want in prefill.tree_check_cases(torch.device("cpu"), cfg):
+def worst(key, err):
+    report[key] = max(report.get(key, 0), err)
+for how, sharp, (q, k, v, chunk), want in prefill.tree_check_cases(torch.device("cpu"), cfg):
     # the interpreter multiplies bfloat16 tiles as raw integers: float16 here (bf16 on a GPU)
     q, k, v = (t.half() for t in (q, k, v))
-    for tile in sorted({t for family in prefill.TREE_ATTENTION_TILES.values() for t in family}):
-        err = prefill.check_error(prefill.attention_triton(q, k, v, chunk, tile), want)
-        report[str(tile)] = max(report.get(str(tile), 0), err)
+    for tile in sorted({t for family in ("nvidia", "rdna3") for t in prefill.tree_attention_tiles(family, cfg)}):
+        worst(str(tile), prefill.check_error(prefill.attention_triton(q, k, v, chunk, how, tile), want))
     tile = prefill.ATTENTION_TILES["nvidia"][0]
     dropped = prefill.dataclasses.replace(chunk, ancestor_bounds=torch.zeros_like(chunk.ancestor_bounds))
-    report["ancestors dropped"] = max(report.get("ancestors dropped", 0),
-                                      prefill.check_error(prefill.attention_triton(q, k, v, dropped, tile), want))
+    worst("ancestors dropped", prefill.check_error(prefill.attention_triton(q, k, v, dropped, how, tile), want))
+    if sharp and how.window:  # the window one key wider; by wave index, not depth
+        wider = prefill.dataclasses.replace(how, window=how.window + 1)
+        worst("window one wider", prefill.check_error(prefill.attention_triton(q, k, v, chunk, wider, tile), want))
+        flat = prefill.dataclasses.replace(chunk, depths=torch.arange(chunk.depths.numel(), dtype=torch.int32))
+        worst("window by wave index", prefill.check_error(prefill.attention_triton(q, k, v, flat, how, tile), want))
+    if sharp and how.softcap:
+        uncapped = prefill.dataclasses.replace(how, softcap=None)
+        worst("softcap dropped", prefill.check_error(prefill.attention_triton(q, k, v, chunk, uncapped, tile), want))
 print(json.dumps(report))
 """
 
 
-def test_triton_tree_kernel_matches_the_reference_and_misses_are_caught():
+# The interpreter runs the Triton kernel ~1000x slower than a GPU: the families' variants on a tree of the check's
+# shape at a tenth of its size (nodes in earlier chunks of 64, two ranges apart, ranges ending mid-tile, a root beside
+# them), with windows of 24 and 30 keys against paths of 150 tokens
+SMALL_TREE = [[[40, 7], [40, 20, 90], [40, 20, 3], [12, 9], [12, 1]], 64]
+KERNEL_CASES = {"qwen3": (TINY, None),
+                "gemma2": (dict(TREE_CONFIGS["gemma2"], sliding_window=24), SMALL_TREE),
+                "gemma3": (dict(TREE_CONFIGS["gemma3"], sliding_window=30), SMALL_TREE)}
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_triton_tree_kernel_matches_the_reference_and_misses_are_caught(name):
     pytest.importorskip("triton")
     env = dict(__import__("os").environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", TREE_KERNEL_CHECK, json.dumps(TINY)], capture_output=True, text=True,
-                       timeout=900, env=env)
+    config, tree = KERNEL_CASES[name]
+    p = subprocess.run([sys.executable, "-c", TREE_KERNEL_CHECK, json.dumps(config), json.dumps(tree)],
+                       capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     report = json.loads(p.stdout)
-    for tile in {t for family in prefill.TREE_ATTENTION_TILES.values() for t in family}:
+    cfg = prefill.ModelConfig.from_json(config)
+    for tile in {t for family in ("nvidia", "rdna3") for t in prefill.tree_attention_tiles(family, cfg)}:
         assert report[str(tile)] < prefill.CHECK_TOLERANCE / 4, report
-    assert report["ancestors dropped"] > 4 * prefill.CHECK_TOLERANCE, report
+    misses = {"qwen3": ["ancestors dropped"], "gemma3": ["ancestors dropped", "window one wider",
+                                                         "window by wave index"]}.get(name, [
+        "ancestors dropped", "window one wider", "window by wave index", "softcap dropped"])
+    assert sorted(k for k in report if not k.startswith("(")) == sorted(misses)
+    for miss in misses:
+        assert report[miss] > 4 * prefill.CHECK_TOLERANCE, (miss, report)
 
 
 # ----------------------------------------------------------------------------- lm-eval: prefill against its HF backend

@@ -14,6 +14,8 @@ import os
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
+import torch
+
 import prefill
 
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
@@ -161,6 +163,22 @@ def test_input_file_that_cannot_be_read_is_named(tmp_path):
 GOOD_CONFIG = dict(model_type="qwen3", hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=151936, rms_norm_eps=1e-6,
                    rope_theta=1e6, tie_word_embeddings=False)
+# each family's own keys, on the same geometry: the fuzzer changes or drops any of them
+FAMILY_CONFIGS = [
+    GOOD_CONFIG,
+    dict(GOOD_CONFIG, model_type="llama", attention_bias=True, mlp_bias=False, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),
+    dict(GOOD_CONFIG, model_type="mistral", sliding_window=8),
+    dict(GOOD_CONFIG, model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2),
+    dict(GOOD_CONFIG, model_type="gemma2", query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+         final_logit_softcapping=3.0, sliding_window=8, hidden_activation="gelu_pytorch_tanh"),
+    {"model_type": "gemma3", "text_config": dict(GOOD_CONFIG, model_type="gemma3_text", sliding_window=8,
+                                                 layer_types=["sliding_attention", "full_attention"] * 2,
+                                                 rope_parameters={"full_attention": {"rope_type": "linear",
+                                                                                     "factor": 8.0},
+                                                                  "sliding_attention": {"rope_theta": 1e4}})},
+]
 
 
 @st.composite
@@ -170,13 +188,16 @@ def configs(draw):
         return draw(st.binary(max_size=40))
     if kind == "value":
         return json.dumps(draw(json_values)).encode()
-    config = dict(GOOD_CONFIG)
-    for key in draw(st.lists(st.sampled_from(sorted(GOOD_CONFIG) + ["rope_parameters"]), max_size=3)):
+    config = json.loads(json.dumps(draw(st.sampled_from(FAMILY_CONFIGS))))
+    inner = config.get("text_config", config)
+    keys = sorted(inner) + ["rope_parameters", "rope_scaling", "layer_types", "sliding_window", "quantization_config",
+                            "partial_rotary_factor", "use_bidirectional_attention"]
+    for key in draw(st.lists(st.sampled_from(keys), max_size=3)):
         change = draw(st.sampled_from(["drop", "value", "number"]))
         if change == "drop":
-            config.pop(key, None)
+            inner.pop(key, None)
         else:
-            config[key] = draw(json_values if change == "value" else st.integers(-3, 40) | st.floats())
+            inner[key] = draw(json_values if change == "value" else st.integers(-3, 40) | st.floats())
     return json.dumps(config).encode()
 
 
@@ -191,7 +212,7 @@ def test_config(tmp_path_factory, data):
     folder = tmp_path_factory.getbasetemp() / "config"
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_bytes(data)
-    cfg, message = refusal(prefill.Qwen3Config.from_dir, folder)
+    cfg, message = refusal(prefill.ModelConfig.from_dir, folder)
     if message is not None:
         assert str(folder / "config.json") in message
         return
@@ -199,8 +220,14 @@ def test_config(tmp_path_factory, data):
                 "vocab_size"):
         assert type(getattr(cfg, key)) is int and getattr(cfg, key) > 0
     assert cfg.num_attention_heads % cfg.num_key_value_heads == 0 and cfg.head_dim % 2 == 0
-    assert all(0 < x < math.inf for x in (cfg.rms_norm_eps, cfg.rope_theta))
-    assert type(cfg.tie_word_embeddings) is bool
+    assert 0 < cfg.rms_norm_eps < math.inf and type(cfg.tie_word_embeddings) is bool
+    assert len(cfg.ropes) == len(cfg.attention) == cfg.num_hidden_layers
+    for rope in cfg.ropes:  # every RoPE gives finite angles
+        assert rope.kind in prefill.ROPE_KINDS and torch.isfinite(rope.inv_freq(cfg.head_dim)).all()
+    for how in cfg.attention:
+        assert 0 < how.scale < math.inf and (how.window is None or type(how.window) is int and how.window > 0)
+        assert how.softcap is None or 0 < how.softcap < math.inf
+    assert cfg.final_softcap is None or 0 < cfg.final_softcap < math.inf
 
 
 # ----------------------------------------------------------------------------- safetensors headers

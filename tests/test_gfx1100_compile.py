@@ -16,6 +16,7 @@ kernel metadata.
     PYTHONPATH=. python tests/test_gfx1100_compile.py OUT.json   # the same compiles and a few more tiles: a table
 """
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -31,12 +32,23 @@ import torch
 
 import interact
 import prefill
-from bench.make_checkpoint import QWEN3_32B
+from bench.make_checkpoint import GEMMA3_27B, LLAMA_3_1_70B, QWEN3_32B
 
-# Qwen3-0.6B's geometry (its config.json): the block sizes that follow the hidden size and head count differ
+# Qwen3-0.6B's geometry (its config.json): the block sizes that follow the hidden size and head count differ. The
+# other families bring the kernels' variants: Gemma 3 its (1 + w) norms, q/k norm, GELU and a window (4B: head_dim
+# 256), Gemma 2 a window with a softcap, Llama RoPE without a q/k norm.
 MODELS = {"Qwen3-32B": QWEN3_32B,
           "Qwen3-0.6B": {**QWEN3_32B, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-                         "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True}}
+                         "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True},
+          "Gemma-3-27B": GEMMA3_27B,
+          "Gemma-3-4B": {**GEMMA3_27B, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+                         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                         "query_pre_attn_scalar": 256},
+          "Gemma-2-27B": {"model_type": "gemma2", "vocab_size": 256000, "hidden_size": 4608, "intermediate_size": 36864,
+                          "num_hidden_layers": 46, "num_attention_heads": 32, "num_key_value_heads": 16,
+                          "head_dim": 128, "query_pre_attn_scalar": 144, "sliding_window": 4096,
+                          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+          "Llama-3.1-70B": LLAMA_3_1_70B}
 KNOWN_SPILLING_TILE = (64, 64, 4, 2)  # spills 205 VGPRs under Triton 3.9, 16 under 3.6 (and SPEC §8 saw 137)
 LDS_BYTES = 65536  # per workgroup on RDNA3
 TOKENS = 3  # no launch parameter depends on the token count
@@ -87,9 +99,7 @@ def bind(fn, target, args, kwargs):
 
 
 def model_config(geometry):
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "config.json").write_text(json.dumps({**interact.QWEN3_CONFIG_DEFAULTS, **geometry}))
-        return prefill.Qwen3Config.from_dir(d)
+    return prefill.ModelConfig.from_json(interact.config_json(geometry))
 
 
 @contextlib.contextmanager
@@ -104,7 +114,7 @@ def launches_recorded(target, model, into):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: into.append(Launch(self.name, model, *bind(self.fn, target, args, kwargs)))
 
-    linear = lambda x, w: torch.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype)
+    linear = lambda x, w, bias=None: torch.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype)
     with contextlib.ExitStack() as stack:
         for name, fn in kernels.items():
             stack.enter_context(mock.patch.object(prefill, name, Recorder(name, fn)))
@@ -119,27 +129,27 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
     flat = torch.empty(cfg.layer_numel, dtype=prefill.DTYPE)  # never touched: only its views' shapes and offsets
     w = prefill.layer_views(flat, cfg)
     x = torch.zeros(TOKENS, cfg.hidden_size, dtype=prefill.DTYPE)
-    cos, sin = prefill.rope_tables(torch.arange(TOKENS), cfg)
+    cos, sin = prefill.rope_tables(torch.arange(TOKENS), cfg.ropes[0], cfg.head_dim)
     chunk = prefill.Chunk(0, TOKENS, [0, TOKENS], torch.tensor([0, TOKENS], dtype=torch.int32), TOKENS)
     # a prefix tree's chunk (the tree kernel): a root token, then a node of the others reading it
     tree_chunk = prefill.Chunk(0, TOKENS, [0, 1, TOKENS], torch.tensor([0, 1, TOKENS], dtype=torch.int32),
                                TOKENS - 1, [[], [(0, 1)]], torch.tensor([0, 0, 1], dtype=torch.int32),
-                               torch.tensor([[0, 1]], dtype=torch.int32))
+                               torch.tensor([[0, 1]], dtype=torch.int32), torch.arange(TOKENS, dtype=torch.int32))
     lm_head = torch.empty((), dtype=prefill.DTYPE).expand(cfg.vocab_size, cfg.hidden_size)
     targets = torch.zeros(TOKENS, dtype=torch.int64)
     launches = []
     with launches_recorded(target, model, launches) as kernels:
-        for tile in tiles:
+        for tile, how in itertools.product(tiles, prefill.attention_settings(cfg)):
             attend = prefill.make_attention("triton", tile)
-            prefill.attention_block(x, w, cos, sin, chunk, cfg, attend, prefill.TRITON_KERNELS)
-        for tile in tree_tiles:
+            prefill.attention_block(x, w, cos, sin, chunk, cfg, attend, prefill.TRITON_KERNELS, how)
+        for tile, how in itertools.product(tree_tiles, prefill.attention_settings(cfg)):
             attend = prefill.make_attention("triton", tile)
             wave_kv = [torch.zeros(TOKENS, cfg.num_key_value_heads, cfg.head_dim, dtype=prefill.DTYPE)] * 2
-            prefill.attention_block(x, w, cos, sin, tree_chunk, cfg, attend, prefill.TRITON_KERNELS, wave_kv)
+            prefill.attention_block(x, w, cos, sin, tree_chunk, cfg, attend, prefill.TRITON_KERNELS, how, wave_kv)
         prefill.mlp_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS)
         final_norm = torch.ones(cfg.hidden_size, dtype=prefill.DTYPE)
         prefill.sequence_nll(x, lm_head, final_norm, targets, torch.zeros(TOKENS, dtype=torch.int64), 1,
-                             cfg.rms_norm_eps, TOKENS, prefill.TRITON_KERNELS)
+                             cfg, TOKENS, prefill.TRITON_KERNELS)
     return list(dict.fromkeys(launches)), kernels
 
 
@@ -199,12 +209,19 @@ def fresh_triton_cache(tmp_path_factory):
 
 # ----------------------------------------------------------------------------- tests
 
+def offered_tiles(model):
+    return prefill.attention_tiles("rdna3", model_config(MODELS[model]))
+
+
+def offered_tree_tiles(model):
+    return prefill.tree_attention_tiles("rdna3", model_config(MODELS[model]))
+
+
 def offered_launches(target):
-    """Every distinct launch of prefill's kernels for both models, with the attention tiles offered on RDNA3."""
+    """Every distinct launch of prefill's kernels for every model, with the attention tiles offered on RDNA3."""
     launches = []
     for model in MODELS:
-        found, kernels = prefill_launches(target, model, prefill.ATTENTION_TILES["rdna3"],
-                                          prefill.TREE_ATTENTION_TILES["rdna3"])
+        found, kernels = prefill_launches(target, model, offered_tiles(model), offered_tree_tiles(model))
         launches += found
     return launches, kernels
 
@@ -216,10 +233,16 @@ def test_every_kernel_prefill_launches_compiles_for_gfx1100_without_spills(fresh
     # each JIT function is launched, or is a helper that a launched kernel calls: a new kernel cannot go unchecked
     called = {name for name in kernels for k in launched if re.search(rf"\b{name}\(", getattr(prefill, k).src)}
     assert set(kernels) == launched | called, f"never launched by prefill's layers: {set(kernels) - launched - called}"
-    for kernel, offered in (("_attention_kernel", prefill.ATTENTION_TILES), ("_tree_attention_kernel",
-                                                                             prefill.TREE_ATTENTION_TILES)):
+    for kernel, offered in (("_attention_kernel", offered_tiles), ("_tree_attention_kernel", offered_tree_tiles)):
         tiles = {(launch.model, attention_tile(launch)) for launch in launches if launch.kernel == kernel}
-        assert tiles == {(model, tile) for model in MODELS for tile in offered["rdna3"]}, kernel
+        assert tiles == {(model, tile) for model in MODELS for tile in offered(model)}, kernel
+        variants = {tuple(launch.named_constexprs()[k] for k in ("WINDOW", "SOFTCAP")) for launch in launches
+                    if launch.kernel == kernel}
+        assert variants == {(False, False), (True, False), (False, True), (True, True)}, kernel  # every one launched
+    assert not offered_tiles("Gemma-3-4B") and offered_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
+    assert not offered_tree_tiles("Gemma-3-4B") and offered_tree_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
+    norms = {launch.named_constexprs()["NORM"] for launch in launches if launch.kernel == "_head_norm_rope_kernel"}
+    assert norms == {0, 1, 2}
     failures = [p for launch in launches for p in problems(launch, gfx1100_registers(launch))]
     assert not failures, f"gfx1100, Triton {triton.__version__}:\n" + "\n".join(failures)
 
@@ -242,21 +265,20 @@ def record(out):
     not offered on RDNA3 (the NVIDIA ones, and others that were or might be), for reference."""
     triton, target = amd_backend()
     offered, _ = offered_launches(target)
-    others = [tile for tile in prefill.ATTENTION_TILES["nvidia"] + REFERENCE_TILES
-              if tile not in prefill.ATTENTION_TILES["rdna3"]]
-    tree_others = [tile for tile in prefill.ATTENTION_TILES["nvidia"] + prefill.ATTENTION_TILES["rdna3"]
-                   + REFERENCE_TILES if tile not in prefill.TREE_ATTENTION_TILES["rdna3"]]
+    every = dict.fromkeys(prefill.ATTENTION_TILES["rdna3"] + prefill.RDNA3_VARIANT_TILES
+                          + prefill.ATTENTION_TILES["nvidia"] + REFERENCE_TILES)
+    offers = {"_attention_kernel": offered_tiles, "_tree_attention_kernel": offered_tree_tiles}
     for model in MODELS:
+        others, tree_others = ([tile for tile in every if tile not in offers[kernel](model)] for kernel in offers)
         offered += [launch for launch in prefill_launches(target, model, others, tree_others)[0]
                     if launch.kernel == "_attention_kernel" and attention_tile(launch) in others
                     or launch.kernel == "_tree_attention_kernel" and attention_tile(launch) in tree_others]
-    tables = {"_attention_kernel": prefill.ATTENTION_TILES, "_tree_attention_kernel": prefill.TREE_ATTENTION_TILES}
     rows = [{"kernel": launch.kernel, "model": launch.model, "config": launch.config(),
-             "offered on gfx1100": attention_tile(launch) in tables[launch.kernel]["rdna3"]
-             if launch.kernel in tables else True, **gfx1100_registers(launch)} for launch in offered]
+             "offered on gfx1100": attention_tile(launch) in offers[launch.kernel](launch.model)
+             if launch.kernel in offers else True, **gfx1100_registers(launch)} for launch in offered]
     table = json.loads(out.read_text()) if out.exists() else {}
     table["what"] = ("A static compile, no GPU: each kernel launch prefill makes (recorded from its layer code with "
-                     "Qwen3-32B's and Qwen3-0.6B's dimensions) compiled by Triton's AMD backend for "
+                     f"{', '.join(MODELS)}'s dimensions) compiled by Triton's AMD backend for "
                      "GPUTarget('hip', 'gfx1100', 32) to assembly; registers, spills and scratch from the "
                      "assembly's kernel metadata, LDS = static + Triton's dynamic shared memory. Nothing ran. "
                      "Each 'triton X' entry is one run of tests/test_gfx1100_compile.py as a script, "

@@ -161,6 +161,29 @@ def test_random_checkpoint_loads_in_transformers(tmp_path, qwen_tokenizer_dir, q
     assert losses[0] != losses[1]
 
 
+@pytest.mark.parametrize("geometry", ["tiny-gemma3", "tiny-qwen2.5", "tiny-llama"])
+def test_random_checkpoint_of_each_family_is_what_transformers_loads(tmp_path, qwen_tokenizer_dir, geometry):
+    # the bench's checkpoints of the other families: prefill's tensor list for the family is transformers' own, every
+    # parameter written (none left to random initialisation), none extra, Gemma's norms centred on 0 (scale 1 + w)
+    from transformers import AutoModelForCausalLM
+
+    from bench.make_checkpoint import GEOMETRIES
+
+    config = GEOMETRIES[geometry]
+    out = interact.write_random_checkpoint(tmp_path, config, seed=1, tokenizer_dir=qwen_tokenizer_dir)
+    written = load_file(out / "model.safetensors")
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True,
+                                                       **{interact.dtype_kwarg(): torch.bfloat16})
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.config.model_type == config["model_type"]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, t in written.items():
+        assert torch.equal(params[name], t), name
+    assert set(written) | {"lm_head.weight"} >= set(params)
+    norms = [t.float().mean().item() for name, t in written.items() if name.endswith("norm.weight")]
+    assert all(abs(m - (0.0 if geometry == "tiny-gemma3" else 1.0)) < 0.05 for m in norms)
+
+
 def test_demo_model_is_built_once_in_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = interact.demo_model_dir()

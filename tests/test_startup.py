@@ -15,13 +15,18 @@ import prefill
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
-TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-            head_dim=16, vocab_size=1000, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
+TINY = dict(model_type="qwen3", hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=16, vocab_size=1000, rms_norm_eps=1e-6, rope_theta=1e6,
+            tie_word_embeddings=False)
 
 
 @pytest.fixture
 def cfg():
-    return prefill.Qwen3Config(**TINY)
+    return prefill.ModelConfig.from_json(TINY)
+
+
+def full(cfg):  # a layer's plain causal attention settings
+    return cfg.attention[0]
 
 
 def stand_in_flash(monkeypatch, attend):
@@ -50,21 +55,21 @@ def windowed_attention(window):
 
 def test_attention_reference_is_causal_gqa_attention(cfg):
     q, k, v, chunk = prefill.attention_inputs(CPU, cfg, [5, 70], seed=3)
-    want = prefill.attention_reference(q, k, v, chunk)
-    assert prefill.check_error(prefill.attention_sdpa(q.float(), k.float(), v.float(), chunk), want) < 1e-5
+    want = prefill.attention_reference(q, k, v, chunk, full(cfg))
+    assert prefill.check_error(prefill.attention_sdpa(q.float(), k.float(), v.float(), chunk, full(cfg)), want) < 1e-5
     assert prefill.check_error(windowed_attention(10 ** 6)(q.float(), k.float(), v.float(), [0, 5, 75]), want) < 1e-5
 
 
 def test_sdpa_in_blocks_of_query_rows_is_still_causal_attention(cfg, monkeypatch):
     # the fallback bounds its scores by working in blocks of query rows: each block must see exactly its own past
     q, k, v, chunk = prefill.attention_inputs(CPU, cfg, [70, 5, 130], seed=4)
-    want = prefill.attention_reference(q, k, v, chunk)
+    want = prefill.attention_reference(q, k, v, chunk, full(cfg))
     q, k, v = q.float(), k.float(), v.float()
     monkeypatch.setattr(prefill, "SDPA_SCORES", cfg.num_attention_heads * 130 * 16)  # 16-row blocks of the longest
-    assert prefill.check_error(prefill.attention_sdpa(q, k, v, chunk), want) < 1e-5
+    assert prefill.check_error(prefill.attention_sdpa(q, k, v, chunk, full(cfg)), want) < 1e-5
     tril = torch.Tensor.tril
     monkeypatch.setattr(torch.Tensor, "tril", lambda t, d=0: tril(t, d + 1))  # one key of the future leaks in
-    assert prefill.check_error(prefill.attention_sdpa(q, k, v, chunk), want) > 1e-2
+    assert prefill.check_error(prefill.attention_sdpa(q, k, v, chunk, full(cfg)), want) > 1e-2
 
 
 def test_a_kernel_wrong_only_past_its_first_key_tiles_is_refused(cfg, monkeypatch):
@@ -102,7 +107,7 @@ def test_picks_are_kept_per_machine_and_model(cfg, tmp_path):
     first.put("blas", "cublaslt")
     again = prefill.Picks(path, prefill.machine_key(CPU, cfg))
     assert again.get("attention auto") == "sdpa" and again.get("blas") == "cublaslt"
-    other_model = prefill.Picks(path, prefill.machine_key(CPU, prefill.Qwen3Config(**dict(TINY, head_dim=32))))
+    other_model = prefill.Picks(path, prefill.machine_key(CPU, prefill.ModelConfig.from_json(dict(TINY, head_dim=32))))
     assert other_model.get("attention auto") is None
     assert not prefill.Picks(None, first.key).writable()
     path.write_text("not json")  # a damaged file is no pick, and is replaced whole
@@ -172,14 +177,14 @@ def test_the_dispatcher_runs_each_bucket_s_kernel_and_a_kernel_wrong_in_one_buck
     ran = []
 
     def recorder(label):
-        def attend(q, k, v, chunk):
+        def attend(q, k, v, chunk, how):
             ran.append(label)
-            return prefill.attention_sdpa(q, k, v, chunk)
+            return prefill.attention_sdpa(q, k, v, chunk, how)
         return attend
     attend = prefill.bucketed_attention({label: recorder(label) for label in prefill.BUCKET_LABELS})
     for lengths, label in [([37, 1024], "<=1024"), ([1025, 3], "<=4096"), ([4096], "<=4096"), ([4097], ">4096")]:
         q, k, v, chunk = prefill.attention_inputs(CPU, cfg, lengths, seed=0)
-        attend(q, k, v, chunk)
+        attend(q, k, v, chunk, full(cfg))
         assert ran.pop() == label and prefill.attention_bucket(chunk.max_len) == label
     # a flash right on texts of up to 4096 tokens only: it passes the general check and two buckets, not the third
     stand_in_flash(monkeypatch, windowed_attention(4096))
@@ -189,7 +194,8 @@ def test_the_dispatcher_runs_each_bucket_s_kernel_and_a_kernel_wrong_in_one_buck
     flash = next(e for e in report if e["name"] == "flash")
     assert flash["bucket_error"][">4096"] > prefill.CHECK_TOLERANCE >= flash["bucket_error"]["<=4096"]
     q, k, v, chunk = prefill.attention_inputs(CPU, cfg, [4500], seed=5)
-    assert prefill.check_error(attend(q, k, v, chunk), prefill.attention_reference(q, k, v, chunk)) < 1e-2
+    assert prefill.check_error(attend(q, k, v, chunk, full(cfg)),
+                               prefill.attention_reference(q, k, v, chunk, full(cfg))) < 1e-2
 
 
 def test_cudnn_is_offered_on_nvidia_only(hip, monkeypatch):
@@ -203,7 +209,7 @@ def test_cudnn_is_offered_on_nvidia_only(hip, monkeypatch):
             prefill.attention_candidates("cudnn", fam)
     assert [name for name, _, _ in prefill.attention_candidates("cudnn", "nvidia")] == ["cudnn"]
     # where torch cannot run it (here: no GPU), the check refuses it in one line instead of failing
-    report = prefill.check_attention([("cudnn", "cudnn", None)], CPU, prefill.Qwen3Config(**TINY))
+    report = prefill.check_attention([("cudnn", "cudnn", None)], CPU, prefill.ModelConfig.from_json(TINY))
     assert report[0]["attend"] is None and report[0]["reason"]
 
 
@@ -229,9 +235,10 @@ def hip(monkeypatch):
 
 
 GB = 10 ** 9
-QWEN3_32B = prefill.Qwen3Config(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
-                                num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                                rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
+QWEN3_32B = prefill.ModelConfig.from_json(dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600,
+                                               num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+                                               head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1e6,
+                                               tie_word_embeddings=False))
 STREAMED = prefill.plan_memory(QWEN3_32B, 48 * prefill.GiB).streamed_layers  # 20 layers at the W7800's 48 GiB
 STAGING = 2 * 16 * prefill.STAGING_BYTES  # 16 loading threads' staging buffers
 
