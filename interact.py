@@ -58,27 +58,31 @@ def round_bf16(values: list[float]) -> list[float]:
     return torch.tensor(values, dtype=torch.float32).to(torch.bfloat16).float().tolist()
 
 
-def compare_losses(got: list[float], ref: list[float], rtol: float = 0.05) -> tuple[list[int], float]:
-    """Indices that fail the contest's rule, and the largest relative error (|ref| > 1e-3 only).
+def max_relative_error(got: list[float], ref: list[float]) -> float:
+    """The largest |got - ref| / |ref| where |ref| > 1e-3 and neither is nan (0.0 where there is none)."""
+    return max((abs(g - r) / abs(r) for g, r in zip(got, ref) if abs(r) > 1e-3 and not math.isnan(g)), default=0.0)
 
-    Both sides are rounded to bf16; |ref| <= 1e-3 needs an absolute error <= 1e-2,
-    otherwise the relative error must be <= rtol; nan matches only nan.
+
+def compare_losses(got: list[float], ref: list[float], rtol: float = 0.05) -> tuple[list[int], float, float]:
+    """Indices that fail the contest's rule, and the largest relative error (|ref| > 1e-3 only), after rounding
+    both sides to bf16 as the contest compares and without rounding (bf16's 2^-8 steps hide smaller errors).
+
+    |ref| <= 1e-3 needs an absolute error <= 1e-2, otherwise the relative error must be <= rtol; nan matches only nan.
     """
     if len(got) != len(ref):
         raise UserError(f"{len(got)} losses to compare with {len(ref)} reference losses")
-    bad, max_rel = [], 0.0
-    for i, (g, r) in enumerate(zip(round_bf16(got), round_bf16(ref))):
+    bad = []
+    rounded_got, rounded_ref = round_bf16(got), round_bf16(ref)
+    for i, (g, r) in enumerate(zip(rounded_got, rounded_ref)):
         if math.isnan(g) or math.isnan(r):
             ok = math.isnan(g) and math.isnan(r)
         elif abs(r) <= 1e-3:
             ok = abs(g - r) <= 1e-2
         else:
-            rel = abs(g - r) / abs(r)
-            max_rel = max(max_rel, rel)
-            ok = rel <= rtol
+            ok = abs(g - r) / abs(r) <= rtol
         if not ok:
             bad.append(i)
-    return bad, max_rel
+    return bad, max_relative_error(rounded_got, rounded_ref), max_relative_error(got, ref)
 
 
 def texts_sha256(texts: list[str]) -> str:
@@ -90,22 +94,15 @@ def texts_sha256(texts: list[str]) -> str:
 # ---------------------------------------------------------------------------
 
 
-def load_texts_file(path: str | Path) -> list[str]:
-    """A JSON array of strings, or JSON lines with one string each."""
+def load_texts_file(path: str | Path, text_field: str = "text") -> list[str]:
+    """The texts of a file in any layout prefill.py's --input reads, through its own reader: a JSON array or JSON lines,
+    each element or line a string or an object with a string text_field; a problem names the line or element."""
+    import prefill  # beside this file; imported here, not at the top, so that --help needs no torch
+
     try:
-        raw = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise UserError(f"cannot read texts file {path}: {e.strerror}") from None
-    try:
-        texts = json.loads(raw)
-    except json.JSONDecodeError:
-        try:
-            texts = [json.loads(line) for line in raw.splitlines() if line.strip()]
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: neither a JSON array nor JSON lines ({e})") from None
-    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-        raise UserError(f"{path}: expected a JSON array of strings or JSON lines of strings")
-    return texts
+        return [record.text for record in prefill.read_records(str(path), text_field)]
+    except prefill.UserError as e:
+        raise UserError(str(e)) from None
 
 
 def render_chat(tokenizer, messages: list[dict]) -> str:
@@ -663,9 +660,9 @@ def reference_losses(model, tokenizer, texts: list[str]) -> list[float]:
 
 
 class RunnerError(Exception):
-    def __init__(self, message: str, stderr: str):
+    def __init__(self, message: str, stderr: str, returncode: int | None = None):
         super().__init__(message)
-        self.stderr = stderr
+        self.stderr, self.returncode = stderr, returncode
 
 
 @dataclass
@@ -709,7 +706,7 @@ def run_runner(cmd: list[str], texts: list[str], timeout: float = 1800) -> RunRe
         if proc.poll() is None:
             proc.kill()
         rc = proc.wait()
-        raise RunnerError(f"{message} (runner exit code {rc})", proc.stderr.read())
+        raise RunnerError(f"{message} (runner exit code {rc})", proc.stderr.read(), rc)
 
     def next_line(waiting_for: str) -> str:
         try:
@@ -779,13 +776,26 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             "Texts: --texts FILE, else --dataset DIR, else the built-in demo math chats. Dataset and demo "
             "texts are rendered with the model's chat template and kept only if shorter than 2048 characters. "
             "Without --model, a small random Qwen3 with the real Qwen3 tokenizer is built once under "
-            "${XDG_CACHE_HOME:-~/.cache}/prefill/. Example: uv run interact.py --model DIR -- --gpu-memory 48"
+            "${XDG_CACHE_HOME:-~/.cache}/prefill/. Example: uv run interact.py --model DIR -- --gpu-memory 48. "
+            "Exit codes, as prefill.py's: 0 done; 1 a --check mismatch, or the runner failed; 2 a bad option, input "
+            "or reference file (or a runner that exited 2, having found one)."
         ),
     )
     p.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the demo model)")
     p.add_argument("--runner", metavar="PATH", default=str(HERE / "prefill.py"), help="default: %(default)s")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--texts", metavar="FILE", help="a JSON array of strings, or JSON lines of strings")
+    src.add_argument(
+        "--texts",
+        metavar="FILE",
+        help="the texts, in any layout prefill.py --input reads: a JSON array, or JSON lines, each element or line "
+        "a string or an object with a string --text-field",
+    )
+    p.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help="with --texts: the field holding the text where a record is an object (default: text)",
+    )
     src.add_argument(
         "--dataset",
         metavar="DIR",
@@ -826,7 +836,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         metavar="FILE",
         help="compare the losses with a --make-reference FILE by the contest's rule "
         "(bf16-rounded; |ref| <= 1e-3: abs err <= 1e-2, else rel err <= RTOL; nan only matches nan); "
-        "exit 1 on any mismatch or if the texts differ",
+        "exit 1 on any mismatch; a FILE made for other texts is refused (exit 2) before the runner starts",
     )
     p.add_argument(
         "--rtol", type=float, default=0.05, help="relative tolerance of --check (default 0.05, the contest's)"
@@ -841,7 +851,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def choose_texts(args, model_dir: Path) -> list[str]:
     if args.texts:
-        texts = load_texts_file(args.texts)
+        texts = load_texts_file(args.texts, args.text_field)
         return texts[: args.n] if args.n is not None else texts
     tok = load_tokenizer(model_dir)
     n = 100 if args.n is None else args.n
@@ -850,54 +860,76 @@ def choose_texts(args, model_dir: Path) -> list[str]:
     return demo_texts(tok, n, args.seed)
 
 
+def read_reference(path: str, texts: list[str]) -> list[float]:
+    """The losses of a --make-reference file, checked against the texts before anything runs: a reference made for
+    other texts is known before a 65 GB load, not after it."""
+    try:
+        reference = json.loads(Path(path).read_text())
+        ref_hash, ref_losses = reference["texts_sha256"], reference["losses"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--check {path}: not a --make-reference file ({e})") from None
+    if ref_hash != texts_sha256(texts):
+        raise UserError(f"--check {path} was made for other texts than these {len(texts)}")
+    if not isinstance(ref_losses, list) or len(ref_losses) != len(texts):
+        raise UserError(f"--check {path}: its losses do not number the {len(texts)} texts")
+    return ref_losses
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes as prefill.py's: 0 done; 1 a check that fails, or a runner that fails; 2 a bad option, input or
+    reference (and a runner that exits 2: it found one)."""
     args, runner_args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        if args.reference_gpu_memory is not None and args.reference_gpu_memory < 0:
-            raise UserError(f"--reference-gpu-memory {args.reference_gpu_memory:g}: must be >= 0")
-        model_dir = Path(args.model) if args.model else demo_model_dir()
-        if not (model_dir / "config.json").is_file():
-            raise UserError(f"--model {model_dir}: no config.json there")
-        texts = choose_texts(args, model_dir)
-        if not texts:
-            raise UserError("no texts to run")
-        print(f"model: {model_dir}\ntexts: {len(texts)}", flush=True)
-
-        if args.make_reference:
-            tokenizer = load_tokenizer(model_dir)  # first: without tokenizer files, fail before loading the model
-            model = load_reference_model(model_dir, gpu_gib=args.reference_gpu_memory)
-            losses = reference_losses(model, tokenizer, texts)
-            record = {"texts_sha256": texts_sha256(texts), "losses": losses}
-            Path(args.make_reference).write_text(json.dumps(record) + "\n")
-            print(f"wrote {len(losses)} reference losses to {args.make_reference}")
-            return 0
-
-        reference = None
-        if args.check:  # read it now, so that a bad file fails before a long run
-            try:
-                reference = json.loads(Path(args.check).read_text())
-                ref_hash, ref_losses = reference["texts_sha256"], reference["losses"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise UserError(f"--check {args.check}: not a --make-reference file ({e})") from None
-
-        runner = Path(args.runner)
-        if not runner.is_file():
-            raise UserError(f"runner {runner} does not exist")
-        if args.nproc < 1:
-            raise UserError(f"--nproc {args.nproc}: must be >= 1")
-        launcher = [sys.executable]
-        if args.nproc > 1:  # torchrun's module form: the same interpreter, no console script needed on PATH
-            launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
-        cmd = [*launcher, str(runner), "--model", str(model_dir), *runner_args]
-        print("runner:", " ".join(cmd), flush=True)
-        try:
-            result = run_runner(cmd, texts, args.timeout)
-        except RunnerError as e:
-            sys.stderr.write(e.stderr)
-            raise UserError(str(e)) from None
+        return run(args, runner_args)
     except UserError as e:
         print(f"interact.py: error: {e}", file=sys.stderr)
-        return 1
+        return 2
+    except RunnerError as e:
+        sys.stderr.write(e.stderr)
+        print(f"interact.py: error: {e}", file=sys.stderr)
+        return 2 if e.returncode == 2 else 1
+
+
+def run(args, runner_args: list[str]) -> int:
+    if args.reference_gpu_memory is not None and args.reference_gpu_memory < 0:
+        raise UserError(f"--reference-gpu-memory {args.reference_gpu_memory:g}: must be >= 0")
+    if args.model:
+        import prefill
+
+        try:
+            model_dir = prefill.model_folder(args.model)
+        except prefill.UserError as e:
+            raise UserError(str(e)) from None
+    else:
+        model_dir = demo_model_dir()
+    if not (model_dir / "config.json").is_file():
+        raise UserError(f"--model {model_dir}: no config.json there")
+    texts = choose_texts(args, model_dir)
+    if not texts:
+        raise UserError("no texts to run")
+    ref_losses = read_reference(args.check, texts) if args.check else None
+    print(f"model: {model_dir}\ntexts: {len(texts)}", flush=True)
+
+    if args.make_reference:
+        tokenizer = load_tokenizer(model_dir)  # first: without tokenizer files, fail before loading the model
+        model = load_reference_model(model_dir, gpu_gib=args.reference_gpu_memory)
+        losses = reference_losses(model, tokenizer, texts)
+        record = {"texts_sha256": texts_sha256(texts), "losses": losses}
+        Path(args.make_reference).write_text(json.dumps(record) + "\n")
+        print(f"wrote {len(losses)} reference losses to {args.make_reference}")
+        return 0
+
+    runner = Path(args.runner)
+    if not runner.is_file():
+        raise UserError(f"runner {runner} does not exist")
+    if args.nproc < 1:
+        raise UserError(f"--nproc {args.nproc}: must be >= 1")
+    launcher = [sys.executable]
+    if args.nproc > 1:  # torchrun's module form: the same interpreter, no console script needed on PATH
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+    cmd = [*launcher, str(runner), "--model", str(model_dir), *runner_args]
+    print("runner:", " ".join(cmd), flush=True)
+    result = run_runner(cmd, texts, args.timeout)
 
     # A well-behaved runner's stderr is short: show it, as a log.
     if result.stderr:
@@ -923,16 +955,12 @@ def main(argv: list[str] | None = None) -> int:
         }
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
 
-    if reference is not None:
-        if ref_hash != texts_sha256(texts):
-            print(f"check: FAILED: {args.check} was made for other texts", file=sys.stderr)
-            return 1
-        try:
-            bad, max_rel = compare_losses(result.losses, ref_losses, args.rtol)
-        except UserError as e:
-            print(f"check: FAILED: {e}", file=sys.stderr)
-            return 1
-        print(f"check: {len(bad)} mismatches of {len(texts)}, max relative error {max_rel:.2e}")
+    if ref_losses is not None:
+        bad, max_rel_bf16, max_rel = compare_losses(result.losses, ref_losses, args.rtol)
+        print(
+            f"check: {len(bad)} mismatches of {len(texts)}; max relative error {max_rel_bf16:.2e} with both sides "
+            f"rounded to bf16 (the contest's comparison), {max_rel:.2e} unrounded"
+        )
         for i in bad[:10]:
             print(f"  text {i}: got {result.losses[i]!r}, reference {ref_losses[i]!r}")
         if bad:

@@ -17,6 +17,7 @@ import array
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import hashlib
 import importlib.metadata
@@ -65,6 +66,17 @@ def parse_json(data, source):
         raise UserError(f"{source}: JSON nested too deeply") from None
     except ValueError as e:
         raise UserError(f"{source}: not JSON ({e})") from None
+
+
+def model_folder(model_dir):
+    # --model (or Runner's model_dir) first of all: a path that is missing or a file says so, not "no config.json"
+    path = Path(model_dir)
+    if not path.exists():
+        raise UserError(f"the model folder {model_dir} does not exist")
+    if not path.is_dir():
+        raise UserError(f"the model folder {model_dir} is not a directory: give the checkpoint's folder (config.json, "
+                        "*.safetensors, the tokenizer files)")
+    return path
 
 
 def read_bytes(path):
@@ -327,6 +339,7 @@ class ModelConfig:
     embed_scale: bool = False
     final_softcap: float | None = None  # of the logits: cap · tanh(logits / cap), in bf16 as transformers
     tensor_prefixes: tuple = ()  # (prefix in the files, prefix read) pairs: a multimodal Gemma 3
+    max_position_embeddings: int = 0  # 0: not given; a longer text is computed all the same, as transformers does
     num_experts: int = 0            # Qwen3-MoE (0: a dense MLP): each layer's experts, of which a token meets
     num_experts_per_tok: int = 0    # these, each moe_intermediate_size wide, their weights renormalised to sum 1
     moe_intermediate_size: int = 0  # when norm_topk_prob
@@ -393,7 +406,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir):
-        path = Path(model_dir) / "config.json"
+        path = model_folder(model_dir) / "config.json"
         if not path.exists():
             raise UserError(f"{model_dir} has no config.json")
         return cls.from_json(parse_json(read_bytes(path), path), path)
@@ -463,6 +476,8 @@ class ModelConfig:
             final_softcap=fields.off_or(fields.positive, "final_logit_softcapping", family.softcaps[1])
             if family.softcaps else None,
             tensor_prefixes=prefixes, **(moe_fields(fields, path) if family.experts else {}),
+            max_position_embeddings=fields.get("max_position_embeddings", 0, lambda v: type(v) is int and v >= 0,
+                                               "a non-negative integer"),
         )
         if prefixes and config["final_softcap"] is not None:
             raise UserError(f"{path}: final_logit_softcapping in a multimodal Gemma 3, which transformers' "
@@ -947,6 +962,7 @@ class MemoryPlan:
     chunk_tokens: int        # attention: chunks of whole texts up to this; MLP: slices of this
     wave_tokens: int         # tokens whose hidden states stay on the device across all layers
     loss_chunk_tokens: int
+    tree_wave_tokens: int    # a prefix tree's unique tokens in the same room (their keys and values stay too)
     fixed_bytes: int         # embedding, lm_head (one matrix when tied), final norm
     working_bytes: int       # wave hidden states + the larger of layer and loss scratch
     slot_bytes: int
@@ -975,8 +991,11 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536):
         moe_scratch_per_token(cfg) if cfg.num_experts else 2 * 3 * cfg.intermediate_size)
     layer_scratch = chunk_tokens * (per_token + 12 * max(H, cfg.q_size))
     loss_scratch = loss_chunk_tokens * V * (2 + 4 + 4)  # bf16 logits, float32 copy, float32 log-softmax
-    # hidden states, each RoPE's cos/sin (Gemma 3 has two), ids/targets/positions
-    wave_state = wave_tokens * (2 * H + 4 * D * len(set(cfg.ropes)) + 32)
+    state = 2 * H + 4 * D * len(set(cfg.ropes)) + 32  # per token: hidden states, each RoPE's cos/sin (Gemma 3 has
+    #                                                   two), ids/targets/positions
+    wave_state = wave_tokens * state
+    # a prefix tree's wave keeps every token's keys and values across the layer's chunks: fewer tokens, same bytes
+    tree_wave_tokens = max(1, wave_tokens * state // (state + 4 * cfg.kv_size))
     working = wave_state + max(layer_scratch, loss_scratch) + ALLOCATOR_SLACK
     fixed = ((1 if cfg.tie_word_embeddings else 2) * V * H + H) * DTYPE.itemsize
     free = budget_bytes - fixed - working
@@ -992,7 +1011,8 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536):
     return MemoryPlan(
         budget_bytes=budget_bytes, resident_layers=tuple(i for i in range(L) if i not in streamed),
         streamed_layers=streamed, chunk_tokens=chunk_tokens, wave_tokens=wave_tokens,
-        loss_chunk_tokens=loss_chunk_tokens, fixed_bytes=fixed, working_bytes=working, slot_bytes=slots,
+        loss_chunk_tokens=loss_chunk_tokens, tree_wave_tokens=tree_wave_tokens,
+        fixed_bytes=fixed, working_bytes=working, slot_bytes=slots,
         layer_bytes=cfg.layer_bytes,
     )
 
@@ -1440,16 +1460,40 @@ class Chunk:
     seq_bounds: list    # host: cumulative sequence lengths inside the chunk, [0, ..., end - start]
     cu_seqlens: object  # the same on the device, int32 (varlen kernels)
     max_len: int
+    # A chunk of a prefix tree's wave (the evaluation section), where some sequence (a node of the tree) also sees
+    # its ancestors' keys, whole: per sequence, the wave's key ranges [(start, end)] of its ancestors. The attention
+    # functions then get the whole wave's keys and values, the chunk's own at chunk.start. None: plain sequences.
+    ancestors: list = None
+    ancestor_bounds: object = None  # device int32 [sequences + 1]: each sequence's ranges in ancestor_ranges
+    ancestor_ranges: object = None  # device int32 [ranges, 2]
+    depths: object = None           # device int32 [wave tokens]: each token's depth (a window is by depth)
 
 
-def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels, how):
-    # x: [tokens, hidden] — a chunk of whole sequences, updated in place; how: the layer's AttentionSettings
+def chunk_keys(chunk, i, k):
+    # the keys sequence i of a chunk attends to, ancestors first: a slice of k, or (prefix tree) an index into the
+    # wave's keys; and how many of them are its ancestors'
+    s, e = chunk.seq_bounds[i], chunk.seq_bounds[i + 1]
+    if chunk.ancestors is None:
+        return slice(s, e), 0
+    ranges = chunk.ancestors[i] + [(chunk.start + s, chunk.start + e)]
+    keys = torch.cat([torch.arange(a, b) for a, b in ranges]).to(k.device)
+    return keys, keys.numel() - (e - s)
+
+
+def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels, how, wave_kv=None):
+    # x: [tokens, hidden] — a chunk of whole sequences, updated in place; how: the layer's AttentionSettings. wave_kv:
+    # a prefix tree's wave, whose keys and values stay for the chunks after this one (a node's descendants):
+    # ([wave tokens, kv_heads, head_dim],) * 2
     T, Q, KV, D = x.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     qkv = F.linear(kernels.rms_norm(x, w.input_norm, eps, offset), w.qkv, w.qkv_bias)  # [tokens, q_size + 2 kv_size]
     q = kernels.head_norm_rope(qkv[:, :Q].view(T, -1, D), w.q_norm, cos, sin, eps, offset)  # q/k norm before RoPE
     k = kernels.head_norm_rope(qkv[:, Q:Q + KV].view(T, -1, D), w.k_norm, cos, sin, eps, offset)
     v = qkv[:, Q + KV:].reshape(T, -1, D).contiguous()
+    if wave_kv is not None:
+        wave_kv[0][chunk.start:chunk.end], wave_kv[1][chunk.start:chunk.end] = k, v
+        if chunk.ancestors is not None:
+            k, v = wave_kv
     o = F.linear(attend(q, k, v, chunk, how).reshape(T, Q), w.o_proj, w.o_bias)  # [tokens, hidden]
     x += o if w.attn_out_norm is None else kernels.rms_norm(o, w.attn_out_norm, eps, offset)
 
@@ -1638,6 +1682,76 @@ if triton is not None:
                                              KV_HEADS * D, D, BLOCK_N, True, WINDOW, SOFTCAP)
             tl.store(out_ptr + q_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=rows[:, None] < length)
 
+    @triton.jit
+    def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, kv_start, anc_cu_ptr, anc_ptr, depth_ptr,
+                               scale_log2, window, cap_log2, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                               SOFTCAP: tl.constexpr):
+        # _attention_kernel for a prefix tree's chunk: one program, BLOCK_M query rows of one KV head's group of
+        # query heads in one node, row r the node's token r // GROUP in head r % GROUP of the group, so that a key tile
+        # serves GROUP heads at once: a tree's nodes are short (a question's 80 tokens under a 700-token few-shot
+        # prefix) and their ancestors' keys long, so a program per query head re-read every ancestor key GROUP times
+        # and filled its last row block by a fraction. q/out: the chunk's [tokens, HEADS, D], k/v: the whole wave's
+        # [tokens, KV_HEADS, D], the chunk's own at kv_start. A node first reads its ancestors' key ranges whole
+        # (anc_ptr[anc_cu_ptr[node]:...], [start, end) pairs in the wave), then its own keys causally. A range's last
+        # partial tile is masked by the diagonal path with every row at the range's end. A root node (no ranges) is
+        # _attention_kernel's case; the first tile read holds key 0 of a range or of the node, so no row's running
+        # max stays -inf. WINDOW is by depth (depth_ptr: the wave's): a range of an ancestor covers consecutive
+        # depths, so a row compares as row + (node's depth - range's depth) against the range's columns, which puts
+        # every column before it (causal: all seen) and the window's edge where it lies; the tiles left of the top
+        # row's window are skipped, the rest masked.
+        GROUP: tl.constexpr = HEADS // KV_HEADS
+        block, node, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start = tl.load(cu_ptr + node)
+        length = tl.load(cu_ptr + node + 1) - start
+        m0 = block * BLOCK_M
+        if m0 < length * GROUP:
+            packed = m0 + tl.arange(0, BLOCK_M)
+            rows = packed // GROUP  # each row's token in the node: what the causal mask compares
+            valid = packed < length * GROUP
+            q_at = (((start + rows[:, None]).to(tl.int64) * HEADS + kv_head * GROUP + packed[:, None] % GROUP) * D
+                    + tl.arange(0, D)[None, :])
+            q = tl.load(q_ptr + q_at, mask=valid[:, None], other=0.0)  # [BLOCK_M, D]
+            acc = tl.zeros((BLOCK_M, D), tl.float32)
+            m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+            l_i = tl.zeros((BLOCK_M,), tl.float32)
+            if WINDOW:
+                depth = tl.load(depth_ptr + kv_start + start)  # the node's first token's
+            for a in range(tl.load(anc_cu_ptr + node), tl.load(anc_cu_ptr + node + 1)):
+                lo = tl.load(anc_ptr + 2 * a)
+                n = tl.load(anc_ptr + 2 * a + 1) - lo
+                kv = lo.to(tl.int64) * KV_HEADS * D + kv_head * D
+                if WINDOW:
+                    shift = depth - tl.load(depth_ptr + lo)  # >= n: the range lies above the node
+                    first = tl.maximum(m0 // GROUP + shift - window + 1, 0) // BLOCK_N * BLOCK_N
+                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows + shift, n,
+                                                     first, n, scale_log2, window, cap_log2, KV_HEADS * D, D,
+                                                     BLOCK_N, True, WINDOW, SOFTCAP)
+                else:
+                    whole = n // BLOCK_N * BLOCK_N
+                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, n, 0, whole,
+                                                     scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N, False,
+                                                     WINDOW, SOFTCAP)
+                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv,
+                                                     tl.zeros((BLOCK_M,), tl.int32) + (n - 1), n, whole, n,
+                                                     scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N, True,
+                                                     WINDOW, SOFTCAP)
+            kv = (kv_start + start).to(tl.int64) * KV_HEADS * D + kv_head * D
+            first = m0 // GROUP // BLOCK_N * BLOCK_N  # every row's keys below it are unmasked (without a window)
+            if WINDOW:  # the window's first tile for the top row on, masked
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length,
+                                                 tl.maximum(m0 // GROUP - window + 1, 0) // BLOCK_N * BLOCK_N,
+                                                 first, scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N,
+                                                 True, WINDOW, SOFTCAP)
+            else:
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, 0, first,
+                                                 scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N, False,
+                                                 WINDOW, SOFTCAP)
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, first,
+                                             tl.minimum((m0 + BLOCK_M - 1) // GROUP + 1, length), scale_log2, window,
+                                             cap_log2, KV_HEADS * D, D, BLOCK_N, True, WINDOW, SOFTCAP)
+            tl.store(out_ptr + q_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
 
 def rms_norm_triton(x, weight, eps, offset=False):
     assert x.stride(-1) == 1
@@ -1694,10 +1808,19 @@ def own_scale(how, head_dim):
     return None if how.scale == 1.0 / math.sqrt(head_dim) else how.scale
 
 
-def seen_keys(first, rows, n, window, device):
-    # [rows, n] bool: query first + i sees key j where j <= first + i, and first + i - window < j with a window
-    seen = torch.ones(rows, n, dtype=torch.bool, device=device).tril(first)
-    return seen if window is None else seen.triu(first - window + 1)
+def seen_keys(chunk, i, r, rows, keys, ancestors, window, device):
+    # [rows, ancestors + n] bool: which of keys (chunk_keys of sequence i: its ancestors' first, then its own n) its
+    # query rows r .. r + rows see: the ancestors' all and its own causally; with a window, only keys less than
+    # `window` deep above the query's depth (the positions of a plain text; a prefix tree's chunk.depths)
+    n = chunk.seq_bounds[i + 1] - chunk.seq_bounds[i]
+    seen = torch.ones(rows, ancestors + n, dtype=torch.bool, device=device).tril(ancestors + r)
+    if window is None:
+        return seen
+    if chunk.depths is None:
+        return seen.triu(r - window + 1)
+    at = chunk.start + chunk.seq_bounds[i] + r
+    query_depth = chunk.depths[at:at + rows].to(device)  # [rows]
+    return seen & (chunk.depths[keys].to(device)[None, :] > query_depth[:, None] - window)
 
 
 def softcapped_attention(q, k, v, seen, how):
@@ -1712,24 +1835,25 @@ def attention_sdpa(q, k, v, chunk, how):
     # sequence's scores would pass SDPA_SCORES. Unblocked, the start-up check and timing of this candidate peaked at
     # 5.6 GiB (texts up to 3000 tokens) and 38.8 GiB (8292) on the H200, the size of float32 scores: SDPA fell back
     # to its math backend there. They run while the weights fill the GPU. A window is an explicit mask; a softcap
-    # goes through softcapped_attention, the last resort of a model with one.
+    # goes through softcapped_attention, the last resort of a model with one. In a prefix tree's chunk (k/v: the
+    # wave's) a sequence's ancestors' keys come first, seen by every query row (within its window, by depth).
     out = torch.empty_like(q)
     heads, group = q.shape[1], q.shape[1] // k.shape[1]
     scale = own_scale(how, q.shape[2])
-    for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
-        n = e - s
-        ks = k[s:e].transpose(0, 1).repeat_interleave(group, dim=0)  # query head h reads kv head h // group
-        vs = v[s:e].transpose(0, 1).repeat_interleave(group, dim=0)
+    for i, (s, e) in enumerate(zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:])):
+        n, (keys, a) = e - s, chunk_keys(chunk, i, k)
+        ks = k[keys].transpose(0, 1).repeat_interleave(group, dim=0)  # query head h reads kv head h // group
+        vs = v[keys].transpose(0, 1).repeat_interleave(group, dim=0)
         if how.softcap is not None:
             ks, vs = ks.float(), vs.float()
-        rows = max(1, SDPA_SCORES // (heads * n))
+        rows = max(1, SDPA_SCORES // (heads * (a + n)))
         for r in range(0, n, rows):
             stop = min(r + rows, n)
             qs = q[s + r:s + stop].transpose(0, 1)  # [heads, rows, D]
-            if stop - r == n and how.window is None and how.softcap is None:
+            if stop - r == n and not a and how.window is None and how.softcap is None:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
-            else:  # query r + i sees keys 0 .. r + i; every block the same shape, so the allocator reuses its blocks
-                seen = seen_keys(r, stop - r, n, how.window, q.device)
+            else:  # query r + i sees keys 0 .. a + r + i; blocks of one shape, so the allocator reuses its blocks
+                seen = seen_keys(chunk, i, r, stop - r, keys, a, how.window, q.device)
                 o = (softcapped_attention(qs, ks, vs, seen, how) if how.softcap is not None else
                      F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen, scale=scale))
             out[s + r:s + stop] = o.transpose(0, 1)
@@ -1820,15 +1944,16 @@ def attention_inputs(device, cfg, lens, seed):
     return q, k, v, Chunk(0, T, bounds, torch.tensor(bounds, dtype=torch.int32, device=device), max(lens))
 
 
-def attention_candidates(requested, family, cfg=None):
+def attention_candidates(requested, family, cfg=None, tiles=None):
     # (name, kind, tile) of each backend and Triton tile (those offered for this GPU family and model, cfg: None for
-    # plain causal attention) that `requested` names: "auto", a kind, or a name that pick_attention returned (so
-    # that a second Runner can use exactly that kernel)
+    # plain causal attention; tiles(family, cfg): the Triton kernel's, attention_tiles unless given) that `requested`
+    # names: "auto", a kind, or a name that pick_attention returned (so that a second Runner can use exactly that
+    # kernel)
     needs = attention_needs(cfg) if cfg is not None else set()
     named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}", kind, tile)
              for kind in ATTENTION_KINDS if family in ATTENTION_FAMILIES.get(kind, (family,))
              and needs <= ATTENTION_FEATURES[kind]
-             for tile in (attention_tiles(family, cfg) if kind == "triton" else [None])]
+             for tile in ((tiles or attention_tiles)(family, cfg) if kind == "triton" else [None])]
     chosen = [c for c in named if requested in ("auto", c[0], c[1])]
     if not chosen and requested in ATTENTION_KINDS and not needs <= ATTENTION_FEATURES[requested]:
         missing = " or ".join(sorted(needs - ATTENTION_FEATURES[requested]))
@@ -1872,6 +1997,18 @@ def attention_tiles(family, cfg=None):
     return RDNA3_VARIANT_TILES if attention_needs(cfg) else ATTENTION_TILES[family]
 
 
+# The tree kernel's tiles (_tree_attention_kernel: the ancestor loop keeps more live): on gfx1100 under Triton 3.9
+# the 64x32 tile spills 54 VGPRs there (tests/test_gfx1100_compile.py), the 64x16 tile none; its window and softcap
+# variants get the RDNA3 variant tiles of _attention_kernel, a head_dim over 128 none
+TREE_ATTENTION_TILES = dict(ATTENTION_TILES, rdna3=[(64, 16, 8, 1)], amd=[(64, 16, 8, 1)])
+
+
+def tree_attention_tiles(family, cfg=None):
+    if family not in ("rdna3", "amd") or cfg is None or not (attention_needs(cfg) or cfg.head_dim > RDNA3_MAX_HEAD_DIM):
+        return TREE_ATTENTION_TILES[family]
+    return attention_tiles(family, cfg)
+
+
 def gpu_family(device):
     """'nvidia', 'rdna3', 'amd' (another AMD GPU) or 'cpu': which kernel configurations suit this device."""
     if device.type != "cuda":
@@ -1899,10 +2036,18 @@ def attention_triton(q, k, v, chunk, how, tile):
     assert block_m % block_n == 0  # the unmasked tiles must end exactly where the diagonal ones start
     out = torch.empty_like(q)
     grid = (triton.cdiv(chunk.max_len, block_m), len(chunk.seq_bounds) - 1, heads)
-    _attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, math.log2(math.e) * how.scale, how.window or 0,
-                            math.log2(math.e) * (how.softcap or 1.0), HEADS=heads, KV_HEADS=k.shape[1], D=D,
-                            BLOCK_M=block_m, BLOCK_N=block_n, WINDOW=how.window is not None,
-                            SOFTCAP=how.softcap is not None, num_warps=warps, num_stages=stages)
+    scale_log2, cap_log2 = math.log2(math.e) * how.scale, math.log2(math.e) * (how.softcap or 1.0)
+    variant = dict(WINDOW=how.window is not None, SOFTCAP=how.softcap is not None)
+    if chunk.ancestors is not None:  # a prefix tree's chunk: k/v are the wave's; a program per KV head's group
+        grid = (triton.cdiv(chunk.max_len * (heads // k.shape[1]), block_m), len(chunk.seq_bounds) - 1, k.shape[1])
+        _tree_attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, chunk.start, chunk.ancestor_bounds,
+                                     chunk.ancestor_ranges, chunk.depths, scale_log2, how.window or 0, cap_log2,
+                                     HEADS=heads, KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n,
+                                     **variant, num_warps=warps, num_stages=stages)
+        return out
+    _attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, scale_log2, how.window or 0, cap_log2, HEADS=heads,
+                            KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n, **variant, num_warps=warps,
+                            num_stages=stages)
     return out
 
 
@@ -2240,6 +2385,21 @@ def attention_reference(q, k, v, chunk, how):
     return out
 
 
+def tree_attention_reference(q, k, v, seen, how):
+    # float32 attention written out over an explicit visibility mask: q [rows, heads, D], k/v [keys, kv_heads, D],
+    # seen [rows, keys] bool (a prefix tree's: each row's own path within its window, from tree_visibility); the
+    # scale and softcap of how
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    group = q.shape[1] // k.shape[1]
+    for h in range(k.shape[1]):
+        heads = slice(h * group, (h + 1) * group)
+        scores = q[:, heads].float().transpose(0, 1) @ k[:, h].float().T * how.scale  # [group, rows, keys]
+        if how.softcap is not None:
+            scores = how.softcap * torch.tanh(scores / how.softcap)
+        out[:, heads] = (scores.masked_fill(~seen, -math.inf).softmax(-1) @ v[:, h].float()).transpose(0, 1)
+    return out
+
+
 # Attention's fastest kernel depends on the texts' lengths: short texts are launch-bound and a varlen kernel (one
 # launch per chunk) wins, long ones go to the fastest dense kernel. So each chunk runs the kernel picked for the bucket
 # of its longest text: a pure function of the lengths, so the same request always runs the same kernels. Per bucket:
@@ -2292,14 +2452,16 @@ SHARP_SCORES = 8.0  # the spread of sharp check inputs' scores (natural units, s
 # few keys, so that a window one key too wide or too narrow moves some rows by O(1), not by 1/window
 
 
+def sharpened(q, cfg, how):
+    # q scaled for sharp inputs: scores spread SHARP_SCORES, or as far as the softcap, where capping them matters
+    # (with the N(0, 1) inputs a cap of 50 changes nothing)
+    return (q.float() * ((how.softcap or SHARP_SCORES) / (math.sqrt(cfg.head_dim) * how.scale))).to(DTYPE)
+
+
 def check_inputs(device, cfg, lens, seed, how, sharp):
-    # attention_inputs, with q scaled for sharp inputs: scores spread SHARP_SCORES, or as far as the softcap, where
-    # capping them matters (with the N(0, 1) inputs a cap of 50 changes nothing)
+    # attention_inputs, with q sharpened for sharp inputs
     q, k, v, chunk = attention_inputs(device, cfg, lens, seed)
-    if sharp:
-        spread = how.softcap or SHARP_SCORES
-        q = (q.float() * (spread / (math.sqrt(cfg.head_dim) * how.scale))).to(DTYPE)
-    return q, k, v, chunk
+    return (sharpened(q, cfg, how) if sharp else q), k, v, chunk
 
 
 def attention_settings(cfg):
@@ -2318,10 +2480,17 @@ def check_cases(cfg):
     return cases
 
 
-def check_attention(candidates, device, cfg):
+def text_check_cases(device, cfg):
+    # (settings, sharp, (q, k, v, chunk), float32 reference) of each of check_cases, made one at a time on the device
+    for how, sharp, lengths in check_cases(cfg):
+        q, k, v, chunk = check_inputs(device, cfg, lengths, 0, how, sharp)
+        yield how, sharp, (q, k, v, chunk), attention_reference(q, k, v, chunk, how)
+
+
+def check_attention(candidates, device, cfg, cases=None):
     """Each (name, kind, tile) candidate, run twice on texts of CHECK_LENGTHS with each of the model's attention
-    settings (check_cases): a list of dicts with name, attend (None where refused), error (the worst) and, where
-    refused, reason."""
+    settings (text_check_cases; or on `cases`, an iterable of the same tuples: a prefix tree's): a list of dicts with
+    name, attend (None where refused), error (the worst) and, where refused, reason."""
     report = [{"name": name, "kind": kind, "tile": tile, "attend": None, "error": 0.0}
               for name, kind, tile in candidates]
     for entry in report:
@@ -2329,9 +2498,7 @@ def check_attention(candidates, device, cfg):
             entry["attend"] = make_attention(entry.pop("kind"), entry.pop("tile"))
         except Exception as e:
             entry.update(error=None, reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    for how, sharp, lengths in check_cases(cfg):  # one case's inputs and reference at a time on the device
-        q, k, v, chunk = check_inputs(device, cfg, lengths, 0, how, sharp)
-        reference = attention_reference(q, k, v, chunk, how)
+    for how, sharp, (q, k, v, chunk), reference in text_check_cases(device, cfg) if cases is None else cases:
         for entry in report:
             attend = entry["attend"]
             if attend is None:
@@ -2466,6 +2633,80 @@ def pick_attention(requested, device, cfg, picks):
         if timed:
             picks.put(f"attention {requested} {label}", entry["name"])
     return names, bucketed_attention(chosen), report
+
+
+# The backends that read a prefix tree's chunks (ancestor key ranges; the evaluation section): prefill's Triton kernel
+# and SDPA. The others (flash-attn, torch's flash and cuDNN kernels) run only the chunks whose sequences have no
+# ancestors, which every text of the whole-text path is.
+TREE_KINDS = ("triton", "sdpa")
+# The tree the check runs: a 300-token root whose children are 37 and 100 tokens, the 100's children 650 and 5, a
+# second root of 70 with children of 64 and 1; cut into chunks of 512, the 650 in two pieces, so that nodes read
+# ancestors in earlier chunks, two ranges apart, a range ending mid-tile, and no ancestors at all. A window that does
+# not end 100 tokens above its deepest (1050) adds a branch 300 deeper than the window under the 300 and the 100, so
+# that the window's edge falls inside the ancestors' keys and inside the node's own.
+TREE_CHECK = ([[300, 37], [300, 100, 650], [300, 100, 5], [70, 64], [70, 1]], 512)
+
+
+def tree_visibility(parents, rows, window=None):
+    """[rows, tokens] bool: which of a prefix tree's tokens each of `rows` (wave indices) attends to, itself and its
+    ancestors (with a window: those less than `window` above it), from each token's parent alone (parents: [tokens]
+    int64, -1 at a root), so that it checks the tree's key ranges, chunks and depths rather than restate them. Token j
+    is row i's ancestor where i's ancestor at i's depth less j's depth is j (binary lifting over the distance's
+    bits)."""
+    tokens = parents.numel()
+    up = torch.where(parents < 0, torch.arange(tokens), parents)  # a root's parent: itself
+    depth = torch.zeros(tokens, dtype=torch.int64)
+    for i in range(tokens):  # parents come first in the wave
+        depth[i] = depth[up[i]] + 1 if parents[i] >= 0 else 0
+    distance = depth[rows][:, None] - depth[None, :]  # [rows, tokens]
+    at = rows[:, None].expand(-1, tokens).clone()
+    for bit in range(max(1, int(depth.max()) + 1).bit_length()):
+        at = torch.where((distance >> bit) & 1 == 1, up[at], at)
+        up = up[up]
+    seen = (distance >= 0) & (at == torch.arange(tokens)[None, :])
+    return seen if window is None else seen & (distance < window)
+
+
+def tree_check_cases(device, cfg):
+    # (settings, sharp, (q, k, v, chunk), float32 reference) of each chunk of TREE_CHECK's wave that has ancestors,
+    # for each of the model's attention settings (sharp inputs too where a window or softcap is to show, as
+    # check_cases): q the chunk's, k/v the wave's; the reference's visibility from each token's parent, not from the
+    # chunks' key ranges or depths
+    branches, chunk_tokens = TREE_CHECK
+    for how in attention_settings(cfg):
+        deep = [[300, 100, how.window - 100]] if how.window and how.window + 100 > max(map(sum, branches)) else []
+        gen = torch.Generator().manual_seed(3)
+        requests, stems = [], {}
+        for branch in branches + deep:  # the same stem, the same tokens: requests that share a prefix
+            ids = [t for depth in range(len(branch)) for t in stems.setdefault(
+                tuple(branch[:depth + 1]), torch.randint(cfg.vocab_size, (branch[depth],), generator=gen).tolist())]
+            requests.append(Request(ids[:1], ids[1:] + [0]))
+        wave = tree_wave(requests, chunk_tokens, device)
+        q, k, v, _ = attention_inputs(device, cfg, [wave.ids.numel()], seed=4)
+        for sharp in (False, True) if how.window or how.softcap else (False,):
+            qs = sharpened(q, cfg, how) if sharp else q
+            for c in wave.chunks:
+                if c.ancestors is not None:
+                    seen = tree_visibility(wave.parents, torch.arange(c.start, c.end), how.window).to(device)
+                    yield how, sharp, (qs[c.start:c.end], k, v, c), tree_attention_reference(qs[c.start:c.end], k, v,
+                                                                                             seen, how)
+
+
+def pick_tree_attention(requested, device, cfg):
+    """(name, attend, report) for a prefix tree's chunks: the first of the TREE_KINDS candidates (prefill's Triton
+    kernel in this GPU family's and model's tiles, then SDPA) that matches float32 attention on TREE_CHECK's chunks
+    with each of the model's attention settings (scale, window by depth, softcap), twice alike.
+    Nothing is timed: where Triton runs it is the one. --attention triton or sdpa (or one's name) asks for that one;
+    a backend without a tree variant asks for none in particular."""
+    named = requested if isinstance(requested, str) and requested.split()[0] in TREE_KINDS else "auto"
+    candidates = [c for c in attention_candidates(named, gpu_family(device), cfg, tree_attention_tiles)
+                  if c[1] in TREE_KINDS]
+    report = check_attention(candidates, device, cfg, tree_check_cases(device, cfg))
+    entry = next((e for e in report if e["attend"] is not None), None)
+    if entry is None:
+        raise UserError(f"no attention backend reads a prefix tree on {device}: "
+                        + "; ".join(f"{e['name']}: {e['reason']}" for e in report))
+    return entry["name"], entry["attend"], report
 
 
 def rms_norm_f32(x, weight, eps, offset):
@@ -2724,6 +2965,225 @@ def sequence_nll(h, lm_head, final_norm, targets, seq_index, n_seqs, cfg, chunk_
     return torch.zeros(n_seqs, dtype=torch.float64).index_add_(0, seq_index, nll.cpu().double())
 
 
+# ----------------------------------------------------------------------------- evaluation: the prefix tree
+# Evaluation mostly asks for the log-likelihood of a continuation given a context (multiple choice, LAMBADA, rolling
+# perplexity): lm-eval's (context_enc, continuation_enc) reads (context + continuation)[:-1] and scores the
+# continuation's tokens. A batch of such requests runs as one wave of a prefix tree: every request's input is a path
+# of a trie, whose unique tokens go through the layers once, each at its depth as its position (RoPE sees what it
+# would see alone), attending to its ancestors whole and causally within its own node. A position that several
+# requests read is computed once and scored against each one's target (MMLU's " A".." D" read the same last context
+# token), and only the scored positions go through the final norm, lm_head and log-softmax.
+
+@dataclass
+class Request:
+    context: list       # token ids, at least one
+    continuation: list  # token ids, at least one: the targets that count
+
+    @property
+    def input(self):  # the tokens the model reads
+        return self.context + self.continuation[:-1]
+
+
+@dataclass
+class Loglikelihood:
+    index: int           # the request's position in the input
+    logprob: float       # the sum of its continuation tokens' float32 log-probs, added in float64 in a fixed order
+    tokens: int          # continuation tokens scored
+    greedy: bool         # every continuation token is the argmax of the logits that predict it
+    token_logprobs: list = None  # each continuation token's log-prob, where asked for
+
+
+def as_request(context, continuation, where="request"):
+    # C-speed checks (a token-by-token loop over MMLU-shaped requests cost 0.3 s of host time): ints only, not bools
+    if not (isinstance(context, (list, tuple)) and isinstance(continuation, (list, tuple))
+            and set(map(type, context)) | set(map(type, continuation)) <= {int}
+            and min(context, default=0) >= 0 and min(continuation, default=0) >= 0):
+        raise UserError(f"{where}: context and continuation must be lists of token ids")
+    if not context or not continuation:
+        raise UserError(f"{where}: the {'context' if not context else 'continuation'} has no token (each needs one: "
+                        "a continuation is predicted from at least one token)")
+    return Request(context if type(context) is list else list(context),  # read, never changed: no copy
+                   continuation if type(continuation) is list else list(continuation))
+
+
+def order_key(request):
+    """Bytes that sort as the request's tokens (context + continuation) do as a tuple of ints: big-endian int64
+    compared by memcmp, where tuples of MMLU-shaped requests, 700 shared tokens each, compared element by element
+    (0.1 s of host time for 2,000 inside a one-wave request's timed window)."""
+    tokens = array.array("q", request.context)
+    tokens.extend(request.continuation)
+    if sys.byteorder == "little":
+        tokens.byteswap()
+    return tokens.tobytes()
+
+
+class PrefixTrie:
+    """The trie of request inputs, each chain of tokens without a branching kept as one node (a radix trie): a shared
+    prefix is matched by list comparisons, not token by token (2,000 MMLU-shaped requests of 780 tokens took 0.56 s
+    of host time token by token on the CPU, inside the timed window of a one-wave request). Node 0 is the root and
+    holds no token; children are in the order they were first inserted; an input may end inside a node."""
+
+    def __init__(self):
+        self.runs, self.parent, self.children = [[]], [None], [{}]
+        self.tokens = 0  # the tokens the trie holds
+
+    def walk(self, ids):
+        """([(node, how many of its tokens ids reads)], how many of ids the trie holds), along ids from the root."""
+        node, i, path = 0, 0, []
+        while i < len(ids) and (child := self.children[node].get(ids[i])) is not None:
+            run = self.runs[child]
+            n = min(len(run), len(ids) - i)
+            if run[:n] != ids[i:i + n]:  # the first token matches (the child's key): bisect for the last one
+                lo, hi = 1, n
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if run[:mid] == ids[i:i + mid] else (lo, mid)
+                n = lo
+            path.append((child, n))
+            i += n
+            if n < len(run):
+                break
+            node = child
+        return path, i
+
+    def insert(self, ids):
+        path, i = self.walk(ids)
+        if i == len(ids):
+            return
+        node, n = path[-1] if path else (0, 0)
+        if path and n < len(self.runs[node]):  # ids leave the node inside it: its first n tokens become its parent
+            run, above = self.runs[node], self.parent[node]
+            head = self._add(above, run[:n])  # takes the node's place among its parent's children, in order
+            self.runs[node], self.parent[node] = run[n:], head
+            self.children[head][run[n]] = node
+            node = head
+        if node and not self.children[node]:  # a chain that ended here goes on
+            self.runs[node] = self.runs[node] + ids[i:]
+        else:
+            self._add(node, ids[i:])
+        self.tokens += len(ids) - i
+
+    def _add(self, parent, run):
+        self.runs.append(run)
+        self.parent.append(parent)
+        self.children.append({})
+        self.children[parent][run[0]] = len(self.runs) - 1
+        return len(self.runs) - 1
+
+
+def request_batches(items, wave_tokens, max_requests=BATCH_TEXTS):
+    """Groups (index, Request, item) triples, in order, into batches that run as one prefix-tree wave each. A request
+    starts a new batch where the tokens it adds to the batch's trie (those no earlier request of the batch read)
+    would take the batch past wave_tokens; the new batch holds its whole path again. As batches(), the cut depends
+    on the requests and the settings alone, so resumed and torchrun runs form the same batches."""
+    batch, trie = [], PrefixTrie()
+    for item in items:
+        ids = item[1].input
+        trie.insert(ids)  # into the batch's trie, which is dropped if the request goes to the next batch
+        if batch and (len(batch) == max_requests or trie.tokens > wave_tokens):
+            yield batch
+            batch, trie = [], PrefixTrie()
+            trie.insert(ids)
+        batch.append(item)
+    if batch:
+        yield batch
+
+
+@dataclass
+class TreeWave:
+    ids: torch.Tensor        # [tokens] int64, host: the trie's tokens depth first, every node after its ancestors
+    positions: torch.Tensor  # [tokens] int64: each token's depth, its position in each request that reads it
+    parents: torch.Tensor    # [tokens] int64: the wave index of each token's parent token, -1 at a root
+    chunks: list             # Chunk of whole nodes (a node is cut at chunk_tokens); ancestors where a node has any
+    rows: torch.Tensor       # [pairs] int64, ascending: the row whose logits score each distinct (row, target)
+    targets: torch.Tensor    # [pairs] int64
+    pairs: list              # per request: the pairs of its continuation's tokens, in order
+    requested: int           # the tokens the requests read, shared or not
+
+
+def tree_wave(requests, chunk_tokens, device):
+    """The prefix tree of requests' inputs as one wave. Nodes are the trie's chains between branchings, cut into
+    pieces of chunk_tokens (a piece's ancestors include the pieces before it); depth first, every node's ancestors
+    come before it, so a chunk of consecutive nodes (<= chunk_tokens) finds its ancestors' keys computed."""
+    trie = PrefixTrie()
+    for r in requests:
+        trie.insert(r.input)
+    ids, positions, parents = [], [], []  # per wave token, depth first
+    start, depth, covered = {}, {0: 0}, {0: []}  # per trie node: its first token's wave index and depth; the key
+    nodes = []  # ranges of its path, merged; [start in the wave, length, the ancestors' key ranges] per piece
+    stack = list(reversed(trie.children[0].values()))
+    while stack:
+        t = stack.pop()
+        p, run, s = trie.parent[t], trie.runs[t], len(ids)
+        start[t], depth[t] = s, depth[p] + len(trie.runs[p])
+        ids += run
+        positions += range(depth[t], depth[t] + len(run))
+        parents += [start[p] + len(trie.runs[p]) - 1 if p else -1, *range(s, s + len(run) - 1)]
+        ranges = covered[p]
+        for piece in range(s, s + len(run), chunk_tokens):
+            end = min(piece + chunk_tokens, s + len(run))
+            nodes.append([piece, end - piece, ranges])
+            touching = ranges and ranges[-1][1] == piece  # ranges that touch are one
+            ranges = ranges[:-1] + [(ranges[-1][0], end)] if touching else ranges + [(piece, end)]
+        covered[t] = ranges
+        stack.extend(reversed(trie.children[t].values()))
+    chunks, group, depths = [], [], torch.tensor(positions, dtype=torch.int32, device=device)
+    for node in nodes + [None]:
+        if group and (node is None or group[-1][0] + group[-1][1] - group[0][0] + node[1] > chunk_tokens):
+            bounds = [s - group[0][0] for s, _, _ in group] + [group[-1][0] + group[-1][1] - group[0][0]]
+            ancestors = [ranges for _, _, ranges in group]
+            chunk = Chunk(group[0][0], group[0][0] + bounds[-1], bounds,
+                          torch.tensor(bounds, dtype=torch.int32, device=device), max(l for _, l, _ in group),
+                          ancestors if any(ancestors) else None)
+            if chunk.ancestors is not None:
+                counts = [0] + [len(r) for r in ancestors]
+                chunk.ancestor_bounds = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32,
+                                                     device=device)
+                chunk.ancestor_ranges = torch.tensor([list(r) for rs in ancestors for r in rs] or [[0, 0]],
+                                                     dtype=torch.int32, device=device)
+                chunk.depths = depths
+            chunks.append(chunk)
+            group = []
+        if node is not None:
+            group.append(node)
+    index, pairs = {}, []  # (row, target) -> pair
+    for r in requests:
+        rows, want = [], len(r.continuation)  # the wave rows of the input's last `want` tokens: they are scored
+        for t, n in reversed(trie.walk(r.input)[0]):
+            take = min(want - len(rows), n)
+            rows[:0] = range(start[t] + n - take, start[t] + n)
+            if len(rows) == want:
+                break
+        pairs.append([index.setdefault((row, target), len(index)) for row, target in zip(rows, r.continuation)])
+    keys = sorted(index)
+    renumber = {index[key]: j for j, key in enumerate(keys)}
+    return TreeWave(torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+                    torch.tensor(parents, dtype=torch.int64), chunks,
+                    torch.tensor([row for row, _ in keys], dtype=torch.int64),
+                    torch.tensor([target for _, target in keys], dtype=torch.int64),
+                    [[renumber[p] for p in mine] for mine in pairs], sum(len(r.input) for r in requests))
+
+
+def continuation_logprobs(h, rows, targets, lm_head, final_norm, cfg, chunk_tokens, kernels):
+    """h: [tokens, hidden]; rows, targets: [pairs] int64 on the host, rows ascending. The float32 log-prob of each
+    target at its row, and whether it is the row's argmax: the final norm, lm_head (tied or not) and final softcap
+    (lm_logits, the loss's own) on the scored rows alone, a row once however many targets read it, chunk_tokens pairs
+    at a time; the log-softmax is the loss's own kernel (token_nll, negated). Returns ([pairs] float32, [pairs] bool)
+    on the host."""
+    logprob = torch.empty(rows.numel(), dtype=torch.float32, device=h.device)
+    greedy = torch.empty(rows.numel(), dtype=torch.bool, device=h.device)
+    for s in range(0, rows.numel(), chunk_tokens):
+        unique, inverse = torch.unique_consecutive(rows[s:s + chunk_tokens], return_inverse=True)
+        logits = lm_logits(h[unique.to(h.device)], lm_head, final_norm, cfg, kernels)  # [rows, vocab] bf16
+        inverse, t = inverse.to(h.device), targets[s:s + chunk_tokens].to(h.device)
+        greedy[s:s + t.numel()] = logits.argmax(-1)[inverse] == t
+        if unique.numel() < t.numel():  # several targets read one row (a question's choices): a row for each
+            logits = logits[inverse]
+        logprob[s:s + t.numel()] = -kernels.token_nll(logits, t)
+    return logprob.cpu(), greedy.cpu()
+
+
+
 # ----------------------------------------------------------------------------- the runner
 
 TOKENIZE_GROUP = 256  # texts per tokenizer call: the fast tokenizer spreads a call's texts over the cores
@@ -2785,9 +3245,13 @@ def choose_device(requested):
     if requested == "cuda" or gpu:
         build = (f"ROCm {torch.version.hip}" if torch.version.hip else
                  f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only")
-        why = f"this machine has an {gpu} GPU" if gpu else "--device cuda asks for one"
-        raise UserError(f"torch {torch.__version__} ({build} build) sees no GPU, but {why}: install the torch "
-                        "build for this GPU (README: Install), or pass --device cpu")
+        seen = f"torch {torch.__version__} ({build} build) sees no GPU"
+        if gpu is None:
+            raise UserError(f"{seen}, but --device cuda asks for one, and this machine shows none (no /dev/kfd or "
+                            "/dev/nvidiactl): pass --device cpu")
+        fix = ("install a ROCm build of torch (README: Install on AMD (ROCm))" if gpu == "AMD" else
+               "install a CUDA build of torch (the locked one: uv sync) and check the driver (nvidia-smi)")
+        raise UserError(f"{seen}, but this machine has an {gpu} GPU: {fix}, or pass --device cpu")
     return torch.device("cpu")
 
 
@@ -2875,6 +3339,7 @@ class Runner:
                                        plan.streamed_layers, self.device)
         weakref.finalize(self, self.streamer.stop)  # its threads end with this Runner, or before the process exits
         self.stats = {}
+        self.requested_attention, self.tree_attend = attention, None  # the latter picked at the first prefix tree
         log(f"loaded {cfg.num_hidden_layers}-layer {cfg.model_type} ({self._model_bytes() / 1e9:.1f} GB) from "
             f"{model_dir} in {time.perf_counter() - t0:.1f} s on {self.device}, {self.load_mode} ({self.load_seconds}); "
             f"attention: {attention_summary(self.attention)}, elementwise kernels: {self.kernels.name}"
@@ -3038,13 +3503,16 @@ class Runner:
         return self.tokenizer(texts) if texts else []
 
     def score(self, texts):
-        """The Python API: scores texts (a list, or any iterable of strings, read as it goes) with the model kept
+        """The Python API: scores texts (one string, or an iterable of strings read as it goes) with the model kept
         loaded, yielding one Score (index, tokens, loss, nll_sum) per text, in order, a batch at a time. The same
         path as the command line's: texts are tokenized a few batches ahead on a side thread, each batch runs as
         one wave, and batches are cut from the token counts alone, so the numbers are those of
-        `prefill.py --input`. self.stats holds the run's figures once the iterator is exhausted."""
+        `prefill.py --input`. An item that is not a string raises UserError with the command line's message
+        ("element 1 is int, not a string") once the batches before it are scored. self.stats covers this call
+        alone: emptied when its iteration starts, complete once the iterator is exhausted."""
+        texts = [texts] if isinstance(texts, str) else texts  # a string is one text, not an iterable of characters
         self.stats = {}
-        for batch in self.batches(texts):
+        for batch in self.batches(text_of(t, f"element {i}") for i, t in enumerate(texts)):
             yield from self.score_batch(batch)
 
     def losses(self, token_lists, layers=None):
@@ -3055,12 +3523,20 @@ class Runner:
                   for s in self.score_batch(b, layers)]
         return [math.nan if s.loss is None else s.loss for s in scores]
 
-    def batches(self, items, text=None):
+    def batches(self, items, text=None, pair=None):
         """batches() of items (strings, or anything `text` maps to one), read and tokenized on a side thread at most
         AHEAD_BATCHES batches ahead: the CPU work overlaps the GPU's and memory stays bounded, whatever the length
-        of the stream. An exception from the items (a bad record) is raised here after the batches before it."""
+        of the stream. An exception from the items (a bad record) is raised here after the batches before it.
+        pair: maps an item to its (context, continuation) strings instead: request_batches() of Requests
+        (encode_pairs), for score_requests."""
         text = text or (lambda item: item)
         ahead, stop, end = queue.Queue(AHEAD_BATCHES), threading.Event(), object()
+
+        def encoded(group, index):
+            if pair is None:
+                return self.tokenize([text(item) for item in group])
+            return [as_request(*ids, f"record {i}") for i, ids in
+                    enumerate(self.encode_pairs([pair(item) for item in group]), index)]
 
         def tokenized():
             items_left, index, error = iter(items), 0, None
@@ -3070,7 +3546,7 @@ class Runner:
                     group.extend(itertools.islice(items_left, TOKENIZE_GROUP))  # keeps what came before a failure
                 except Exception as e:  # a bad record: the batches whole before it are still scored
                     error = e
-                for item, ids in zip(group, self.tokenize([text(item) for item in group])):
+                for item, ids in zip(group, encoded(group, index)):
                     yield index, ids, item
                     index += 1
                 if not group and not error:
@@ -3083,8 +3559,10 @@ class Runner:
                     return ahead.put(thing, timeout=0.1)
 
         def produce():
+            cut = batches(tokenized(), self.plan.wave_tokens) if pair is None else \
+                request_batches(tokenized(), self.plan.tree_wave_tokens)
             try:
-                for batch in batches(tokenized(), self.plan.wave_tokens):
+                for batch in cut:
                     put(batch)
                     if stop.is_set():  # the consumer has gone: read no further
                         return
@@ -3103,6 +3581,7 @@ class Runner:
                     return
                 if isinstance(batch, BaseException):
                     raise batch
+                self._note_long_texts(batch)
                 yield batch
         finally:
             stop.set()
@@ -3111,6 +3590,20 @@ class Runner:
             # (pytorch#38228). The producer ends within a tokenizer call of `stop`; one blocked reading its input
             # is left behind after a second.
             producer.join(timeout=1.0)
+
+    def _note_long_texts(self, batch):
+        # transformers computes a text past max_position_embeddings (RoPE has no hard limit) and so does prefill; the
+        # numbers are outside what the model was trained on, which deserves one line (the first such text) a run
+        limit = self.cfg.max_position_embeddings
+        kind = "request" if batch and isinstance(batch[0][1], Request) else "text"
+        lengths = ((index, len(ids.input) if kind == "request" else len(ids)) for index, ids, _ in batch)
+        over = [(index, n) for index, n in lengths if limit and n > limit]
+        if over and not self.stats.get("texts_over_positions"):
+            log(f"warning: {kind} {over[0][0]} has {over[0][1]} tokens, more than the model's max_position_embeddings "
+                f"({limit}, config.json): computed all the same, as transformers does (--stats texts_over_positions "
+                "counts every such text)")
+        if over:
+            self.stats["texts_over_positions"] = self.stats.get("texts_over_positions", 0) + len(over)
 
     @torch.inference_mode()
     def score_batch(self, batch, layers=None):
@@ -3135,16 +3628,7 @@ class Runner:
                       for rope in dict.fromkeys(cfg.ropes)}
             for chunk in wave.chunks:
                 chunk.cu_seqlens = torch.tensor(chunk.seq_bounds, dtype=torch.int32, device=dev)
-            for layer in range(cfg.num_hidden_layers) if layers is None else layers:
-                w, (cos, sin) = self.streamer.acquire(layer), tables[cfg.ropes[layer]]
-                for c in wave.chunks:  # attention needs whole sequences; the MLP (80% of FLOPs) does not, so
-                    attention_block(x[c.start:c.end], w, cos[c.start:c.end], sin[c.start:c.end], c, cfg,
-                                    self.attend, self.kernels, cfg.attention[layer])
-                if w.router is None:  # ...it runs in GEMM-friendly equal slices
-                    mlp_block(x, w, cfg, plan.chunk_tokens, self.kernels)
-                else:
-                    moe_block(x, w, cfg, plan.chunk_tokens, self.kernels, self.grouped)
-                self.streamer.release(layer)
+            self.run_layers(x, tables, wave.chunks, layers, self.attend)
             timer.mark("loss")
             targets = torch.cat((ids[1:], ids[:1]))
             targets[(starts + lengths - 1).to(dev)] = -100  # no target after a sequence's last token
@@ -3160,10 +3644,142 @@ class Runner:
                        storage_bytes=self.streamer.storage_bytes - storage_before)  # of those, read from storage
         self.stats.update(host_budget_bytes=self.host_plan.budget_bytes,
                           storage_layers=len(self.host_plan.storage_layers))
+        self.add_phases(timer)
+        return scores
+
+    def run_layers(self, x, tables, chunks, layers, attend, wave_kv=None):
+        # x: [tokens, hidden], the wave, updated in place through every layer (or `layers`); tables: {Rope: (cos,
+        # sin)} at the wave's positions, [tokens, head_dim] each
+        cfg = self.cfg
+        for layer in range(cfg.num_hidden_layers) if layers is None else layers:
+            w, (cos, sin) = self.streamer.acquire(layer), tables[cfg.ropes[layer]]
+            for c in chunks:  # attention needs whole sequences; the MLP (80% of FLOPs) does not, so...
+                attention_block(x[c.start:c.end], w, cos[c.start:c.end], sin[c.start:c.end], c, cfg, attend,
+                                self.kernels, cfg.attention[layer], wave_kv)
+            if w.router is None:  # ...it runs in GEMM-friendly equal slices
+                mlp_block(x, w, cfg, self.plan.chunk_tokens, self.kernels)
+            else:
+                moe_block(x, w, cfg, self.plan.chunk_tokens, self.kernels, self.grouped)
+            self.streamer.release(layer)
+
+    def tree_attention(self):
+        # the attention for a prefix tree's chunks: those with ancestors go to a tree backend, picked at the first
+        # tree (not at start-up: the whole-text path never needs it), the others to the plain backends' pick
+        if self.tree_attend is None:
+            name, tree, _ = pick_tree_attention(self.requested_attention, self.device, self.cfg)
+            self.tree_attention_name = name
+            self.tree_attend = lambda q, k, v, c, how: (self.attend if c.ancestors is None else tree)(q, k, v, c, how)
+            log(f"prefix trees: attention {name} where a node has ancestors")
+        return self.tree_attend
+
+    @torch.inference_mode()
+    def score_requests(self, batch, token_logprobs=False, layers=None):
+        """One batch from request_batches(), as one prefix-tree wave through every layer (or `layers`): its
+        requests' Loglikelihoods, in order. Adds to self.stats, tokens_computed (the tree's unique tokens) beside
+        tokens_requested (what the requests read, each alone)."""
+        cfg, dev = self.cfg, self.device
+        attend = self.tree_attention()
+        streamed_before, t0 = self.streamer.streamed_bytes, time.perf_counter()
+        wave = tree_wave([request for _, request, _ in batch], self.plan.chunk_tokens, dev)
+        tree_s, timer = time.perf_counter() - t0, PhaseTimer(dev)  # the host's part, before any GPU work
+        timer.mark("layers")
+        T = wave.ids.numel()
+        ids = wave.ids.to(dev)
+        x = embed_tokens(self.embed, ids, cfg)  # [tokens, hidden]
+        positions = wave.positions.to(dev)  # each token's depth
+        tables = {rope: rope_tables(positions, rope, cfg.head_dim) for rope in dict.fromkeys(cfg.ropes)}
+        wave_kv = [torch.empty(T, cfg.num_key_value_heads, cfg.head_dim, dtype=DTYPE, device=dev) for _ in range(2)]
+        self.run_layers(x, tables, wave.chunks, layers, attend, wave_kv)
+        del wave_kv
+        timer.mark("loss")
+        logprob, greedy = continuation_logprobs(x, wave.rows, wave.targets, self.lm_head, self.final_norm, cfg,
+                                                self.plan.loss_chunk_tokens, self.kernels)
+        timer.mark("end")
+        logprob, greedy = logprob.tolist(), greedy.tolist()
+        results = [Loglikelihood(index, math.fsum(logprob[p] for p in mine), len(mine), all(greedy[p] for p in mine),
+                                 [logprob[p] for p in mine] if token_logprobs else None)
+                   for (index, _, _), mine in zip(batch, wave.pairs)]
+        self.add_request_stats(batch, results, waves=1, tokens_requested=wave.requested, tokens_computed=T,
+                               attention_pairs=int(wave.positions.sum()) + T,  # (query, key) pairs: depth + 1 each
+                               scored_rows=int(wave.rows.unique_consecutive().numel()),
+                               streamed_bytes=self.streamer.streamed_bytes - streamed_before, tree_s=tree_s)
+        self.add_phases(timer)
+        return results
+
+    def add_phases(self, timer):  # a batch's GPU time per phase, into self.stats
         phases = self.stats.setdefault("phases", {})
         for phase, seconds in timer.totals().items():
             phases[phase] = phases.get(phase, 0.0) + seconds
-        return scores
+
+    def add_request_stats(self, batch, results, **more):
+        # as add_stats, for a batch of continuations: requests, their tokens, the scored ones and their NLL
+        tally = {"requests": len(results), "tokens": sum(len(r.context) + len(r.continuation) for _, r, _ in batch),
+                 "predicted_tokens": sum(r.tokens for r in results),
+                 "nll_sum": -math.fsum(r.logprob for r in results), **more}
+        for key, value in tally.items():
+            self.stats[key] = self.stats.get(key, 0) + value
+
+    def score_any(self, batch, token_logprobs=False):
+        # a batch of texts (batches()) or of continuations (request_batches()): its Scores or Loglikelihoods
+        if batch and isinstance(batch[0][1], Request):
+            return self.score_requests(batch, token_logprobs)
+        return self.score_batch(batch)
+
+    def tally(self, batch, results):  # another rank's batch, into this rank's stats
+        if batch and isinstance(batch[0][1], Request):
+            self.add_request_stats(batch, results)
+        else:
+            self.add_stats(results)
+
+    def loglikelihoods(self, requests, token_logprobs=False, share=None, progress=None):
+        """The Python API for continuations: requests, (context ids, continuation ids) pairs of token lists (each of
+        at least one token), -> one Loglikelihood per request, in input order. Requests are scored once each
+        (duplicates share one result) in the order of their tokens, so that those sharing a prefix share waves;
+        batches are cut from the sorted requests alone, so the numbers depend on the set of requests and the
+        settings, not on their order. share=(rank, world): this process scores only every world-th batch, from the
+        rank-th (lm-eval's data parallel), and the others' results are None. progress: a Progress to add to."""
+        t0, groups = time.perf_counter(), {}  # (order key, continuation length) -> (Request, the positions asking)
+        for i, (context, continuation) in enumerate(requests):
+            request = as_request(context, continuation, f"request {i}")
+            key = (order_key(request), len(request.continuation))
+            if key not in groups:
+                groups[key] = (request, [])
+            groups[key][1].append(i)
+        distinct = [groups[key] for key in sorted(groups)]
+        results = [None] * len(requests)
+        self.stats = {"prepare_s": time.perf_counter() - t0}  # the host's checks and sort, before any batch
+        rank, world = share or (0, 1)
+        items = ((j, request, None) for j, (request, _) in enumerate(distinct))
+        for k, batch in enumerate(request_batches(items, self.plan.tree_wave_tokens)):
+            if k % world != rank:
+                continue
+            computed = self.stats.get("tokens_computed", 0)
+            for result in self.score_requests(batch, token_logprobs):
+                for i in distinct[result.index][1]:
+                    results[i] = dataclasses.replace(result, index=i)
+            if progress is not None:
+                progress.add(len(batch), self.stats["tokens_computed"] - computed)
+        return results
+
+    def encode_pairs(self, pairs):
+        """(context, continuation) strings -> (context ids, continuation ids), as lm-eval's _encode_pair tokenizes
+        them: the context's trailing whitespace moves to the continuation, context + continuation is encoded whole
+        and split after the tokens of the context alone. A tokenizer that adds a BOS (Llama 3, Gemma) adds it to
+        both, so the context keeps it and an empty context is the BOS alone (lm-eval's prefix_token_id then); a text
+        that starts with the BOS itself gets no second one, as lm-eval's tok_encode (has_bos_prefix) encodes it
+        without special tokens."""
+        moved = []
+        for context, continuation in pairs:
+            kept = context.rstrip()
+            moved.append((kept, context[len(kept):] + continuation))
+        added = self.tokenize([""])[0]  # what the tokenizer puts before every text: a BOS, or nothing (Qwen)
+
+        def encoded(texts):
+            return [ids[len(added):] if added and ids[:2 * len(added)] == added * 2 else ids
+                    for ids in self.tokenize(texts)]
+        contexts = encoded([context for context, _ in moved])
+        wholes = encoded([context + continuation for context, continuation in moved])
+        return [(ids, whole[len(ids):]) for ids, whole in zip(contexts, wholes)]
 
     def add_stats(self, scores, **more):
         # a batch's Scores into self.stats, wherever it ran (under torchrun rank 0 tallies the other ranks' batches)
@@ -3173,9 +3789,10 @@ class Runner:
         for key, value in tally.items():
             self.stats[key] = self.stats.get(key, 0) + value
 
-    def warm_up(self):
+    def warm_up(self, trees=False):
         """Runs every kernel at the timed pass's shapes (a chunk-sized batch through a layer, the loss, each
-        flash-attn max_seqlen bucket) so compilation and allocator growth stay out of the timed window. One layer:
+        flash-attn max_seqlen bucket; with trees, a prefix tree's wave and its pick, for continuations) so
+        compilation and allocator growth stay out of the timed window. One layer:
         every layer runs the same kernels at the same shapes, and all 64 took 0.56 s of the H200's time to ready
         (0.02 s for one; bench/results/primitives/2026-12-01-h200-load-phases-probe.json). It runs on a streamer of its
         own that copies nothing, streamed layers on the weights their slots already hold: the warm-up's numbers are
@@ -3193,6 +3810,10 @@ class Runner:
         try:
             self.losses([torch.randint(self.cfg.vocab_size, (k,), generator=gen).tolist() for k in lengths],
                         layers=(0,))
+            if trees:  # a context of n // 2 tokens, four one-token choices and an ending of n // 8
+                context = torch.randint(self.cfg.vocab_size, (n // 2,), generator=gen).tolist()
+                requests = [Request(context, [t]) for t in range(4)] + [Request(context, list(range(n // 8)))]
+                self.score_requests([(i, r, None) for i, r in enumerate(requests)], layers=(0,))
         finally:
             self.streamer = streamer
         if "flash" in self.attention.values():  # a chunk of several texts has max_len <= chunk_tokens: 128, 256, ...
@@ -3310,6 +3931,18 @@ def h2d_gbps(device, method, nbytes=GiB):
     return rate, lock_s
 
 
+def unavailable_here(kind, device):
+    """Why attention `kind` cannot run on this machine by design (the doctor shows it as expected, not as a
+    failure), or None where it should run."""
+    if kind == "triton" and triton is None:
+        return "triton is not installed"
+    if kind == "flash" and package_version("flash_attn") is None:
+        return "flash_attn is not installed"
+    if device.type == "cpu" and kind != "sdpa" and not (kind == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return "a GPU kernel, not on the CPU"
+    return None
+
+
 def doctor(runner):
     """(report lines, figures, problems) for a loaded, warmed-up Runner."""
     cfg, plan, dev = runner.cfg, runner.plan, runner.device
@@ -3332,6 +3965,10 @@ def doctor(runner):
     report = check_attention(attention_candidates("auto", fig["gpu_family"], cfg), dev, cfg)
     for label in BUCKET_LABELS if cuda else ():
         time_attention([e for e in report if e["attend"] is not None], label, dev, cfg)
+    for e in report:
+        if "reason" in e:
+            e["expected"] = unavailable_here(e["name"].split()[0], dev)
+    failed = [e["name"] for e in report if "reason" in e and not e["expected"]]
     fig["attention"] = runner.attention
     fig["attention_candidates"] = [{k: v for k, v in e.items() if k != "attend"} for e in report]
     fig.update(kernels=runner.kernels.name, kernel_errors=runner.kernel_errors, blas=runner.blas)
@@ -3384,21 +4021,24 @@ def doctor(runner):
              f"{runner.lock_s:.1f} s" + (f"; 1 GiB locks in {fig['lock_s_per_gb']['register']:.2f} s/GB by "
                                          f"register, {fig['lock_s_per_gb']['alloc']:.2f} s/GB by alloc; "
                                          f"host->device {fig['h2d_gbps']:.1f} GB/s" if cuda else "")]
-    lines.append(f"attention  by the longest text in a chunk: {attention_summary(runner.attention)} (checked against "
-                 f"float32 attention, texts of {CHECK_LENGTHS}, then each bucket's own)")
+    lines.append(f"attention  by the longest text in a chunk: {attention_summary(runner.attention)} (each checked "
+                 f"against float32 attention on texts of {CHECK_LENGTHS}, then each bucket's own; rel. error: the "
+                 "worst row's largest difference over that row's largest value)")
     if cuda:
         lines.append("  ms a chunk (first call) per bucket, * picked: " + ", ".join(
             f"{label} timed on {len(timed)} texts of {sum(timed)} tokens" for label, _, timed, _ in ATTENTION_BUCKETS))
     for e in fig["attention_candidates"]:
         if "reason" in e:
-            state = f"refused: {e['reason'][:90]}"
+            state = f"not here: {e['expected']}" if e["expected"] else f"FAILED: {e['reason'][:90]}"
         else:
-            state = f"error {e['error']:.1e}" + "".join(
+            state = f"rel. error {e['error']:.1e}" + "".join(
                 f"  {'*' if runner.attention[label] == e['name'] else ' '}{e['time_ms'][label]:7.3f} "
                 f"({e['first_ms'][label]:7.1f})" for label in BUCKET_LABELS if label in e.get("time_ms", {}))
         lines.append(f"    {e['name']:<14} {state}")
     errors = ", ".join(f"{k} {v:.1e}" for k, v in runner.kernel_errors.items())
-    lines.append(f"kernels    {runner.kernels.name}" + (f" (error against float32: {errors})" if errors else ""))
+    fused_here = None if cuda else "not on the CPU" if triton is not None else "triton is not installed"
+    lines.append(f"kernels    {runner.kernels.name}" + (f" (rel. error against float32 math: {errors})" if errors else
+                                                        f" (fused Triton kernels: {fused_here})" if fused_here else ""))
     if cfg.num_experts:
         lines.append(f"experts    {runner.experts} (checked against float32 experts on uneven routing)"
                      + (f"; ms and TFLOP/s of a {plan.chunk_tokens}-token chunk's two grouped GEMMs, * picked"
@@ -3417,18 +4057,25 @@ def doctor(runner):
         lines.append(f"projected  contest-100 ({CONTEST_TOKENS} tokens): GEMMs {fig['contest100_compute_s']:.1f} s at "
                      f"the rates above; streaming {fig['contest100_transfer_s']:.1f} s, hidden while it is smaller")
     lines.append(f"repeat     the same request twice: {'identical' if fig['repeat_identical'] else 'DIFFERENT'}")
-    lines.append("verdict    " + ("every required path works" if not problems else "; ".join(problems)))
+    lines.append("verdict    " + ("; ".join(problems) if problems else "every required path works" + (
+        f"; {len(failed)} attention candidate(s) FAILED where they should run ({', '.join(failed)}): see above"
+        if failed else "")))
     return lines, fig, problems
 
 
 # ----------------------------------------------------------------------------- corpus I/O
 # --input FILE --output OUT.jsonl scores a corpus of any size: records are read and tokenized on a side thread a few
 # batches ahead (Runner.batches), and each batch's records are appended to OUT in one write, flushed and fsynced.
-# OUT holds whole batches at every moment, but for the one a kill cut short, which --resume cuts off and redoes.
+# OUT holds whole batches at every moment, but for the one a kill cut short, which --resume cuts off and redoes. Each
+# record carries a digest of what its numbers were computed from (its token ids and every setting), so that a resumed
+# run keeps only records it can prove were scored from the input as it is now.
 
 JSON_SPACE = " \t\r\n"
 CHECKED_RECORDS = 1000  # records read and checked before the model loads: a typo costs seconds, not a 65 GB load
-PROGRESS_LINE_S = 600   # without a terminal, a progress line this often: an hours-long run logged to a file
+# Without a terminal, a progress line at most this often, and less often as the run grows (every tenth of the time
+# elapsed): a day's run logs ~60 lines, and the harness, which reads stderr only after a run of seconds, gets none
+PROGRESS_LINE_S = 60
+DIGEST_HEX = 16  # a record's digest: 64 bits, so an edited text passes for the old one with a chance of 2^-64
 
 
 def text_of(value, where):
@@ -3458,23 +4105,55 @@ NO_ID = object()  # a record without the id field (null is an id)
 
 @dataclass
 class Record:
-    text: str
+    text: str                # None in a continuation's record
     id: object = NO_ID
+    context: str = None      # a continuation's record: the two strings instead of a text
+    continuation: str = None
+    where: str = "the request"  # where the input holds it ("in.jsonl line 7"), for --resume's messages
 
 
-def record_of(value, where, text_field, id_field):
+PAIR_FIELDS = ("context", "continuation")  # --context-field, --continuation-field
+
+
+def record_of(value, where, text_field, id_field, pair_fields=PAIR_FIELDS):
     if not isinstance(value, dict):
-        return Record(text_of(value, where))
+        return Record(text_of(value, where), NO_ID, where=where)
+    context_field, continuation_field = pair_fields
+    if context_field in value:  # a continuation to score given its context (README: Score a corpus)
+        if continuation_field not in value:
+            raise UserError(f"{where} has the context field {shown(context_field)} but not the continuation field "
+                            f"{shown(continuation_field)} (--continuation-field)")
+        context = text_of(value[context_field], f"{where} field {shown(context_field)}")
+        continuation = text_of(value[continuation_field], f"{where} field {shown(continuation_field)}")
+        if not context.rstrip() or not continuation:
+            raise UserError(f"{where}: the {'context' if not context.rstrip() else 'continuation'} is empty (a "
+                            "continuation is predicted from at least one token of context)")
+        return Record(None, value.get(id_field, NO_ID), context, continuation, where)
     if text_field not in value:
-        raise UserError(f"{where} is an object without the text field {shown(text_field)} (--text-field)")
-    return Record(text_of(value[text_field], f"{where} field {shown(text_field)}"), value.get(id_field, NO_ID))
+        raise UserError(f"{where} is an object without the text field {shown(text_field)} (--text-field) or the "
+                        f"context field {shown(context_field)} (--context-field)")
+    return Record(text_of(value[text_field], f"{where} field {shown(text_field)}"), value.get(id_field, NO_ID),
+                  where=where)
 
 
-def read_records(path, text_field="text", id_field="id"):
+def read_records(path, text_field="text", id_field="id", pair_fields=PAIR_FIELDS):
     """--input FILE ('-': stdin), one Record at a time: a JSON array, read whole, or JSON lines, read line by line
     (blank lines skipped; the format for big corpora). An element or line is a string, or an object whose
-    text_field is a string (its id_field, any JSON value, is kept; other fields are ignored). A problem names the
-    element, or the line (1-based, as editors count)."""
+    text_field is a string, or one whose context and continuation fields (pair_fields) are (its id_field, any JSON
+    value, is kept; other fields are ignored). Every record of a file is of the first one's kind. A problem names
+    the element, or the line (1-based, as editors count)."""
+    kind = None
+    for where, record in read_located(path, text_field, id_field, pair_fields):
+        if kind is None:
+            kind = record.text is None
+        elif kind != (record.text is None):
+            raise UserError(f"{where} is a {'text' if kind else 'continuation'} where the records before it are "
+                            f"{'continuations' if kind else 'texts'}: a corpus holds one kind")
+        yield record
+
+
+def read_located(path, text_field, id_field, pair_fields):
+    # read_records' (where, Record) pairs
     space = JSON_SPACE.encode()
     try:
         with contextlib.nullcontext(sys.stdin.buffer) if path == "-" else open(path, "rb") as f:
@@ -3483,11 +4162,12 @@ def read_records(path, text_field="text", id_field="id"):
             first = next(lines, None)
             if first and first[1].lstrip(space).startswith(b"["):
                 for i, value in enumerate(json_array(first[1] + f.read(), path)):
-                    yield record_of(value, f"{path}: element {i}", text_field, id_field)
+                    where = f"{path}: element {i}"
+                    yield where, record_of(value, where, text_field, id_field, pair_fields)
                 return
             for number, line in itertools.chain([first] if first else [], lines):
                 where = f"{path} line {number}"
-                yield record_of(parse_json(decoded(line), where), where, text_field, id_field)
+                yield where, record_of(parse_json(decoded(line), where), where, text_field, id_field, pair_fields)
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror}") from None
 
@@ -3506,12 +4186,91 @@ def count_records(path):
     return None
 
 
-def output_line(score, record):
-    fields = {"index": score.index}
+# The files whose bytes decide a checkpoint's numbers besides the weights' values: what an edit in place (another
+# config, tokenizer or set of tensors at the same path) changes. The weights are not read (65 GB): a safetensors file
+# counts by its header (each tensor's name, dtype, shape and offsets) and its size.
+FINGERPRINT_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+                     "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json", "tokenizer.model")
+
+
+def checkpoint_fingerprint(model_dir):
+    """A digest of model_dir's FINGERPRINT_FILES and safetensors headers: milliseconds, before the model loads."""
+    folder = model_folder(model_dir)
+    digest = hashlib.sha256()
+    for path in [folder / name for name in FINGERPRINT_FILES] + sorted(folder.glob("*.safetensors")):
+        try:
+            with open(path, "rb") as f:
+                if path.suffix != ".safetensors":
+                    data = f.read()
+                else:  # a corrupt length reads at most the header limit; the loader names what is wrong with it
+                    head = f.read(8)
+                    data = head + f.read(min(int.from_bytes(head, "little"), SAFETENSORS_MAX_HEADER)) + \
+                        os.fstat(f.fileno()).st_size.to_bytes(8, "little")
+        except FileNotFoundError:
+            data = b""
+        except OSError as e:
+            raise UserError(f"cannot read {path}: {e.strerror}") from None
+        digest.update(f"{path.name} {len(data)}\n".encode() + data)
+    return digest.hexdigest()[:DIGEST_HEX]
+
+
+def settings_digest(settings):
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def numbers_digest(settings_key, *token_lists):
+    """What a record's numbers were computed from, in DIGEST_HEX hex digits: the run's settings (settings_key, the
+    settings_digest of everything OUT.settings.json holds: the options, the checkpoint's fingerprint, the kernels
+    picked) and the token ids (a text's; a record of another kind passes each of its token lists). --resume keeps a
+    record only where what the input gives now has the digest stored with it."""
+    digest = hashlib.sha256(settings_key.encode())
+    for ids in token_lists:
+        digest.update(len(ids).to_bytes(8, "little") + array.array("q", ids).tobytes())
+    return digest.hexdigest()[:DIGEST_HEX]
+
+
+def record_key(index, ids, record, settings_key):
+    """What a record of OUT must hold for --resume to take it as the input's: its index, token counts, id, and the
+    digest of the token ids (a continuation's context and continuation, each) and settings its numbers came from."""
+    key = {"index": index}
+    if isinstance(ids, Request):
+        key.update(tokens=len(ids.context) + len(ids.continuation), continuation_tokens=len(ids.continuation))
+    else:
+        key["tokens"] = len(ids)
+    return key | ({} if record.id is NO_ID else {"id": record.id}) | {"digest": record_digest(ids, settings_key)}
+
+
+def record_digest(ids, settings_key):
+    # a text's token ids, or a continuation's context and continuation, each
+    return numbers_digest(settings_key, *((ids.context, ids.continuation) if isinstance(ids, Request) else (ids,)))
+
+
+def output_line(result, ids, record, digest):
+    # a text's Score, or a continuation's Loglikelihood: there loss and nll_sum are the continuation's (its mean and
+    # summed NLL), as a text's are its predicted tokens'
+    fields = {"index": result.index}
     if record.id is not NO_ID:
         fields["id"] = record.id
-    fields.update(tokens=score.tokens, loss=score.loss, nll_sum=score.nll_sum)
+    if isinstance(result, Loglikelihood):
+        fields.update(tokens=len(ids.context) + len(ids.continuation), context_tokens=len(ids.context),
+                      continuation_tokens=result.tokens, loss=-result.logprob / result.tokens,
+                      nll_sum=-result.logprob, logprob=result.logprob, greedy=result.greedy)
+        if result.token_logprobs is not None:
+            fields["token_logprobs"] = result.token_logprobs
+    else:
+        fields.update(tokens=result.tokens, loss=result.loss, nll_sum=result.nll_sum)
+    fields["digest"] = digest
     return json.dumps(fields) + "\n"  # floats as repr: the shortest text that reads back to the same bits
+
+
+def write_atomically(path, text):
+    # a kill leaves the old file or the new one, never a part of one
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
 
 
 # A SIGINT or SIGTERM that arrives while a batch's records are written waits until they are on disk, so that a
@@ -3538,19 +4297,30 @@ def signals_held():
             on_signal(signum, None)
 
 
+def record_differences(got, want):
+    """How a record OUT holds differs from the one the input gives now (want): a list of phrases, empty if none."""
+    if not (isinstance(got, dict) and isinstance(got.get("nll_sum"), float)):
+        return ["it is not a record prefill writes"]
+    differs = [f"{key} {shown(got[key]) if key in got else 'absent'} there, {shown(want[key])} now" for key in want
+               if key not in got or json.dumps(got[key]) != json.dumps(want[key])]
+    return differs + (["an id there, none now"] if "id" in got and "id" not in want else [])
+
+
 class CorpusOutput:
     """OUT.jsonl, appended a batch at a time. With --resume, each batch the file already holds whole is checked
-    against the input (index, tokens, id) and skipped; at the first it does not hold whole (the one a kill cut:
-    whole records and a cut line alike) the file is cut back to the batch's start and scoring goes on. Batches are
-    cut from token counts alone and each batch's numbers are the same on every run, so the finished file is byte
-    for byte what one uninterrupted run writes."""
+    against the input (index, tokens, id, and the digest of the token ids and settings its numbers came from) and
+    skipped; at the first it does not hold whole (the one a kill cut: whole records and a cut line alike) the file is
+    cut back to the batch's start and scoring goes on. Batches are cut from token counts alone and each batch's
+    numbers are the same on every run, so the finished file is byte for byte what one uninterrupted run writes.
+    OUT.settings.json (settings) is written just before OUT first changes: a refused resume leaves both as they were."""
 
-    def __init__(self, path, resume):
+    def __init__(self, path, resume, settings):
         self.path, self.records, self.size = path, 0, 0  # records and bytes that are whole batches
+        self.settings, self.settings_key = settings, settings_digest(settings)
         self.old = open(path, "rb") if resume and os.path.exists(path) and os.path.getsize(path) else None
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         if self.old is None:
-            os.ftruncate(self.fd, 0)
+            os.ftruncate(self.fd, 0)  # empty already, or absent: check_output refused anything else
 
     def holds(self, batch):
         """The batch's records as OUT holds them (dicts), or None where it does not hold the whole batch. Whole lines
@@ -3560,15 +4330,19 @@ class CorpusOutput:
         lines = list(itertools.takewhile(lambda line: line.endswith(b"\n"), (self.old.readline() for _ in batch)))
         records = []
         for line_no, line, (index, ids, record) in zip(itertools.count(self.records + 1), lines, batch):
-            want = {"index": index, "tokens": len(ids)} | ({} if record.id is NO_ID else {"id": record.id})
+            want = record_key(index, ids, record, self.settings_key)
             try:
                 got = json.loads(line)
             except ValueError:
                 got = None
-            if not (isinstance(got, dict) and isinstance(got.get("nll_sum"), float) and ("id" in got) == ("id" in want)
-                    and json.dumps({k: got.get(k) for k in want}) == json.dumps(want)):
-                raise UserError(f"{self.path} line {line_no} does not match the input, which gives "
-                                f"{json.dumps(want)[:200]} there: another input, tokenizer or --id-field?")
+            differs = record_differences(got, want)
+            if differs:
+                why = ("it was scored from another text than the input holds there now, or with another checkpoint "
+                       "or setting." if differs[0].startswith("digest ") else
+                       "another input, tokenizer or --id-field?")
+                raise UserError(f"{self.path} line {line_no} does not match {record.where} ({'; '.join(differs)}): "
+                                f"{why} Resume with the input and settings it was made with, or move {self.path} "
+                                "away to score afresh")
             records.append(got)
         if len(records) < len(batch):  # the end of what an interrupted run wrote: whole records, maybe a cut line
             self._cut()
@@ -3577,8 +4351,15 @@ class CorpusOutput:
         self.size += sum(map(len, lines))
         return records
 
+    def _settings_written(self):
+        if self.settings is not None:
+            write_atomically(self.path + ".settings.json", json.dumps(self.settings))
+            self.settings = None
+
     def append(self, scores, batch):
-        data = memoryview("".join(output_line(s, record) for s, (_, _, record) in zip(scores, batch)).encode())
+        self._settings_written()
+        data = memoryview("".join(output_line(s, ids, record, record_digest(ids, self.settings_key))
+                                  for s, (_, ids, record) in zip(scores, batch)).encode())
         with signals_held():
             written = len(data)
             while data:
@@ -3595,35 +4376,40 @@ class CorpusOutput:
         os.close(self.fd)
 
     def _cut(self):
+        self._settings_written()
         self.old.close()
         self.old = None
         os.ftruncate(self.fd, self.size)
 
 
 class Progress:
-    """Texts and tokens done, tokens/s and ETA: a tqdm bar on a terminal; elsewhere a line every PROGRESS_LINE_S
-    (none in a shorter run: the harness reads stderr only after the run)."""
+    """Texts and tokens done, tokens/s and ETA: a tqdm bar on a terminal; elsewhere a line PROGRESS_LINE_S after the
+    start, then at most that often, and less often as the run grows (none in a run of seconds, such as the harness's,
+    which reads stderr only after the run)."""
 
-    def __init__(self, total):
-        self.total, self.texts, self.tokens, self.t0 = total, 0, 0, time.perf_counter()
-        self.next_line = self.t0 + PROGRESS_LINE_S
+    def __init__(self, total, unit="text"):  # unit: "request" for continuations
+        self.total, self.texts, self.scored, self.tokens, self.t0 = total, 0, 0, 0, time.perf_counter()
+        self.next_line, self.unit = self.t0 + PROGRESS_LINE_S, unit
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
-            self.bar = tqdm(total=total, unit="text", file=sys.stderr, dynamic_ncols=True, smoothing=0.05)
+            self.bar = tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True, smoothing=0.05)
 
-    def add(self, texts, scored_tokens):
+    def add(self, texts, scored_tokens, held=False):  # held: texts --resume kept, which take no time
         self.texts += texts
+        self.scored += 0 if held else texts
         self.tokens += scored_tokens
-        rate = self.tokens / max(1e-9, time.perf_counter() - self.t0)
+        now = time.perf_counter()
+        elapsed = max(1e-9, now - self.t0)
         if self.bar is not None:
-            self.bar.set_postfix_str(f"{self.tokens} tokens, {rate:.0f} tokens/s", refresh=False)
+            self.bar.set_postfix_str(f"{self.tokens} tokens, {self.tokens / elapsed:.0f} tokens/s", refresh=False)
             self.bar.update(texts)
-        elif time.perf_counter() >= self.next_line:
-            self.next_line += PROGRESS_LINE_S
-            elapsed = time.perf_counter() - self.t0
-            left = f" of {self.total}, ETA {(self.total - self.texts) * elapsed / self.texts:.0f} s" if self.total else ""
-            log(f"{self.texts} texts{left}; {self.tokens} tokens, {rate:.0f} tokens/s")
+        elif now >= self.next_line:
+            self.next_line = now + max(PROGRESS_LINE_S, elapsed / 10)
+            eta = (self.total - self.texts) * elapsed / self.scored if self.total and self.scored else None
+            left = f" of {self.total}" + (f", ETA {datetime.timedelta(seconds=round(eta))}" if eta is not None
+                                          else "") if self.total else ""
+            log(f"{self.texts} {self.unit}s{left}; {self.tokens} tokens, {self.tokens / elapsed:.0f} tokens/s")
 
     def close(self):
         if self.bar is not None:
@@ -3780,9 +4566,9 @@ class Group:
                         return f"rank {rank} (pid {pid}) ended without an error: killed by a signal or the OOM killer?"
         return None
 
-    def relaunch(self):  # how this run was started, for the resume line
-        return ["torchrun", f"--nproc-per-node={self.world // self.nodes}"] + (
-            [f"--nnodes={self.nodes}", "<the same rendezvous options>"] if self.nodes > 1 else [])
+    def relaunch(self):  # how this run was started, for the resume line: torchrun's module, whatever its spelling was
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.world // self.nodes}"] + (
+            [f"--nnodes={self.nodes}", "<the same rendezvous options>"] if self.nodes > 1 else ["--standalone"])
 
 
 def process_alive(pid):
@@ -3815,24 +4601,40 @@ def all_ready(group):
         group.wait(f"ready/{rank}")
 
 
-def scored_batches(runner, batches, output):
-    """(batch, its Scores, None) of each batch, in order, or (batch, None, records) for those OUT holds (--resume)."""
+def published(results):
+    # a batch's numbers for rank 0: a text's NLL sum (float64 bytes); a continuation's log-prob, greedy and token
+    # log-probs (JSON: floats as repr, the same bits back)
+    if results and isinstance(results[0], Loglikelihood):
+        return json.dumps([[r.logprob, r.greedy, r.token_logprobs] for r in results])
+    return array.array("d", (s.nll_sum for s in results)).tobytes()
+
+
+def received(batch, data):
+    # published()'s numbers back into the batch's Scores or Loglikelihoods
+    if batch and isinstance(batch[0][1], Request):
+        return [Loglikelihood(index, logprob, len(request.continuation), greedy, token_logprobs)
+                for (index, request, _), (logprob, greedy, token_logprobs) in zip(batch, json.loads(data))]
+    return scores_of(batch, array.array("d", data).tolist())
+
+
+def scored_batches(runner, batches, output, token_logprobs=False):
+    """(batch, its Scores (or Loglikelihoods), None) of each batch, in order, or (batch, None, records) for those OUT
+    holds (--resume)."""
     for batch in batches:
         held = output.holds(batch) if output else None
-        yield batch, (None if held is not None else runner.score_batch(batch)), held
+        yield batch, (None if held is not None else runner.score_any(batch, token_logprobs)), held
 
 
-def claimed_in_order(group, runner, batches, output):
+def claimed_in_order(group, runner, batches, output, token_logprobs=False):
     """Rank 0: scored_batches over every rank. It checks what OUT holds (--resume), tells the ranks where scoring
     starts, then claims and scores batches like every rank, and yields each batch in order once its scores are here."""
     pending, start, mine, k = collections.deque(), None, None, -1  # pending: [k, batch, Scores or None], in order
 
     def ready(k, batch, scores):
-        if scores is None:  # another rank's: its NLL sums, and this rank's tally of what was scored
-            sums = array.array("d", group.wait(f"sums/{k}")).tolist()
+        if scores is None:  # another rank's: its numbers, and this rank's tally of what was scored
+            scores = received(batch, group.wait(f"sums/{k}"))
             group.store.delete_key(f"sums/{k}")
-            scores = scores_of(batch, sums)
-            runner.add_stats(scores)
+            runner.tally(batch, scores)
         return batch, scores, None
 
     for k, batch in enumerate(batches):
@@ -3846,7 +4648,7 @@ def claimed_in_order(group, runner, batches, output):
             mine = start + group.claim()
         scores = None
         if k == mine:
-            scores = runner.score_batch(batch)
+            scores = runner.score_any(batch, token_logprobs)
             mine = start + group.claim()
         pending.append((k, batch, scores))
         while pending and (pending[0][2] is not None or group.has(f"sums/{pending[0][0]}")):
@@ -3857,13 +4659,13 @@ def claimed_in_order(group, runner, batches, output):
         yield ready(*pending.popleft())
 
 
-def score_claimed(group, runner, batches):
-    """Ranks > 0: the batches this rank claims, scored, their NLL sums published for rank 0."""
+def score_claimed(group, runner, batches, token_logprobs=False):
+    """Ranks > 0: the batches this rank claims, scored, their numbers published for rank 0."""
     start = int(group.wait("start"))
     mine = start + group.claim()
     for k, batch in enumerate(batches):
         if k == mine:
-            group.set(f"sums/{k}", array.array("d", (s.nll_sum for s in runner.score_batch(batch))).tobytes())
+            group.set(f"sums/{k}", published(runner.score_any(batch, token_logprobs)))
             mine = start + group.claim()
         group.check_peers()  # rank 0 gone on another node: stop rather than score for nobody
     group.set(f"done/{group.rank}")
@@ -3872,8 +4674,26 @@ def score_claimed(group, runner, batches):
 # ----------------------------------------------------------------------------- protocol / CLI
 
 def parse_request(data, source="stdin"):
-    """The protocol's request: one JSON array of strings (bytes or str)."""
-    return [text_of(t, f"{source}: element {i}") for i, t in enumerate(json_array(data, source))]
+    """The protocol's request: one JSON array of strings (bytes or str), on one line."""
+    try:
+        values = json_array(data, source)
+    except UserError:
+        if ends_short(decoded(data)):  # the first line of a pretty-printed array, say
+            raise UserError(f"{source}: the request ends at a line break before its JSON array does: the protocol "
+                            "takes the whole request on one line (--input FILE reads texts in any layout)") from None
+        raise
+    return [text_of(t, f"{source}: element {i}") for i, t in enumerate(values)]
+
+
+def ends_short(text):
+    # JSON that stops before it is whole (the parser wants more at the end), rather than JSON that is wrong
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        return e.pos >= len(text.rstrip(JSON_SPACE))
+    except (ValueError, RecursionError):
+        return False
+    return False
 
 
 def take_stdout():
@@ -3919,7 +4739,8 @@ def parse_args(argv):
         epilog="Exit codes: 0 done; 1 stdin closed before the request, stdout closed before the last loss, another "
                "torchrun rank failed, or an unexpected error; 2 a bad option, input, request, output or checkpoint "
                "(one line on stderr names it); 130 SIGINT; 143 SIGTERM (with --output: after the batch being written, "
-               "saying how many texts are done and the command that resumes).")
+               "saying how many texts are done and the command that resumes, to paste as it is). The request is one "
+               "line; texts longer than config.json's max_position_embeddings are computed, with one warning.")
     p.add_argument("--model", "--model_path", dest="model", required=True, metavar="DIR",
                    help="folder with config.json, *.safetensors (+ index) and the tokenizer files")
     p.add_argument("--input", metavar="FILE",
@@ -3928,16 +4749,31 @@ def parse_args(argv):
                         "with a string --text-field; the first records are checked before the model loads")
     p.add_argument("--output", metavar="OUT",
                    help="with --input: score it as a corpus, appending one JSON line per text to OUT in input order, "
-                        "{index, id (where the input has one), tokens, loss (null below 2 tokens), nll_sum}, a batch "
-                        "at a time, each flushed and fsynced; an existing non-empty OUT needs --resume")
+                        "{index, id (where the input has one), tokens, loss (null below 2 tokens), nll_sum, digest (of "
+                        "the token ids and settings the numbers came from)}, a batch at a time, each flushed and "
+                        "fsynced; an existing non-empty OUT needs --resume")
     p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted --output run with the same settings: the whole batches OUT holds are "
-                        "checked against the input and kept, the rest is scored; the finished file is byte-identical "
-                        "to an uninterrupted run's (a missing OUT starts afresh)")
+                   help="continue an interrupted --output run with the same settings: each record of the whole batches "
+                        "OUT holds is checked against the input (index, id, token count, and its digest of the token "
+                        "ids and settings) and kept, the rest is scored; a record that differs stops the run before "
+                        "anything is written, naming it; the finished file is byte-identical to an uninterrupted "
+                        "run's (a missing OUT starts afresh)")
     p.add_argument("--text-field", default="text", metavar="NAME",
                    help="the field holding the text where an input record is an object (default: text)")
     p.add_argument("--id-field", default="id", metavar="NAME",
                    help="the field copied to the output record as its id, where present (default: id)")
+    p.add_argument("--context-field", default=PAIR_FIELDS[0], metavar="NAME",
+                   help="where an input object has this field (default: context), it is a continuation to score "
+                        "given that context instead of a text: its --continuation-field's log-likelihood, tokenized "
+                        "as lm-eval does (trailing spaces of the context move to the continuation), the records "
+                        "sharing a prefix computing it once; its output record has tokens, context_tokens, "
+                        "continuation_tokens, logprob (the continuation's summed float32 log-probs), greedy (each "
+                        "continuation token the argmax), and loss and nll_sum, the continuation's mean and summed NLL")
+    p.add_argument("--continuation-field", default=PAIR_FIELDS[1], metavar="NAME",
+                   help="the field holding the continuation of a --context-field record (default: continuation)")
+    p.add_argument("--token-logprobs", action="store_true",
+                   help="with context/continuation records: add each continuation token's log-prob to its output "
+                        "record (token_logprobs)")
     p.add_argument("--gpu-memory", type=bounded(float, 0, 2**20), metavar="GIB",
                    help="GPU memory the runner may plan for (default: what is free, less 1.5 GiB, and 1 GiB more on a "
                         "first run on a machine, which times the attention kernels while loading); "
@@ -4017,41 +4853,77 @@ def check_writable(path, option="--stats"):
 
 
 def corpus_settings(args):
-    """The settings an --output file's numbers depend on, kept beside it (OUT.settings.json) for --resume to check:
-    the file itself holds records only."""
-    return {"model": str(Path(args.model).resolve()), "text_field": args.text_field, "id_field": args.id_field,
-            "chunk_tokens": args.chunk_tokens, "wave_tokens": args.wave_tokens, "attention": args.attention,
-            "kernels": args.kernels, "device": args.device or "auto"}
+    """The settings an --output file's numbers depend on that are known before the model loads: the options, and the
+    fingerprint of the checkpoint's files (an edit in place keeps the path). Kept beside OUT in OUT.settings.json to
+    name what changed, and digested into each record (numbers_digest) to prove nothing did."""
+    return {"model": str(Path(args.model).resolve()), "checkpoint": checkpoint_fingerprint(args.model),
+            "text_field": args.text_field, "id_field": args.id_field, "context_field": args.context_field,
+            "continuation_field": args.continuation_field, "token_logprobs": args.token_logprobs,
+            "chunk_tokens": args.chunk_tokens,
+            "wave_tokens": args.wave_tokens, "attention": args.attention, "kernels": args.kernels,
+            "device": args.device or "auto"}
+
+
+def picked_settings(runner):
+    """The settings that the start-up picks among those the options allow (by the picks file, which can change
+    between runs, or by the GPU itself): the rest of what the numbers depend on, known once the model is loaded."""
+    device = runner.device
+    # a mixture of experts' expert kernel and the wave planned for it (a dense model's settings are what they were:
+    # its records' digests stay valid)
+    moe = {"experts": runner.experts, "wave_tokens planned": runner.plan.wave_tokens} if runner.experts else {}
+    return {**{f"attention {label}": name for label, name in runner.attention.items()},
+            "elementwise kernels": runner.kernels.name, "blas": runner.blas,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type, **moe}
+
+
+def settings_changes(kept, now):
+    # "key then, now now" for each setting of `now` that OUT.settings.json (`kept`, {} when unreadable) holds otherwise;
+    # one it lacks is left to the records' digests, which cover every setting
+    return [f"{key} {shown(kept[key])}, now {shown(now[key])}" for key in now if key in (kept or {}) and
+            kept[key] != now[key]]
 
 
 def check_output(args):
-    """--output, before the model loads: never clobber an earlier run; resume it only with its own settings."""
+    """--output, before the model loads: never clobber an earlier run; resume it only with its own settings. Returns
+    this run's settings (corpus_settings) and those OUT.settings.json holds (None: nothing to resume; {}: unreadable,
+    when the records' digests alone prove the settings)."""
     if not args.input:
         raise UserError("--output needs --input FILE")
     check_writable(args.output, "--output")
     size = os.path.getsize(args.output) if os.path.exists(args.output) else 0
     if size and args.input != "-" and os.path.exists(args.input) and os.path.samefile(args.input, args.output):
         raise UserError(f"--output {args.output} is the --input file")
+    now = corpus_settings(args)
     if not size:
-        return  # nothing there to lose
+        return now, None  # nothing there to lose
     if not args.resume:
         raise UserError(f"--output {args.output} exists ({size} bytes): pass --resume to continue it, or remove it")
+    with open(args.output, "rb") as f:
+        first = f.readline()
+    with contextlib.suppress(ValueError):  # a cut first line is the first batch to redo
+        record = json.loads(first)
+        if isinstance(record, dict) and "digest" not in record:
+            raise UserError(f"--output {args.output} was written by an older prefill.py, whose records carry no "
+                            "digest of the text and settings they were scored from, so none can be proven to match "
+                            f"this input: move {args.output} away to score afresh")
     try:
         kept = json.loads(Path(args.output + ".settings.json").read_text())
     except (OSError, ValueError):
-        log(f"warning: no readable {args.output}.settings.json: the settings {args.output} was made with are "
-            "unchecked (its records are checked against the input)")
-        return
-    now = corpus_settings(args)
-    changed = [f"{key} {shown(kept.get(key))}, now {shown(now[key])}" for key in now if kept.get(key) != now[key]]
+        kept = {}
+    kept = kept if isinstance(kept, dict) else {}
+    changed = settings_changes(kept, now)
     if changed:
         raise UserError(f"--output {args.output} was made with other settings ({'; '.join(changed)}): resume with "
-                        "the same ones")
+                        "the same ones" + (" (checkpoint: a digest of config.json, the tokenizer files and the "
+                                           "safetensors headers)" if "checkpoint" in kept and
+                                           kept["checkpoint"] != now["checkpoint"] else ""))
+    return now, kept
 
 
 def serve(args, protocol, group=None):
     writer = group is None or group.rank == 0  # rank 0 alone writes OUT and speaks the protocol
-    records = total = None
+    records = total = settings = kept = None
+    pairs = False  # the records are continuations (context and continuation fields), not texts
     if args.wave_tokens is None:  # None (the Runner plans it): a mixture of experts' corpus, on one process (the
         # planned wave is one rank's, from its own free memory, and every rank must cut the same batches)
         moe = args.input and not group and ModelConfig.from_dir(args.model).num_experts
@@ -4060,11 +4932,12 @@ def serve(args, protocol, group=None):
         raise UserError("--doctor reports on one process: run it without torchrun")
     if args.output:
         if writer:
-            check_output(args)
+            settings, kept = check_output(args)
     elif args.resume:
         raise UserError("--resume needs --output OUT")
     if args.input:  # the input opens and its first records (all of them without --output) parse before the load
-        records = read_records(args.input, args.text_field, args.id_field)
+        records = read_records(args.input, args.text_field, args.id_field,
+                               (args.context_field, args.continuation_field))
         head = list(itertools.islice(records, CHECKED_RECORDS if args.output else None))
         if len(head) < CHECKED_RECORDS or not args.output:
             total = len(head)
@@ -4073,6 +4946,10 @@ def serve(args, protocol, group=None):
             total = counter.submit(count_records, args.input)
             counter.shutdown(wait=False)
         records = itertools.chain(head, records)
+        pairs = bool(head) and head[0].text is None
+        if args.token_logprobs and not pairs:
+            raise UserError("--token-logprobs: the input's records are texts; it applies to context/continuation "
+                            "records (a text's token log-probs: give it as the continuation of its first token)")
     if args.stats and writer:
         check_writable(args.stats)
     runner = Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
@@ -4082,6 +4959,13 @@ def serve(args, protocol, group=None):
                     picks=args.picks if writer else RankZeroPicks(group))
     if group and writer:
         publish_picks(group, runner, args.attention, args.experts)
+    if settings is not None:
+        settings.update(picked := picked_settings(runner))
+        changed = settings_changes(kept, picked)
+        if changed:
+            raise UserError(f"--output {args.output} was made with other kernels than this start-up picked "
+                            f"({'; '.join(changed)}): the picks file (--picks) or the GPU changed since; resume with "
+                            f"the picks file it was made with, or move {args.output} away to score afresh")
     t0 = time.perf_counter()
     runner.warm_up()
     warm_up_s = time.perf_counter() - t0
@@ -4111,39 +4995,50 @@ def serve(args, protocol, group=None):
     if records is None:
         records = [Record(text) for text in parse_request(line)]
         total = len(records)
+    if pairs:
+        batches = runner.batches(records, pair=lambda record: (record.context, record.continuation))
+    else:
+        batches = runner.batches(records, text=lambda record: record.text)
     if not writer:  # computes and publishes; rank 0 writes, prints and logs
-        score_claimed(group, runner, runner.batches(records, text=lambda record: record.text))
+        score_claimed(group, runner, batches, args.token_logprobs)
         return 0
     t_start, start_unix_s = time.perf_counter(), time.time()  # wall clock: bench times a corpus run's ready
-    output = CorpusOutput(args.output, args.resume) if args.output else None
-    if output:
-        Path(args.output + ".settings.json").write_text(json.dumps(corpus_settings(args)))
+    output = CorpusOutput(args.output, args.resume, settings) if args.output else None
+    announce = output is not None and args.resume  # where a resumed run picks up, once it is known
     scores, resumed = [], {"texts": 0, "tokens": 0, "predicted_tokens": 0, "nll_sum": 0.0}
-    progress = Progress(total.result() if hasattr(total, "result") else total)
+    progress = Progress(total.result() if hasattr(total, "result") else total, "request" if pairs else "text")
     runner.stats = {}
     try:
-        batches = runner.batches(records, text=lambda record: record.text)
-        for batch, batch_scores, held in (claimed_in_order(group, runner, batches, output) if group else
-                                          scored_batches(runner, batches, output)):
+        for batch, batch_scores, held in (claimed_in_order(group, runner, batches, output, args.token_logprobs)
+                                          if group else scored_batches(runner, batches, output, args.token_logprobs)):
             if held is not None:  # --resume: already in OUT, checked against the input
                 for r in held:
                     resumed.update(texts=resumed["texts"] + 1, tokens=resumed["tokens"] + r["tokens"],
-                                   predicted_tokens=resumed["predicted_tokens"] + max(0, r["tokens"] - 1),
+                                   predicted_tokens=resumed["predicted_tokens"]
+                                   + r.get("continuation_tokens", max(0, r["tokens"] - 1)),
                                    nll_sum=resumed["nll_sum"] + r["nll_sum"])
-                progress.add(len(batch), 0)
+                progress.add(len(batch), 0, held=True)
                 continue
+            if announce:
+                log(f"resume: {resumed['texts']} {progress.unit}s of {args.output} match the input and are kept; "
+                    f"scoring from {progress.unit} {batch[0][0]} ({batch[0][2].where})")
+                announce = False
             if output:
                 output.append(batch_scores, batch)
             else:
                 scores += batch_scores
             progress.add(len(batch), sum(s.tokens for s in batch_scores))
+        if announce:
+            log(f"resume: all {resumed['texts']} {progress.unit}s of {args.output} match the input and are kept; "
+                "none is left to score")
         if output:
             output.close()
     except (KeyboardInterrupt, Terminated, PeerFailed) as e:
-        if output:
-            command = shlex.join((group.relaunch() if group else []) + ["prefill.py", *args.argv]
+        if output:  # to paste as it is: this interpreter (or torchrun's module under it), the arguments quoted
+            command = shlex.join((group.relaunch() if group else [sys.executable]) + args.command
                                  + ([] if args.resume else ["--resume"]))
-            e.add_note(f"{output.records} of {progress.total or 'all'} texts done in {args.output}; resume with: "
+            e.add_note(f"{output.records} of {progress.total or 'all'} {progress.unit}s done in {args.output}; "
+                       "resume with: "
                        f"{command}")
         raise
     finally:
@@ -4153,6 +5048,7 @@ def serve(args, protocol, group=None):
         protocol.flush()
     elapsed = time.perf_counter() - t_start
     run = runner.stats
+    run.setdefault("texts", run.get("requests", 0))  # a continuation counts as its record
     texts, tokens, predicted, nll_sum = (resumed[key] + run.get(key, 0)
                                          for key in ("texts", "tokens", "predicted_tokens", "nll_sum"))
     mean_nll = nll_sum / predicted if predicted else None
@@ -4176,11 +5072,14 @@ def serve(args, protocol, group=None):
         log(f"warning: {run['texts_over_wave']} text(s) longer than --wave-tokens {runner.plan.wave_tokens} ran as "
             "waves of their own")
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in stats["phases"].items())
-    earlier = f" ({resumed['texts']} texts were in {args.output} already)" if resumed["texts"] else ""
+    unit = progress.unit + "s"
+    earlier = f" ({resumed['texts']} {unit} were in {args.output} already)" if resumed["texts"] else ""
     corpus = f"mean NLL {mean_nll:.4f} a predicted token, perplexity {stats['perplexity']:.4g}" if predicted else \
         "no token predicted"
-    log(f"{texts} texts, {tokens} tokens: {corpus}; scored {stats['scored_tokens']} tokens{earlier} in {elapsed:.2f} "
-        f"s{f' on {group.world} ranks' if group else ''}, {stats['tokens_per_s']:.0f} tokens/s ({phases}); streamed "
+    shared = (f", {run['tokens_computed']} computed for {run['tokens_requested']} requested"
+              if run.get("tokens_requested") else "")  # a prefix tree's
+    log(f"{texts} {unit}, {tokens} tokens{shared}: {corpus}; scored {stats['scored_tokens']} tokens{earlier} in "
+        f"{elapsed:.2f} s{f' on {group.world} ranks' if group else ''}, {stats['tokens_per_s']:.0f} tokens/s ({phases}); streamed "
         f"{run.get('streamed_bytes', 0) / 1e9:.1f} GB" + (" (rank 0)" if group else ""))
     if args.stats:
         try:
@@ -4204,7 +5103,8 @@ def main(argv=None):
     QUIET["on"] = int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0 and \
         not os.environ.get("PREFILL_DEBUG")  # an option error every rank makes is rank 0's one line
     args = parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else argv  # for the --resume command an interrupted run prints
+    # how this run was started, for the command an interrupted run prints: the script as given, and its arguments
+    args.command = sys.argv if argv is None else [__file__, *argv]
     protocol = take_stdout()
 
     def failed(line, code):  # under torchrun rank 0 speaks for all; the first rank to fail is the one it names

@@ -667,7 +667,7 @@ def fill_report(res: dict, cfg: dict, figures: dict) -> None:
     if losses and ref_losses and len(losses) == len(ref_losses):
         import interact
         errs = rel_errors(losses, ref_losses)
-        bad, _ = interact.compare_losses(losses, ref_losses)
+        bad = interact.compare_losses(losses, ref_losses)[0]
         res.update(max_rel_err=max(errs) if errs else None, median_rel_err=statistics.median(errs) if errs else None,
                    check_mismatches=len(bad), check_pass=not bad)
     else:

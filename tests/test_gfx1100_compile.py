@@ -123,15 +123,19 @@ def launches_recorded(target, model, into):
         yield kernels
 
 
-def prefill_launches(target, model, tiles):
-    """The distinct kernel launches of one layer and the loss for this model, with each attention tile in tiles;
-    and the names of prefill's JIT functions."""
+def prefill_launches(target, model, tiles, tree_tiles=()):
+    """The distinct kernel launches of one layer and the loss for this model, with each attention tile in tiles (in
+    a prefix tree's chunk, each of tree_tiles); and the names of prefill's JIT functions."""
     cfg = model_config(MODELS[model])
     flat = torch.empty(cfg.layer_numel, dtype=prefill.DTYPE)  # never touched: only its views' shapes and offsets
     w = prefill.layer_views(flat, cfg)
     x = torch.zeros(TOKENS, cfg.hidden_size, dtype=prefill.DTYPE)
     cos, sin = prefill.rope_tables(torch.arange(TOKENS), cfg.ropes[0], cfg.head_dim)
     chunk = prefill.Chunk(0, TOKENS, [0, TOKENS], torch.tensor([0, TOKENS], dtype=torch.int32), TOKENS)
+    # a prefix tree's chunk (the tree kernel): a root token, then a node of the others reading it
+    tree_chunk = prefill.Chunk(0, TOKENS, [0, 1, TOKENS], torch.tensor([0, 1, TOKENS], dtype=torch.int32),
+                               TOKENS - 1, [[], [(0, 1)]], torch.tensor([0, 0, 1], dtype=torch.int32),
+                               torch.tensor([[0, 1]], dtype=torch.int32), torch.arange(TOKENS, dtype=torch.int32))
     lm_head = torch.empty((), dtype=prefill.DTYPE).expand(cfg.vocab_size, cfg.hidden_size)
     targets = torch.zeros(TOKENS, dtype=torch.int64)
     launches = []
@@ -139,6 +143,10 @@ def prefill_launches(target, model, tiles):
         for tile, how in itertools.product(tiles, prefill.attention_settings(cfg)):
             attend = prefill.make_attention("triton", tile)
             prefill.attention_block(x, w, cos, sin, chunk, cfg, attend, prefill.TRITON_KERNELS, how)
+        for tile, how in itertools.product(tree_tiles, prefill.attention_settings(cfg)):
+            attend = prefill.make_attention("triton", tile)
+            wave_kv = [torch.zeros(TOKENS, cfg.num_key_value_heads, cfg.head_dim, dtype=prefill.DTYPE)] * 2
+            prefill.attention_block(x, w, cos, sin, tree_chunk, cfg, attend, prefill.TRITON_KERNELS, how, wave_kv)
         prefill.mlp_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS)
         final_norm = torch.ones(cfg.hidden_size, dtype=prefill.DTYPE)
         prefill.sequence_nll(x, lm_head, final_norm, targets, torch.zeros(TOKENS, dtype=torch.int64), 1,
@@ -226,12 +234,16 @@ def offered_tiles(model):
     return prefill.attention_tiles("rdna3", model_config(MODELS[model]))
 
 
+def offered_tree_tiles(model):
+    return prefill.tree_attention_tiles("rdna3", model_config(MODELS[model]))
+
+
 def offered_launches(target):
     """Every distinct launch of prefill's kernels for every model, with the attention tiles offered on RDNA3, and of
     the MoE feed-forward with the grouped GEMM tiles offered there."""
     launches = []
     for model in MODELS:
-        found, kernels = prefill_launches(target, model, offered_tiles(model))
+        found, kernels = prefill_launches(target, model, offered_tiles(model), offered_tree_tiles(model))
         launches += found
     return launches + moe_launches(target, prefill.EXPERT_TILES["rdna3"]), kernels
 
@@ -243,12 +255,14 @@ def test_every_kernel_prefill_launches_compiles_for_gfx1100_without_spills(fresh
     # each JIT function is launched, or is a helper that a launched kernel calls: a new kernel cannot go unchecked
     called = {name for name in kernels for k in launched if re.search(rf"\b{name}\(", getattr(prefill, k).src)}
     assert set(kernels) == launched | called, f"never launched by prefill's layers: {set(kernels) - launched - called}"
-    tiles = {(launch.model, attention_tile(launch)) for launch in launches if launch.kernel == "_attention_kernel"}
-    assert tiles == {(model, tile) for model in MODELS for tile in offered_tiles(model)}
+    for kernel, offered in (("_attention_kernel", offered_tiles), ("_tree_attention_kernel", offered_tree_tiles)):
+        tiles = {(launch.model, attention_tile(launch)) for launch in launches if launch.kernel == kernel}
+        assert tiles == {(model, tile) for model in MODELS for tile in offered(model)}, kernel
+        variants = {tuple(launch.named_constexprs()[k] for k in ("WINDOW", "SOFTCAP")) for launch in launches
+                    if launch.kernel == kernel}
+        assert variants == {(False, False), (True, False), (False, True), (True, True)}, kernel  # every one launched
     assert not offered_tiles("Gemma-3-4B") and offered_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
-    variants = {tuple(launch.named_constexprs()[k] for k in ("WINDOW", "SOFTCAP")) for launch in launches
-                if launch.kernel == "_attention_kernel"}
-    assert variants == {(False, False), (True, False), (False, True), (True, True)}  # every one prefill can launch
+    assert not offered_tree_tiles("Gemma-3-4B") and offered_tree_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
     norms = {launch.named_constexprs()["NORM"] for launch in launches if launch.kernel == "_head_norm_rope_kernel"}
     assert norms == {0, 1, 2}
     assert ({expert_tile(launch) for launch in launches if launch.kernel == "_grouped_gemm_kernel"}
@@ -277,13 +291,15 @@ def record(out):
     offered, _ = offered_launches(target)
     every = dict.fromkeys(prefill.ATTENTION_TILES["rdna3"] + prefill.RDNA3_VARIANT_TILES
                           + prefill.ATTENTION_TILES["nvidia"] + REFERENCE_TILES)
+    offers = {"_attention_kernel": offered_tiles, "_tree_attention_kernel": offered_tree_tiles}
     for model in MODELS:
-        others = [tile for tile in every if tile not in offered_tiles(model)]
-        offered += [launch for launch in prefill_launches(target, model, others)[0]
-                    if launch.kernel == "_attention_kernel" and attention_tile(launch) in others]
+        others, tree_others = ([tile for tile in every if tile not in offers[kernel](model)] for kernel in offers)
+        offered += [launch for launch in prefill_launches(target, model, others, tree_others)[0]
+                    if launch.kernel == "_attention_kernel" and attention_tile(launch) in others
+                    or launch.kernel == "_tree_attention_kernel" and attention_tile(launch) in tree_others]
     rows = [{"kernel": launch.kernel, "model": launch.model, "config": launch.config(),
-             "offered on gfx1100": attention_tile(launch) in offered_tiles(launch.model)
-             if launch.kernel == "_attention_kernel" else True, **gfx1100_registers(launch)} for launch in offered]
+             "offered on gfx1100": attention_tile(launch) in offers[launch.kernel](launch.model)
+             if launch.kernel in offers else True, **gfx1100_registers(launch)} for launch in offered]
     table = json.loads(out.read_text()) if out.exists() else {}
     table["what"] = ("A static compile, no GPU: each kernel launch prefill makes (recorded from its layer code with "
                      f"{', '.join(MODELS)}'s dimensions) compiled by Triton's AMD backend for "

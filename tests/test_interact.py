@@ -30,11 +30,13 @@ def test_score():
 
 
 def test_compare_relative_branch_rounds_to_bf16_first():
-    # 1.0505 is 5.05% off in float, but rounds to bf16 1.046875: 4.7% off, a match.
-    assert interact.compare_losses([1.0505], [1.0]) == ([], pytest.approx(0.046875))
-    bad, _ = interact.compare_losses([1.0, 1.07, 0.93], [1.0, 1.0, 1.0])
+    # 1.0505 is 5.05% off in float, but rounds to bf16 1.046875: 4.7% off, a match; the unrounded error is reported too
+    assert interact.compare_losses([1.0505], [1.0]) == ([], pytest.approx(0.046875), pytest.approx(0.0505))
+    bad, _, _ = interact.compare_losses([1.0, 1.07, 0.93], [1.0, 1.0, 1.0])
     assert bad == [1, 2]
     assert interact.compare_losses([1.02], [1.0], rtol=0.01)[0] == [0]
+    # an error far below bf16's steps: 0 after rounding, not unrounded
+    assert interact.compare_losses([1.00000005], [1.0], rtol=1e-9)[1:] == (0.0, pytest.approx(5e-8))
 
 
 def test_compare_absolute_branch_and_nan():
@@ -75,20 +77,29 @@ def test_long_workload_is_documents_of_1k_to_32k_tokens_deterministic_in_its_see
 
 
 def test_texts_file_array_and_json_lines(tmp_path):
+    # every layout prefill.py --input reads, through its reader: strings, and objects with a text field
     texts = ["a", 'b "quoted"\nline', "ü∑"]
     array = tmp_path / "a.json"
     array.write_text(json.dumps(texts))
     lines = tmp_path / "a.jsonl"
     lines.write_text("\n".join(json.dumps(t) for t in texts) + "\n\n")
+    objects = tmp_path / "o.jsonl"
+    objects.write_text("\n".join(json.dumps({"id": i, "text": t} if i else t) for i, t in enumerate(texts)))
     assert interact.load_texts_file(array) == texts
     assert interact.load_texts_file(lines) == texts
+    assert interact.load_texts_file(objects) == texts
+    objects.write_text("\n".join(json.dumps({"body": t}) for t in texts))
+    assert interact.load_texts_file(objects, text_field="body") == texts
 
 
-@pytest.mark.parametrize("content", ['{"a": 1}', "[1, 2]", "not json", '"a"\n{'])
-def test_texts_file_bad(tmp_path, content):
+@pytest.mark.parametrize("content, where", [('{"a": 1}', "bad.json line 1 is an object without the text field"),
+                                            ("[1, 2]", "bad.json: element 0 is int"),
+                                            ("not json", "bad.json line 1: not JSON"),
+                                            ('"a"\n{', "bad.json line 2: not JSON")])
+def test_texts_file_bad(tmp_path, content, where):
     bad = tmp_path / "bad.json"
     bad.write_text(content)
-    with pytest.raises(UserError, match="bad.json"):
+    with pytest.raises(UserError, match=where):
         interact.load_texts_file(bad)
     with pytest.raises(UserError, match="cannot read"):
         interact.load_texts_file(tmp_path / "missing.json")
@@ -268,10 +279,10 @@ def test_make_reference_without_accelerate_on_a_small_gpu_is_one_line(fake_gpu, 
     out = tmp_path / "ref.json"
     rc = interact.main(["--model", str(model), "--texts", str(tmp_path / "texts.json"), "--make-reference", str(out)])
     err = capsys.readouterr().err
-    assert rc == 1 and not out.exists()
+    assert rc == 2 and not out.exists()
     assert err.count("\n") == 1 and "interact.py: error: --make-reference: the model (65.5 GiB)" in err
     assert "needs accelerate: uv sync --extra reference" in err
-    assert interact.main(["--model", str(model), "--reference-gpu-memory", "-1", "--make-reference", str(out)]) == 1
+    assert interact.main(["--model", str(model), "--reference-gpu-memory", "-1", "--make-reference", str(out)]) == 2
     assert "--reference-gpu-memory -1: must be >= 0" in capsys.readouterr().err
 
 
@@ -348,6 +359,8 @@ FAKE_RUNNER = textwrap.dedent(
     print("flag", os.environ.get("FLASH_ATTENTION_TRITON_AMD_ENABLE"), sys.argv[1:], file=sys.stderr)
     if "--die" in sys.argv:
         sys.exit(3)
+    if "--bad-input" in sys.argv:  # as prefill.py refuses a bad option, input or checkpoint
+        sys.exit(2)
     time.sleep(0.2)
     print("ready", flush=True)
     texts = json.loads(sys.stdin.readline())
@@ -385,14 +398,19 @@ def test_harness_end_to_end(harness, capsys):
     assert record["score"] == 100
     assert record["runner_cmd"][0] == sys.executable and record["runner_cmd"][-4:] == ["--model", base[1], "--x", "1"]
     assert "flag TRUE" in record["stderr"]
-    assert "check: 0 mismatches of 3" in capsys.readouterr().out
+    assert ("check: 0 mismatches of 3; max relative error 3.61e-02 with both sides rounded to bf16 (the contest's "
+            "comparison), 3.85e-02 unrounded") in capsys.readouterr().out  # 2.5 against 2.6
 
     ref.write_text(json.dumps({"texts_sha256": interact.texts_sha256(texts), "losses": [0.3, 0.7, 3.0]}))
     assert interact.main([*base, "--check", str(ref)]) == 1
     assert "check: 1 mismatches of 3" in capsys.readouterr().out
-    ref.write_text(json.dumps({"texts_sha256": "other", "losses": [0.3, 0.7, 2.5]}))
-    assert interact.main([*base, "--check", str(ref)]) == 1
-    assert "made for other texts" in capsys.readouterr().err
+    # a reference for other texts, or of another length: refused before the runner starts, as bad input
+    for record, why in (({"texts_sha256": "other", "losses": [0.3, 0.7, 2.5]}, "was made for other texts"),
+                        ({"texts_sha256": interact.texts_sha256(texts), "losses": [0.3]}, "do not number the 3")):
+        ref.write_text(json.dumps(record))
+        assert interact.main([*base, "--check", str(ref)]) == 2
+        out, err = capsys.readouterr()
+        assert why in err and "runner:" not in out and "flag" not in err, (out, err)
 
 
 def test_harness_runner_dies_before_ready(harness, capsys):
@@ -401,11 +419,20 @@ def test_harness_runner_dies_before_ready(harness, capsys):
     err = capsys.readouterr().err
     assert "flag TRUE" in err  # the runner's stderr is shown
     assert "exited before `ready`" in err and "exit code 3" in err
+    assert interact.main([*base, "--", "--bad-input"]) == 2  # the runner's verdict on its input is passed on
+    assert "exit code 2" in capsys.readouterr().err
 
 
 def test_make_reference_refuses_a_folder_without_tokenizer_files(harness, capsys):
     # transformers gives such a folder an empty tokenizer: every reference loss would be nan, and --check pass
     tmp_path, _, base = harness
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    assert interact.main([*base, "--make-reference", str(tmp_path / "ref.json")]) == 1
+    assert interact.main([*base, "--make-reference", str(tmp_path / "ref.json")]) == 2
     assert "no usable tokenizer in" in capsys.readouterr().err and not (tmp_path / "ref.json").exists()
+
+
+def test_a_missing_model_path_or_a_file_is_named_as_such(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    for model, why in ((tmp_path / "absent", "does not exist"), (tmp_path / "file", "is not a directory")):
+        assert interact.main(["--model", str(model)]) == 2
+        assert f"interact.py: error: the model folder {model} {why}" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -565,50 +566,64 @@ def test_protocol_ready_then_one_loss_per_text(gqa_checkpoint, tmp_path):
     assert 0 < since["runner_start"] <= since["weights"] <= since["loaded"] <= since["ready"] < wall + 0.02, since
 
 
-def test_layers_from_storage_through_the_protocol_and_a_clean_exit(gqa_checkpoint):
-    # the plan line names what is read from storage; the exit stops the reader threads with read-ahead still queued
+def test_layers_from_storage_a_wave_per_text_through_the_protocol_and_a_clean_exit(gqa_checkpoint):
+    # a subprocess, so that whatever torch or transformers print per wave would show in stderr, which stays a few
+    # lines; the plan line names what is read from storage; the exit stops the reader threads with read-ahead queued
     path, _ = gqa_checkpoint
-    p = run(path, json.dumps(TEXTS) + "\n", "--gpu-memory", "0", "--load", "copy",
-            "--host-memory", str(2.5 * layer_gib(path)))
+    texts = [f"text number {i} " * (1 + i % 3) for i in range(24)] + ["x", ""]
+    p = run(path, json.dumps(texts) + "\n", "--gpu-memory", "0", "--load", "copy", "--host-memory",
+            str(2.5 * layer_gib(path)), "--wave-tokens", "1", "--chunk-tokens", "1")
     assert p.returncode == 0 and "read from storage per wave (4 layers)" in p.stderr, p.stderr
-    held = runner(path, gpu_memory_gib=0, load="copy")
-    assert p.stdout.splitlines()[1:] == [repr(x) for x in held.losses(held.tokenize(TEXTS))]  # nan == nan too
+    assert len(p.stderr.splitlines()) <= 5 and len(p.stderr.encode()) < 16384, p.stderr
+    assert "24 text(s) longer than --wave-tokens 1" in p.stderr
+    held = runner(path, gpu_memory_gib=0, load="copy", wave_tokens=1, chunk_tokens=1)
+    assert p.stdout.splitlines()[1:] == [repr(x) for x in held.losses(held.tokenize(texts))]  # nan == nan too
 
 
-def test_input_file_without_handshake_and_model_path_spelling(gqa_checkpoint, tmp_path):
-    path, reference = gqa_checkpoint
-    texts = tmp_path / "texts.jsonl"
-    texts.write_text("".join(json.dumps(t) + "\n" for t in TEXTS[:3]))
-    p = subprocess.run([sys.executable, str(ROOT / "prefill.py"), "--model_path", str(path), "--device", "cpu",
-                        "--input", str(texts)], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    assert max_rel_err([float(x) for x in p.stdout.split()], reference[:3]) < TOLERANCE
-
-
-@pytest.mark.parametrize("request_line, message", [
-    ("not json\n", "not JSON"),
-    ('{"texts": ["a"]}\n', "expected a JSON array"),
-    ('["a", 3]\n', "element 1 is int"),
-])
-def test_bad_request_is_one_line_exit_2_and_no_loss(gqa_checkpoint, request_line, message):
-    p = run(gqa_checkpoint[0], request_line)
-    assert p.returncode == 2
-    assert p.stdout == "ready\n"
+def test_a_request_of_several_lines_says_the_protocol_takes_one(gqa_checkpoint):
+    # through a real pipe, as a harness writes it: a pretty-printed array's first line is all the protocol reads.
+    # (Every other bad request, and the empty one, and a closed stdin: the fault table, in-process.)
+    p = run(gqa_checkpoint[0], json.dumps(TEXTS[:2], indent=1) + "\n")
+    assert p.returncode == 2 and p.stdout == "ready\n" and "Traceback" not in p.stderr
     errors = [line for line in p.stderr.splitlines() if "error" in line]
-    assert len(errors) == 1 and message in errors[0] and "Traceback" not in p.stderr
+    assert len(errors) == 1 and "takes the whole request on one line (--input FILE reads" in errors[0], p.stderr
 
 
-def test_empty_request_and_closed_stdin(gqa_checkpoint):
-    empty = run(gqa_checkpoint[0], "[]\n")
-    assert (empty.returncode, empty.stdout) == (0, "ready\n")
-    closed = run(gqa_checkpoint[0], "")
-    assert closed.returncode != 0 and closed.stdout == "ready\n" and "Traceback" not in closed.stderr
+# ----------------------------------------------------------------------------- the Python API
+
+def readme_api_example():
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python\nfrom prefill import Runner") + len("```python\n")
+    return text[start:text.index("```", start)]
 
 
-def test_bad_checkpoint_fails_before_ready(tmp_path):
-    p = run(tmp_path, "[]\n")
-    assert p.returncode == 2 and p.stdout == ""
-    assert len(p.stderr.strip().splitlines()) == 1 and "config.json" in p.stderr
+def test_the_readme_api_example_runs_as_written_from_outside_the_repository(gqa_checkpoint, tmp_path):
+    # the project's environment has prefill installed as a module: no PYTHONPATH, a folder outside the repository
+    path, _ = gqa_checkpoint
+    code = readme_api_example()
+    assert code.count('"/models/Qwen3-32B"') == 1
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, "-c", code.replace('"/models/Qwen3-32B"', repr(str(path)))], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr
+    *records, mean = p.stdout.splitlines()
+    scores = list(shared_runner(path, 4096, 65536, device="cpu", attention="sdpa").score(["first text",
+                                                                                          "second text"]))
+    assert records == [f"{s.index} {s.tokens} {s.loss} {s.nll_sum}" for s in scores]  # auto is sdpa on a CPU
+    assert float(mean) == sum(s.nll_sum for s in scores) / sum(s.tokens - 1 for s in scores)
+
+
+def test_score_takes_a_string_or_strings_and_names_any_other_item(gqa_checkpoint):
+    r = shared_runner(gqa_checkpoint[0], 4096, 65536, device="cpu", attention="sdpa")
+    one = list(r.score("hello world"))  # one text, not one per character
+    assert [(s.index, s.tokens) for s in one] == [(0, len(r.tokenize(["hello world"])[0]))]
+    assert r.stats["texts"] == 1
+    assert [s.index for s in r.score(iter(["a b", "c d e"]))] == [0, 1] and r.stats["texts"] == 2  # this call's
+    got = []
+    with pytest.raises(prefill.UserError, match="^element 1 is int, not a string$"):  # the command line's words
+        got.extend(r.score(["ok", 42, "never"]))
+    with pytest.raises(prefill.UserError, match="^element 0 is bytes, not a string$"):
+        list(r.score([b"raw"]))
 
 
 # ----------------------------------------------------------------------------- fused Triton kernels (interpreted)
@@ -847,8 +862,23 @@ def config_faults(path, tmp_path):
            "odd-head-dim": dict(good, head_dim=15), "heads": dict(good, num_key_value_heads=3)}
     expect = {"array": "expected a JSON object", "hidden-str": "hidden_size is '64'", "eps-zero": "rms_norm_eps is 0",
               "odd-head-dim": "head_dim is 15", "heads": "multiple of num_key_value_heads"}
-    return [Fault("no config.json", model=tmp_path)] + [
+    return [Fault("has no config.json", model=tmp_path)] + [
         Fault(expect[name], model=folder_with(tmp_path, name, config)) for name, config in bad.items()]
+
+
+def model_path_faults(path, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    return [Fault(f"the model folder {tmp_path / 'absent'} does not exist", model=tmp_path / "absent"),
+            Fault(f"the model folder {tmp_path / 'config.json'} is not a directory", model=tmp_path / "config.json")]
+
+
+def position_faults(path, tmp_path):
+    # config.json's max_position_embeddings: a longer text is computed all the same (as transformers does), one line
+    short = folder_with(tmp_path, "short", dict(json.loads((path / "config.json").read_text()),
+                                                max_position_embeddings=8),
+                        [f for f in path.iterdir() if f.name != "config.json"])
+    return [Fault("warning: text 0 has 15 tokens, more than the model's max_position_embeddings (8, config.json): "
+                  "computed all the same", stdin=json.dumps(TEXTS).encode() + b"\n", model=short)]
 
 
 def checkpoint_file_faults(path, tmp_path):
@@ -895,18 +925,23 @@ def input_faults(path, tmp_path):
 def output_faults(path, tmp_path):
     texts = tmp_path / "texts.jsonl"
     texts.write_text('"a b c"\n"d e"\n')
-    settings = {"model": str(path.resolve()), "text_field": "text", "id_field": "id", "chunk_tokens": 4096,
-                "wave_tokens": 65536, "attention": "sdpa", "kernels": "auto", "device": "cpu"}
+    settings = {"model": str(path.resolve()), "checkpoint": prefill.checkpoint_fingerprint(path), "text_field": "text",
+                "id_field": "id", "chunk_tokens": 4096, "wave_tokens": 65536, "attention": "sdpa", "kernels": "auto",
+                "device": "cpu"}
+    record = {"index": 0, "tokens": 1, "loss": None, "nll_sum": 0.0, "digest": "0123456789abcdef"}
     outputs = {}
-    for name, wave in (("same", 65536), ("other", 1)):
+    for name, wave, fields in (("same", 65536, record), ("other", 1, record),
+                               ("old", 65536, {k: v for k, v in record.items() if k != "digest"})):
         outputs[name] = tmp_path / f"{name}.jsonl"
-        outputs[name].write_text('{"index": 0, "tokens": 1, "loss": null, "nll_sum": 0.0}\n')
+        outputs[name].write_text(json.dumps(fields) + "\n")
         (tmp_path / f"{name}.jsonl.settings.json").write_text(json.dumps(dict(settings, wave_tokens=wave)))
     return [Fault("same.jsonl exists (", ("--input", texts, "--output", outputs["same"])),
             Fault("made with other settings (wave_tokens 1, now 65536)",
                   ("--input", texts, "--output", outputs["other"], "--resume")),
-            Fault("same.jsonl line 1 does not match the input", ("--input", texts, "--output", outputs["same"],
-                                                                 "--resume")),
+            Fault("texts.jsonl line 1 (tokens 1 there, 3 now; digest '0123456789abcdef' there",
+                  ("--input", texts, "--output", outputs["same"], "--resume")),
+            Fault("old.jsonl was written by an older prefill.py, whose records carry no digest",
+                  ("--input", texts, "--output", outputs["old"], "--resume")),
             Fault("--output needs --input", ("--output", outputs["same"])),
             Fault("--resume needs --output", ("--resume",))]
 
@@ -961,6 +996,7 @@ def closed_pipe():  # stdout of a harness that has gone away
 
 
 FAULTS = {
+    "model-path": model_path_faults,
     "config": config_faults,
     "model-type": model_faults,
     "no-weights": weight_faults,
@@ -981,13 +1017,16 @@ FAULTS = {
         Fault("stdin: not JSON", stdin=b"not json\n"),
         Fault("expected a JSON array of strings, got dict", stdin=b'{"texts": ["a"]}\n'),
         Fault("element 1 is int", stdin=b'["a", 3]\n'),
-        Fault("nested too deeply", stdin=b"[" * 100_000 + b"\n")],
+        Fault("nested too deeply", stdin=b"[" * 100_000 + b"\n"),
+        Fault("the request ends at a line break before its JSON array does: the protocol takes the whole request "
+              "on one line", stdin=b'[\n  "a",\n  "b"\n]\n')],
     "unicode": lambda path, tmp_path: [
         Fault("element 1 is not valid UTF-8", stdin=b'["ok", "lone \\ud800"]\n'),
         Fault("element 1 is not valid UTF-8", stdin=b'["ok", "bad \xff byte"]\n')],
     "host-memory": lambda path, tmp_path: [
         Fault("the smallest plan needs", ("--host-memory", 0, "--gpu-memory", 0, "--load", "copy"))],
     "empty": lambda path, tmp_path: [Fault("", stdin=b"[]\n")],
+    "positions": position_faults,
     "long-texts": lambda path, tmp_path: [
         Fault("warning: 5 text(s) longer than --wave-tokens 3", ("--wave-tokens", 3),
               stdin=json.dumps(TEXTS[:5]).encode() + b"\n")],
@@ -1022,6 +1061,19 @@ def test_fault_table(case, gqa_checkpoint, tmp_path, monkeypatch, capsys):
             assert "loaded" not in err  # refused before the model loads
     if case == "stdout-closed":
         fault.protocol.close()
+
+
+def test_input_file_without_handshake_and_model_path_spelling(gqa_checkpoint, tmp_path, monkeypatch, capsys):
+    # the task statement's --model_path; --input prints the protocol's losses without the handshake
+    path, reference = gqa_checkpoint
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps(t) + "\n" for t in TEXTS[:3]))
+    protocol = io.StringIO()
+    monkeypatch.setattr(prefill, "take_stdout", lambda: protocol)
+    monkeypatch.setattr(prefill, "Runner", shared_runner)
+    rc = prefill.main(["--model_path", str(path), "--device", "cpu", "--attention", "sdpa", "--input", str(texts)])
+    assert rc == 0, capsys.readouterr().err
+    assert max_rel_err([float(x) for x in protocol.getvalue().split()], reference[:3]) < TOLERANCE
 
 
 def test_stats_path_is_probed_without_clobbering_or_leaving_a_file(gqa_checkpoint, tmp_path, monkeypatch, capsys):
@@ -1066,14 +1118,32 @@ def test_any_request_ends_in_losses_or_one_line_and_exit_2(gqa_checkpoint, monke
         assert rc == 2 and out == "ready\n" and len(lines) == 1 and lines[0].startswith("prefill: error: stdin"), err
 
 
-def test_stderr_stays_short_through_a_real_pipe_with_a_wave_per_text(gqa_checkpoint):
-    # a subprocess, so that whatever torch or transformers print per wave would show too
-    texts = [f"text number {i} " * (1 + i % 3) for i in range(24)]
-    p = run(gqa_checkpoint[0], json.dumps(texts) + "\n", "--wave-tokens", "1", "--chunk-tokens", "1",
-            "--gpu-memory", "0")
-    assert p.returncode == 0 and len(p.stdout.splitlines()) == 1 + len(texts), p.stderr
-    assert len(p.stderr.splitlines()) <= 5 and len(p.stderr.encode()) < 16384, p.stderr
-    assert "24 text(s) longer than --wave-tokens 1" in p.stderr
+def test_progress_without_a_terminal_is_a_line_a_minute_at_most_and_sparser_as_the_run_grows(monkeypatch, capsys):
+    clock = [0.0]
+    monkeypatch.setattr(prefill.time, "perf_counter", lambda: clock[0])
+    lines = {}
+    for seconds, texts in ((10, 100), (86400, 1_000_000)):  # a contest run, and a day's corpus
+        capsys.readouterr()
+        clock[0] = 0.0
+        progress = prefill.Progress(texts)
+        progress.add(texts // 10, 0, held=True)  # kept by --resume: no time, so no part of the ETA's rate
+        times = []
+        for step in range(1, seconds // 5 + 1):  # a batch every 5 s
+            clock[0] = 5.0 * step
+            progress.add(texts // 10 * 9 // (seconds // 5), 1000)
+            if capsys.readouterr().err:
+                times.append(clock[0])
+        lines[seconds] = times
+    assert lines[10] == []  # the harness reads stderr only after the run: nothing there
+    day = lines[86400]
+    assert day[0] == 60 and all(b - a >= 60 for a, b in zip(day, day[1:])) and 20 < len(day) < 80, day
+    # the line: texts of the total, the ETA from the rate of the texts scored (not of those --resume kept), tokens/s
+    clock[0] = 0.0
+    progress = prefill.Progress(1000)
+    progress.add(100, 0, held=True)
+    clock[0] = 60.0
+    progress.add(300, 6000)
+    assert capsys.readouterr().err == "prefill: 400 texts of 1000, ETA 0:02:00; 6000 tokens, 100 tokens/s\n"
 
 
 def test_sigterm_after_ready_is_one_line_and_exit_143(gqa_checkpoint):
@@ -1136,9 +1206,13 @@ def test_corpus_output_records_and_resume_from_any_cut(gqa_checkpoint, tmp_path,
     records = [json.loads(line) for line in full.read_text().splitlines()]
     inputs = [json.loads(line) for line in texts.read_text().splitlines() if line]
     assert [r["index"] for r in records] == list(range(60))
+    # each record's digest: of its token ids and of every setting OUT.settings.json holds
+    key = prefill.settings_digest(json.loads((tmp_path / "full.jsonl.settings.json").read_text()))
+    ids = prefill.load_tokenizer(path)([g if isinstance(g, str) else g["text"] for g in inputs])
+    assert [r["digest"] for r in records] == [prefill.numbers_digest(key, t) for t in ids]
     for r, given in zip(records, inputs):
         assert list(r) == ["index"] + (["id"] if isinstance(given, dict) and "id" in given else []) + \
-            ["tokens", "loss", "nll_sum"]
+            ["tokens", "loss", "nll_sum", "digest"]
         assert r.get("id", "absent") == (given.get("id", "absent") if isinstance(given, dict) else "absent")
         assert (r["loss"] is None and r["nll_sum"] == 0.0) if r["tokens"] < 2 else r["loss"] == r["nll_sum"] / (
             r["tokens"] - 1)
@@ -1165,8 +1239,16 @@ def test_corpus_output_records_and_resume_from_any_cut(gqa_checkpoint, tmp_path,
         shutil.copy(tmp_path / "full.jsonl.settings.json", tmp_path / f"{name}.jsonl.settings.json")
         rc, err = corpus_in_process(monkeypatch, capsys, path, "--input", texts, "--output", out, "--resume")
         assert rc == 0 and out.read_bytes() == data, (name, err)
-        kept = max([e for e in ends if e <= cut], default=0)
-        assert kept == 0 or f"({data[:kept].count(NEWLINE)} texts were in" in err, (name, err)
+        kept = data[:max([e for e in ends if e <= cut], default=0)].count(NEWLINE)
+        assert kept == 0 or f"({kept} texts were in" in err, (name, err)
+        # one line says where scoring picks up: the first text of the first batch OUT does not hold whole
+        line = [line for line in err.splitlines() if "resume: " in line]
+        line_of = next(n for n, text in enumerate(texts.read_text().splitlines(), 1) if f'"text {kept}: ' in text) \
+            if kept < 60 else None
+        assert line == [f"prefill: resume: {kept} texts of {out} match the input and are kept; scoring from text "
+                        f"{kept} ({texts} line {line_of})" if kept < 60 else
+                        f"prefill: resume: all 60 texts of {out} match the input and are kept; none is left to "
+                        "score"], (name, err)
 
 
 def test_corpus_refusals_leave_the_output_as_it_was(gqa_checkpoint, tmp_path, monkeypatch, capsys):
@@ -1180,7 +1262,7 @@ def test_corpus_refusals_leave_the_output_as_it_was(gqa_checkpoint, tmp_path, mo
     cases = [((), "exists (", "pass --resume"),
              (("--resume", "--text-field", "body"), "made with other settings (text_field 'text', now 'body')", ""),
              (("--resume", "--id-field", "key"), "made with other settings", ""),
-             (("--resume",), "line 21 does not match the input", "other")]
+             (("--resume",), f"out.jsonl line 21 does not match {other} line 22 (tokens", "other")]
     for args, expect, also in cases:
         source = other if also == "other" else texts
         rc, err = corpus_in_process(monkeypatch, capsys, path, "--input", source, "--output", out, *args)
@@ -1190,6 +1272,94 @@ def test_corpus_refusals_leave_the_output_as_it_was(gqa_checkpoint, tmp_path, mo
     rc, err = corpus_in_process(monkeypatch, capsys, path, "--input", texts, "--output", tmp_path / "x.jsonl",
                                 "--wave-tokens", 100, "--resume")  # a missing output starts afresh
     assert rc == 0 and (tmp_path / "x.jsonl").read_text().count("\n") == 30, err
+
+
+def test_resume_refuses_a_record_scored_from_another_text_or_with_other_settings(gqa_checkpoint, tmp_path,
+                                                                                monkeypatch, capsys):
+    # the issue's case: a text edited, its id and token count kept, is named (OUT's line and the input's) and refused
+    # before anything is written; so is every other way a kept record could have come from something else
+    path, _ = gqa_checkpoint
+    texts = corpus_file(tmp_path / "in.jsonl", 30)
+    out, settings = tmp_path / "out.jsonl", tmp_path / "out.jsonl.settings.json"
+    assert corpus_in_process(monkeypatch, capsys, path, "--input", texts, "--output", out)[0] == 0
+    data, kept_settings = out.read_bytes(), settings.read_bytes()
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text(texts.read_text().replace("text 22: lorem ipsum dolor lorem", "text 22: dolor ipsum lorem dolor"))
+    assert json.loads(data.splitlines()[22])["id"] == [22, "x"]  # an object with an id, on line 24 (line 6 is blank)
+
+    def refused(source, *args, expect, before_load=False):
+        # before_load: a Runner that fails if it is made at all
+        before = [f.read_bytes() if f.exists() else None for f in (out, settings)]
+        with monkeypatch.context() as patch:
+            rc, _, err = main_in_process(patch, capsys, path, Fault(
+                "", ("--input", source, "--output", out, "--resume", *CORPUS_ARGS, *args),
+                raises=RuntimeError("the model was loaded") if before_load else None))
+        errors = [line for line in err.splitlines() if "error" in line]
+        assert rc == 2 and len(errors) == 1 and expect in errors[0], err
+        assert [f.read_bytes() if f.exists() else None for f in (out, settings)] == before  # nothing written
+        return errors[0]
+
+    line = refused(edited, expect=f"out.jsonl line 23 does not match {edited} line 24 (digest ")
+    assert "tokens" not in line and "it was scored from another text than the input holds there now" in line
+    # the settings file gone: the digests still cover every setting (here the wave size: other batches, other bits)
+    settings.unlink()
+    refused(texts, "--wave-tokens", 100, expect="out.jsonl line 1 does not match")
+    settings.write_bytes(kept_settings)
+    # the checkpoint's files edited in place (same path): named before the model loads
+    kept = json.loads(kept_settings)
+    settings.write_text(json.dumps(dict(kept, checkpoint="0" * 16)))
+    refused(texts, expect=f"made with other settings (checkpoint '{'0' * 16}', now '{kept['checkpoint']}'): resume "
+                          "with the same ones (checkpoint: a digest of config.json", before_load=True)
+    # another kernel picked at start-up (the picks file changed): named once the model is loaded
+    settings.write_text(json.dumps(dict(kept, **{"attention <=1024": "triton 64x64"})))
+    refused(texts, expect="made with other kernels than this start-up picked (attention <=1024 'triton 64x64', now "
+                          "'sdpa')")
+    settings.write_bytes(kept_settings)
+    # records an older prefill wrote, without digests: none can be proven, so none is kept
+    data = b"".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "digest"}).encode() + NEWLINE
+                    for line in data.splitlines())
+    out.write_bytes(data)
+    refused(texts, expect="was written by an older prefill.py, whose records carry no digest", before_load=True)
+
+
+def test_a_kill_while_the_settings_are_written_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    # OUT.settings.json is the sidecar: written whole or not at all (and before OUT changes, whose records carry the
+    # settings' digest themselves, so a sidecar that lags behind OUT names nothing wrong and proves nothing either)
+    settings = tmp_path / "out.jsonl.settings.json"
+    settings.write_text('{"old": 1}')
+
+    def killed(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(prefill.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prefill.write_atomically(settings, '{"new": 2}')
+    assert settings.read_text() == '{"old": 1}'
+    monkeypatch.undo()
+    prefill.write_atomically(settings, '{"new": 2}')
+    assert settings.read_text() == '{"new": 2}'
+
+
+def test_checkpoint_fingerprint_follows_config_tokenizer_and_headers_not_weight_values(gqa_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+    path, _ = gqa_checkpoint
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    want = prefill.checkpoint_fingerprint(path)
+    assert prefill.checkpoint_fingerprint(copy) == want  # a copy elsewhere: the same files
+    shard = sorted(copy.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    save_file({name: t + 1 for name, t in tensors.items()}, shard, {"format": "pt"})  # other values, same header
+    assert prefill.checkpoint_fingerprint(copy) == want  # the 65 GB of values are not read
+    changed = set()
+    for name, edit in [("config.json", lambda t: t.replace("}", ', "note": 1}', 1)),
+                       ("tokenizer_config.json", lambda t: t.replace("{", '{"model_max_length": 7, ', 1))]:
+        (copy / name).write_text(edit((copy / name).read_text()))
+        changed.add(prefill.checkpoint_fingerprint(copy))
+    save_file({name: t for name, t in tensors.items() if name != min(tensors)}, shard, {"format": "pt"})
+    changed.add(prefill.checkpoint_fingerprint(copy))  # a header with other tensors
+    assert len(changed) == 3 and want not in changed
+    with pytest.raises(prefill.UserError, match="does not exist"):
+        prefill.checkpoint_fingerprint(tmp_path / "absent")
 
 
 def test_bad_record_past_the_checked_ones_stops_with_whole_batches(gqa_checkpoint, tmp_path, monkeypatch, capsys):
@@ -1237,7 +1407,7 @@ def test_corpus_memory_stays_flat_as_the_corpus_grows(gqa_checkpoint, tmp_path, 
 
 def test_sigkill_then_sigint_then_resume_is_byte_identical(gqa_checkpoint, tmp_path, monkeypatch, capsys):
     path, _ = gqa_checkpoint
-    texts = corpus_file(tmp_path / "in.jsonl", 300)
+    texts = corpus_file(tmp_path / "in.jsonl", 150)
     full, out = tmp_path / "full.jsonl", tmp_path / "out.jsonl"
     assert corpus_in_process(monkeypatch, capsys, path, "--input", texts, "--output", full)[0] == 0
     want, ends = full.read_bytes(), batch_ends(full)
@@ -1264,10 +1434,11 @@ def test_sigkill_then_sigint_then_resume_is_byte_identical(gqa_checkpoint, tmp_p
     out.write_bytes(want[:want.rindex(b"\n", 0, cut - 1) + 9])
     rc, err = interrupted(cmd + ["--resume"], signal.SIGINT, cut)
     done = out.read_bytes().count(b"\n")
+    assert f"prefill: resume: {want[:size].count(NEWLINE)} texts of {out} match the input and are kept; " in err
+    # the command to resume with, as it can be pasted: this interpreter, the script as it was given, quoted arguments
     assert rc == 130 and err.splitlines()[-1] == (
-        f"prefill: interrupted (SIGINT); {done} of 300 texts done in {out}; resume with: "
-        f"prefill.py --model {path} --device cpu {' '.join(args)} --resume"), err
-    p = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 and p.stdout == "", p.stderr
-    assert out.read_bytes() == want
-    assert "300 texts, " in p.stderr.splitlines()[-1] and f"({done} texts were in {out} already)" in p.stderr
+        f"prefill: interrupted (SIGINT); {done} of 150 texts done in {out}; resume with: "
+        f"{shlex.join(cmd + ['--resume'])}"), err
+    rc, err = corpus_in_process(monkeypatch, capsys, path, *args, "--resume")  # the rest, in-process
+    assert rc == 0 and out.read_bytes() == want, err
+    assert "150 texts, " in err.splitlines()[-1] and f"({done} texts were in {out} already)" in err

@@ -1,9 +1,8 @@
 """What prefill decides at start-up: kernel checks against float32 math, the picks kept per machine, and the ROCm
 decisions (loading, pinning, BLAS library, a GPU that torch cannot see), with a HIP build simulated on the CPU.
 """
+import io
 import json
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -355,30 +354,61 @@ def test_a_gpu_torch_cannot_see_is_an_error_not_the_cpu(tmp_path, monkeypatch):
     with pytest.raises(prefill.UserError, match="--device cuda asks for one"):
         prefill.choose_device("cuda")
     kfd.touch()  # an AMD GPU, and a torch (CUDA or CPU-only build) that cannot see it
-    with pytest.raises(prefill.UserError, match="sees no GPU, but this machine has an AMD GPU"):
+    with pytest.raises(prefill.UserError, match="sees no GPU, but this machine has an AMD GPU") as refused:
         prefill.choose_device(None)
     assert prefill.choose_device("cpu") == CPU
+    # the README section the message names exists under that name
+    section = str(refused.value).split("README: ")[1].split(")")[0] + ")"
+    assert f"\n## {section}\n" in (ROOT / "README.md").read_text(), section
 
 
 # ----------------------------------------------------------------------------- the doctor
 
-def test_doctor_reports_every_decision_and_exits_0(tmp_path):
+def test_doctor_reports_every_decision_and_exits_0(tmp_path, monkeypatch, capsys):
+    # in-process (main), the report on the protocol's stdout. What cannot run on a CPU is said to be expected there,
+    # not reported as a failure; here torch's flash kernel stands in for one that should have run and did not
     from tests.test_prefill import write_checkpoint
     from interact import qwen_tokenizer_dir
     write_checkpoint(tmp_path / "ckpt", qwen_tokenizer_dir())
-    stats = tmp_path / "doctor.json"
-    p = subprocess.run([sys.executable, str(ROOT / "prefill.py"), "--model", str(tmp_path / "ckpt"), "--device", "cpu",
-                        "--doctor", "--stats", str(stats)], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache")))
-    assert p.returncode == 0, p.stderr
-    lines = p.stdout.splitlines()
+    stats, report = tmp_path / "doctor.json", io.StringIO()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(prefill, "take_stdout", lambda: report)
+    expected = prefill.unavailable_here
+    monkeypatch.setattr(prefill, "unavailable_here", lambda kind, device: None if kind == "torch-flash" else
+                        expected(kind, device))
+    rc = prefill.main(["--model", str(tmp_path / "ckpt"), "--device", "cpu", "--doctor", "--stats", str(stats)])
+    assert rc == 0, capsys.readouterr().err
+    lines = report.getvalue().splitlines()
     for head in ("machine", "memory", "load", "attention", "kernels", "plan", "repeat", "verdict"):
         assert any(line.startswith(head) for line in lines), head
-    assert lines[-1].endswith("every required path works") and len(lines) <= 30
+    assert lines[-1] == ("verdict    every required path works; 1 attention candidate(s) FAILED where they should run "
+                         "(torch-flash): see above") and len(lines) <= 30
     figures = json.loads(stats.read_text())
     assert figures["repeat_identical"] is True and figures["attention"] == dict.fromkeys(prefill.BUCKET_LABELS, "sdpa")
     assert any(line.startswith("attention  by the longest text in a chunk: sdpa (<=1024)") for line in lines)
     assert [e["name"] for e in figures["attention_candidates"]][-1] == "sdpa"
+    candidates = {line.split()[0] + (" " + line.split()[1] if line.split()[0] == "triton" else ""): line
+                  for line in lines if line.startswith("    ")}
+    assert candidates.keys() == {e["name"] for e in figures["attention_candidates"]}, lines
+    flash = "flash_attn is not installed" if prefill.package_version("flash_attn") is None else "not on the CPU"
+    assert all(line.endswith("not here: a GPU kernel, not on the CPU") for name, line in candidates.items()
+               if name.startswith("triton")) and candidates["flash"].endswith(flash), lines
+    assert candidates["torch-flash"].split()[1:3] == ["FAILED:", "NotImplementedError:"], lines
+    assert candidates["sdpa"].split()[1:3] == ["rel.", "error"], lines
+    assert "kernels    torch (fused Triton kernels: not on the CPU)" in lines
+
+
+def test_what_cannot_run_on_this_machine_by_design(monkeypatch):
+    assert prefill.unavailable_here("sdpa", CPU) is None
+    assert prefill.unavailable_here("torch-flash", CPU) == "a GPU kernel, not on the CPU"
+    assert prefill.unavailable_here("torch-flash", torch.device("cuda")) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter runs its kernels on the CPU (the tests' way)
+    assert prefill.unavailable_here("triton", CPU) is None
+    monkeypatch.setattr(prefill, "triton", None)
+    assert prefill.unavailable_here("triton", torch.device("cuda")) == "triton is not installed"
+    monkeypatch.setattr(prefill, "package_version", lambda name: None)
+    assert prefill.unavailable_here("flash", torch.device("cuda")) == "flash_attn is not installed"
 
 
 def test_checkpoint_on_tmpfs_costs_no_host_memory_to_lock_in_place(tmp_path):
