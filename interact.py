@@ -325,13 +325,29 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
+# Everything in a Qwen3-MoE config.json besides the geometry (transformers 5.24's Qwen3MoeConfig): no layer kept
+# dense, and the renormalised top-k of the Qwen3-30B-A3B and 235B-A22B configs.
+QWEN3_MOE_CONFIG_DEFAULTS = {
+    **QWEN3_CONFIG_DEFAULTS,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+}
+
+
 def config_json(config: dict) -> dict:
     """A whole config.json for config (a geometry and any keys of its family's config.json; model_type defaults to
-    qwen3, whose other keys come from QWEN3_CONFIG_DEFAULTS)."""
+    qwen3, whose other keys come from QWEN3_CONFIG_DEFAULTS; qwen3_moe's from QWEN3_MOE_CONFIG_DEFAULTS)."""
     model_type = config.get("model_type", "qwen3")
     if model_type == "qwen3":
         cfg = {**QWEN3_CONFIG_DEFAULTS, **config}
         cfg.setdefault("max_window_layers", cfg["num_hidden_layers"])
+    elif model_type == "qwen3_moe":
+        cfg = {**QWEN3_MOE_CONFIG_DEFAULTS, **config}
     else:
         cfg = {"architectures": [ARCHITECTURES[model_type]], "torch_dtype": "bfloat16", **config}
     cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
@@ -351,10 +367,10 @@ def _checkpoint_tensors(cfg: dict):
     import prefill
 
     model = prefill.ModelConfig.from_json(cfg)
-    h, inter, layers = model.hidden_size, model.intermediate_size, model.num_hidden_layers
+    h, layers = model.hidden_size, model.num_hidden_layers
     out_scale = 1 / math.sqrt(2 * layers)
     norm_mean = 0.0 if model.norm_offset else 1.0  # Gemma's norms scale by 1 + w
-    matrix_std = {"o_proj": out_scale / math.sqrt(model.q_size), "down_proj": out_scale / math.sqrt(inter)}
+    out_std = {"o_proj", "down_proj"}  # the residual's writers: out_scale / sqrt(their input width), experts' too
     yield "model.embed_tokens.weight", (model.vocab_size, h), 0.0, LOGIT_STD / math.sqrt(h)
     for i in range(layers):
         for name, (_, shape) in model.layer_layout.items():
@@ -363,7 +379,7 @@ def _checkpoint_tensors(cfg: dict):
             elif name.endswith(".bias"):
                 yield f"model.layers.{i}.{name}", shape, 0.0, NORM_NOISE
             else:
-                std = matrix_std.get(name.split(".")[1], 1 / math.sqrt(h))
+                std = out_scale / math.sqrt(shape[1]) if name.split(".")[-2] in out_std else 1 / math.sqrt(h)
                 yield f"model.layers.{i}.{name}", shape, 0.0, std
     yield "model.norm.weight", (h,), norm_mean, NORM_NOISE
     if not model.tie_word_embeddings:
@@ -378,6 +394,7 @@ def write_random_checkpoint(
     device: str = "cpu",
     shard_bytes: int = 4 * 2**30,
     tokenizer_dir: str | Path | None = None,
+    tensors=_checkpoint_tensors,
 ) -> Path:
     """Write a random bf16 checkpoint of a family prefill runs that transformers loads, plus tokenizer files.
 
@@ -387,7 +404,8 @@ def write_random_checkpoint(
     Qwen3 tokenizer, whatever the family: random weights need ids that fit the vocabulary, nothing more.
     Tensors are drawn on `device` from one seeded generator, so a (config, seed, device)
     triple always gives the same weights. At most two shards are in host memory at a time:
-    the one being filled and the one being written.
+    the one being filled and the one being written. tensors(cfg) lists (name, shape, mean, std)
+    in file order: by default the tensors prefill's config of the family lists.
     """
     import torch
     from safetensors.torch import save_file
@@ -398,7 +416,7 @@ def write_random_checkpoint(
 
     # Plan the shards first: their file names carry the shard count.
     shards, size = [[]], 0
-    for spec in _checkpoint_tensors(cfg):
+    for spec in tensors(cfg):
         nbytes = math.prod(spec[1]) * 2
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])

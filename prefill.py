@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""prefill: the per-text language-modelling loss of a Llama, Mistral, Qwen2/2.5, Qwen3 or Gemma 2/3 model whose
-weights need not fit in GPU memory.
+"""prefill: the per-text language-modelling loss of a Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3 or Qwen3-MoE model
+whose weights need not fit in GPU memory.
 
     python prefill.py --model DIR      prints `ready`, reads one JSON array of texts from stdin,
                                        prints one loss per text (in order) and exits.
@@ -160,6 +160,11 @@ def no_window(fields, layers):  # Llama
     return ["full_attention"] * layers, None
 
 
+def every_layer_when_used(fields, layers):  # Qwen3-MoE: with use_sliding_window, every layer slides
+    window = fields.off_or(fields.count, "sliding_window", 4096) if fields.flag("use_sliding_window") else None
+    return ["sliding_attention" if window else "full_attention"] * layers, window
+
+
 @dataclass(frozen=True)
 class Family:
     """What a model_type's config.json leaves to transformers' modeling code (read in transformers 5.24)."""
@@ -179,6 +184,7 @@ class Family:
     activation: str = "silu"       # its default
     tied: bool = False             # tie_word_embeddings' default
     two_ropes: bool = False        # Gemma 3: a RoPE for sliding layers and another for full ones
+    experts: bool = False          # Qwen3-MoE: every layer's feed-forward is a mixture of experts (moe_fields)
 
 
 GEMMA = dict(reads_layer_types=True, norm_offset=True, sandwich_norms=True, embed_scale=True, attention_bias=True,
@@ -193,7 +199,11 @@ FAMILIES = {
     "gemma2": Family(layer_types=alternate, softcaps=(50.0, 30.0), **GEMMA),
     "gemma3_text": Family(layer_types=one_full_in_pattern, qk_norm=True, softcaps=(None, None), two_ropes=True,
                           **GEMMA),
+    "qwen3_moe": Family(layer_types=every_layer_when_used, qk_norm=True, attention_bias=True, experts=True),
 }
+# keys that mark a config.json as a mixture of experts (Mixtral, GPT-OSS: num_local_experts; Qwen2-MoE, OLMoE:
+# num_experts; DeepSeek: n_routed_experts): of those, prefill runs Qwen3-MoE only
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' ACT2FN names
 ROPE_KINDS = ("default", "linear", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -282,6 +292,29 @@ def read_ropes(raw, family, path):
     return {None: rope_of({"rope_theta": raw.get("rope_theta", 10000.0), **part, **params}, f"{path}: RoPE")}
 
 
+def moe_fields(fields, path):
+    """Qwen3-MoE's fields of config.json, checked (transformers 5.24, models/qwen3_moe): num_experts (Hub configs
+    say num_experts, configs that transformers 5 saves say num_local_experts), num_experts_per_tok,
+    moe_intermediate_size, norm_topk_prob (false when absent, as transformers' default). Layers that
+    mlp_only_layers or decoder_sparse_step keep dense would be layers of another size, which the streamer's
+    equal slots do not hold: refused. output_router_logits only adds the router's auxiliary loss to HF's .loss;
+    prefill's loss is the language-modelling loss alone, so it is not read."""
+    spellings = {key: fields.source[key] for key in ("num_experts", "num_local_experts")
+                 if fields.source.get(key) is not None}
+    if len(set(map(repr, spellings.values()))) > 1:
+        raise UserError(f"{path}: num_experts and num_local_experts disagree ({spellings})")
+    experts, top_k = fields.count(next(iter(spellings), "num_experts")), fields.count("num_experts_per_tok")
+    if top_k > experts:
+        raise UserError(f"{path}: num_experts_per_tok is {top_k}, more than the {experts} experts")
+    step, dense = fields.count("decoder_sparse_step", 1), fields.source.get("mlp_only_layers") or []
+    if step != 1 or dense:
+        raise UserError(f"{path}: decoder_sparse_step {step}, mlp_only_layers {json.dumps(dense)[:60]}: dense layers "
+                        "among the MoE ones are not supported (every layer must be MoE)")
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=fields.count("moe_intermediate_size"),
+                norm_topk_prob=fields.flag("norm_topk_prob"))
+
+
 @dataclass
 class ModelConfig:
     model_type: str
@@ -307,6 +340,10 @@ class ModelConfig:
     final_softcap: float | None = None  # of the logits: cap · tanh(logits / cap), in bf16 as transformers
     tensor_prefixes: tuple = ()  # (prefix in the files, prefix read) pairs: a multimodal Gemma 3
     max_position_embeddings: int = 0  # 0: not given; a longer text is computed all the same, as transformers does
+    num_experts: int = 0            # Qwen3-MoE (0: a dense MLP): each layer's experts, of which a token meets
+    num_experts_per_tok: int = 0    # these, each moe_intermediate_size wide, their weights renormalised to sum 1
+    moe_intermediate_size: int = 0  # when norm_topk_prob
+    norm_topk_prob: bool = False
 
     def __post_init__(self):
         D = self.head_dim
@@ -346,9 +383,16 @@ class ModelConfig:
         return out
 
     def mlp_tensors(self):
-        # the feed-forward half: its input norm, the gated MLP (a second feed-forward kind lists its own tensors here)
+        # the feed-forward half: its input norm, the gated MLP or the mixture of experts
         H, I = self.hidden_size, self.intermediate_size
         norm = "pre_feedforward_layernorm" if self.sandwich_norms else "post_attention_layernorm"
+        if self.num_experts:  # the router; each expert's gate rows then its up rows, expert after expert (one
+            # [experts, 2 moe_intermediate, hidden] view, expert e's fused gate_up at [e]); each expert's down
+            E, J = self.num_experts, self.moe_intermediate_size
+            return ([(f"{norm}.weight", (H,), False), ("mlp.gate.weight", (E, H), False)]
+                    + [(f"mlp.experts.{e}.{p}_proj.weight", (J, H), e > 0 or p == "up")
+                       for e in range(E) for p in ("gate", "up")]
+                    + [(f"mlp.experts.{e}.down_proj.weight", (H, J), e > 0) for e in range(E)])
         out = [(f"{norm}.weight", (H,), False), ("mlp.gate_proj.weight", (I, H), False),
                ("mlp.up_proj.weight", (I, H), True)]
         if self.mlp_bias:
@@ -388,7 +432,8 @@ class ModelConfig:
         model_type = raw.get("model_type")
         family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
         if family is None:
-            raise UserError(f"{path}: model_type is {shown(model_type)}; prefill runs dense "
+            moe = ", a mixture of experts (of those prefill runs qwen3_moe only)" if set(MOE_KEYS) & set(raw) else ""
+            raise UserError(f"{path}: model_type is {shown(model_type)}{moe}; prefill runs "
                             f"{', '.join(FAMILIES)} (and gemma3 with a text_config) only")
         if raw.get("use_bidirectional_attention") not in (None, False):  # (True == 1 in Python: compared by type too)
             raise UserError(f"{path}: use_bidirectional_attention is {shown(raw['use_bidirectional_attention'])}; "
@@ -430,7 +475,7 @@ class ModelConfig:
             mlp_bias=family.mlp_bias and fields.flag("mlp_bias"), embed_scale=family.embed_scale,
             final_softcap=fields.off_or(fields.positive, "final_logit_softcapping", family.softcaps[1])
             if family.softcaps else None,
-            tensor_prefixes=prefixes,
+            tensor_prefixes=prefixes, **(moe_fields(fields, path) if family.experts else {}),
             max_position_embeddings=fields.get("max_position_embeddings", 0, lambda v: type(v) is int and v >= 0,
                                                "a non-negative integer"),
         )
@@ -736,40 +781,47 @@ def layer_tensors(cfg, layer):
 
 @dataclass
 class LayerWeights:  # None: the family has no such tensor
-    input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor         # [q_size + 2 kv_size, hidden]
-    qkv_bias: object          # [q_size + 2 kv_size]
-    q_norm: object            # [head_dim]
-    k_norm: object            # [head_dim]
-    o_proj: torch.Tensor      # [hidden, q_size]
-    o_bias: object            # [hidden]
-    attn_out_norm: object     # [hidden]: Gemma's norm of the attention's output
-    mlp_norm: torch.Tensor    # [hidden]: the norm before the MLP
-    gate_up: torch.Tensor     # [2 intermediate, hidden]
-    gate_up_bias: object      # [2 intermediate]
-    down: torch.Tensor        # [hidden, intermediate]
-    down_bias: object         # [hidden]
-    mlp_out_norm: object      # [hidden]: Gemma's norm of the MLP's output
+    input_norm: torch.Tensor = None  # [hidden]
+    qkv: torch.Tensor = None         # [q_size + 2 kv_size, hidden]
+    qkv_bias: object = None          # [q_size + 2 kv_size]
+    q_norm: object = None            # [head_dim]
+    k_norm: object = None            # [head_dim]
+    o_proj: torch.Tensor = None      # [hidden, q_size]
+    o_bias: object = None            # [hidden]
+    attn_out_norm: object = None     # [hidden]: Gemma's norm of the attention's output
+    mlp_norm: torch.Tensor = None    # [hidden]: the norm before the MLP
+    router: object = None            # [experts, hidden]: Qwen3-MoE's, where gate_up and down are the experts':
+    gate_up: torch.Tensor = None     # [2 intermediate, hidden]; MoE: [experts, 2 moe_intermediate, hidden]
+    gate_up_bias: object = None      # [2 intermediate]
+    down: torch.Tensor = None        # [hidden, intermediate]; MoE: [experts, hidden, moe_intermediate]
+    down_bias: object = None         # [hidden]
+    mlp_out_norm: object = None      # [hidden]: Gemma's norm of the MLP's output
 
 
 def layer_views(flat, cfg):
-    def view(name, rows=None):  # rows: the fused view's, which starts at this tensor
+    def view(name, rows=None, shape=None):  # rows (or the whole shape): the fused view's, which starts here
         if name not in cfg.layer_layout:
             return None
-        offset, shape = cfg.layer_layout[name]
-        shape = (rows, *shape[1:]) if rows else shape
+        offset, own = cfg.layer_layout[name]
+        shape = shape or ((rows, *own[1:]) if rows else own)
         return flat[offset:offset + math.prod(shape)].view(shape)
     qkv, gate_up = cfg.q_size + 2 * cfg.kv_size, 2 * cfg.intermediate_size
     mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
+    if cfg.num_experts:
+        E, H, J = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        experts = dict(router=view("mlp.gate.weight"),
+                       gate_up=view("mlp.experts.0.gate_proj.weight", shape=(E, 2 * J, H)),
+                       down=view("mlp.experts.0.down_proj.weight", shape=(E, H, J)))
+    else:
+        experts = dict(gate_up=view("mlp.gate_proj.weight", gate_up), down=view("mlp.down_proj.weight"))
     return LayerWeights(
         input_norm=view("input_layernorm.weight"), qkv=view("self_attn.q_proj.weight", qkv),
         qkv_bias=view("self_attn.q_proj.bias", qkv), q_norm=view("self_attn.q_norm.weight"),
         k_norm=view("self_attn.k_norm.weight"), o_proj=view("self_attn.o_proj.weight"),
         o_bias=view("self_attn.o_proj.bias"),
         attn_out_norm=view("post_attention_layernorm.weight") if cfg.sandwich_norms else None,
-        mlp_norm=view(f"{mlp_norm}.weight"), gate_up=view("mlp.gate_proj.weight", gate_up),
-        gate_up_bias=view("mlp.gate_proj.bias", gate_up), down=view("mlp.down_proj.weight"),
-        down_bias=view("mlp.down_proj.bias"), mlp_out_norm=view("post_feedforward_layernorm.weight"),
+        mlp_norm=view(f"{mlp_norm}.weight"), gate_up_bias=view("mlp.gate_proj.bias", gate_up),
+        down_bias=view("mlp.down_proj.bias"), mlp_out_norm=view("post_feedforward_layernorm.weight"), **experts,
     )
 
 
@@ -933,9 +985,10 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536):
     H, D, V, L = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.num_hidden_layers
     loss_chunk_tokens = max(16, min(chunk_tokens, LOGITS_CHUNK_BYTES // (4 * V)))
     # bf16 activations of one chunk (norm out, qkv, rotated q/k, attention out, o_proj out, gate_up, act, down out;
-    # Gemma's normed attention and MLP outputs) plus the float32 temporaries of an RMSNorm over the widest row.
-    per_token = 2 * ((5 if cfg.sandwich_norms else 3) * H + 2 * (cfg.q_size + cfg.kv_size) + cfg.q_size
-                     + 3 * cfg.intermediate_size)
+    # Gemma's normed attention and MLP outputs; a MoE layer's routing instead of the MLP's) plus the float32
+    # temporaries of an RMSNorm over the widest row.
+    per_token = 2 * ((5 if cfg.sandwich_norms else 3) * H + 2 * (cfg.q_size + cfg.kv_size) + cfg.q_size) + (
+        moe_scratch_per_token(cfg) if cfg.num_experts else 2 * 3 * cfg.intermediate_size)
     layer_scratch = chunk_tokens * (per_token + 12 * max(H, cfg.q_size))
     loss_scratch = loss_chunk_tokens * V * (2 + 4 + 4)  # bf16 logits, float32 copy, float32 log-softmax
     state = 2 * H + 4 * D * len(set(cfg.ropes)) + 32  # per token: hidden states, each RoPE's cos/sin (Gemma 3 has
@@ -962,6 +1015,80 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536):
         fixed_bytes=fixed, working_bytes=working, slot_bytes=slots,
         layer_bytes=cfg.layer_bytes,
     )
+
+
+def moe_scratch_per_token(cfg):
+    # device bytes moe_block holds at most per token of a chunk besides the wave's hidden states (an upper bound: all
+    # of it alive at once): the norm's output and its float32 temporaries, the router's bf16 logits and float32
+    # probabilities, the int64 routing indices, k rows of input, gate_up, activation and output (bf16), and the
+    # float32 sum with one gathered output row
+    H, J, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    return 2 * H + 12 * H + 6 * E + 8 * 8 * k + 2 * k * (2 * H + 3 * J) + 6 * H
+
+
+# --- how large a wave hides the copies: a streamed layer's bytes cross PCIe once a wave, its FLOPs grow with the wave
+
+def layer_flops(cfg, tokens, attended=0):
+    # matrix FLOPs of one layer over `tokens` tokens: attention projections, the MLP (a MoE layer: router and the k
+    # active experts' SwiGLU), and attention's scores and values for `attended` keys per query on average
+    H, Q, KV = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    mlp = (2 * cfg.num_experts * H + cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H if cfg.num_experts
+           else 6 * cfg.intermediate_size * H)
+    return tokens * (2 * H * (2 * Q + 2 * KV) + mlp + 4 * attended * Q)
+
+
+def layer_balance(cfg, wave_tokens, h2d_gbps, tflops, attended=0):
+    """(copy ms, compute ms) of one streamed layer at a wave of wave_tokens: its bytes over the host->device rate
+    against its FLOPs at the GEMM rate. Copy above compute means a wave of streamed layers alone is PCIe-bound."""
+    return (cfg.layer_bytes / (h2d_gbps * 1e9) * 1e3,
+            layer_flops(cfg, wave_tokens, attended) / (tflops * 1e12) * 1e3)
+
+
+def hiding_tokens(cfg, h2d_gbps, tflops, attended=0):
+    # the smallest wave at which a streamed layer's own compute hides its copy (compute is linear in the tokens)
+    copy_ms, compute_ms = layer_balance(cfg, 1, h2d_gbps, tflops, attended)
+    return math.ceil(copy_ms / compute_ms)
+
+
+WAVE_STEP = 65536            # the default wave, and the step of the planned ones
+MAX_PLANNED_WAVE = 16 * WAVE_STEP
+# The nominal rates the wave is planned at (host->device GB/s, the GEMM TFLOP/s of a MoE layer's mix): fixed per GPU
+# family and never measured at start-up, since the wave decides which texts share a wave and so the last bits of
+# their numbers; a run's own rates would vary. NVIDIA: the H200's 55 GB/s and ~500 of its ~700 dense TFLOP/s for
+# grouped GEMMs (to be replaced by bench/moe_run.py's measurement); RDNA3: the W7800's 26 GB/s and 60 TFLOP/s
+# (SPEC §4); the CPU: a memcpy against a few cores' bf16 GEMMs.
+PLAN_RATES = {"nvidia": (55.0, 500.0), "rdna3": (26.0, 60.0), "amd": (55.0, 500.0), "cpu": (10.0, 0.5)}
+
+
+def wave_seconds(cfg, plan, rates, attended=0):
+    # (copy s, compute s) of one full wave under plan at the nominal rates: every streamed layer copied once
+    h2d_gbps, tflops = rates
+    return (len(plan.streamed_layers) * cfg.layer_bytes / (h2d_gbps * 1e9),
+            cfg.num_hidden_layers * layer_flops(cfg, plan.wave_tokens, attended) / (tflops * 1e12))
+
+
+def plan_wave(cfg, budget_bytes, chunk_tokens, rates):
+    """(plan, line): the corpus plan of a MoE model, whose streamed layers are PCIe-bound at the default wave (its
+    FLOPs a byte are a dense model's / 8). Waves grow in steps of WAVE_STEP, each step's plan_memory taking the
+    hidden states from the resident layers, until a wave's compute at the nominal rates hides its copies (compute-
+    bound), or a larger wave would not fit (memory-bound), or MAX_PLANNED_WAVE (transfer-bound at the cap); of those
+    the plan with the least time a token. line says which bound, for stderr. The rates are nominal and the budget a
+    setting (--gpu-memory) or the free memory; only a memory bound depends on the latter."""
+    best, bound = None, f"transfer-bound at the {MAX_PLANNED_WAVE}-token cap"
+    for wave in range(WAVE_STEP, MAX_PLANNED_WAVE + 1, WAVE_STEP):
+        plan = plan_memory(cfg, budget_bytes, chunk_tokens, wave)
+        if best and plan.total_bytes > budget_bytes:
+            bound = "memory-bound (a larger wave would not fit)"
+            break
+        copy_s, compute_s = wave_seconds(cfg, plan, rates)
+        if best is None or max(copy_s, compute_s) / wave < best[0]:
+            best = (max(copy_s, compute_s) / wave, plan, copy_s, compute_s)
+        if compute_s >= copy_s:
+            bound = "compute-bound (compute hides the copies)"
+            break
+    _, plan, copy_s, compute_s = best
+    return plan, (f"waves of {plan.wave_tokens} tokens: {bound}; a wave's copies {copy_s:.2f} s, its compute "
+                  f"{compute_s:.2f} s at the nominal {rates[0]:g} GB/s and {rates[1]:g} TFLOP/s")
 
 
 def host_memory_spare(meminfo="/proc/meminfo", cgroup="/sys/fs/cgroup"):
@@ -1924,6 +2051,293 @@ def attention_triton(q, k, v, chunk, how, tile):
     return out
 
 
+# ----------------------------------------------------------------------------- mixture of experts
+# Qwen3-MoE's feed-forward (transformers 5.24, models/qwen3_moe/modeling_qwen3_moe.py), beside mlp_block: the same
+# layer, streamer and plan, the experts part of a layer's flat bytes (ModelConfig.mlp_tensors). The router (mlp.gate)
+# is a bf16 linear whose logits go through a float32 softmax; each token keeps its top-k experts, their probabilities
+# renormalised to sum 1 when norm_topk_prob, cast to bf16. Each expert is a SwiGLU MLP moe_intermediate_size wide, no
+# bias, no shared expert. The loss is the language-modelling loss alone: HF's .loss adds the router's auxiliary loss
+# only when output_router_logits is set, and prefill never adds it.
+#
+# Here a chunk's (token, slot) pairs are sorted by expert, stably, the experts run as two grouped GEMMs over those rows
+# (gate_up, then down), and each token's k outputs are summed in float32 in ascending expert order and rounded to bf16
+# once. transformers 5.24 runs its "grouped_mm" experts by default (integrations/moe.py: a float32 sum over the slots
+# in top-k order, each weighted output first rounded to bf16); its "eager" experts add in expert order into a bf16
+# tensor with index_add_, one rounding per expert. Every output row here is written by one program and every sum has
+# a fixed order: no atomics, the same bits every run.
+
+def route(h, router, k, renormalize):
+    # h: [tokens, hidden] -> (weights [tokens, k] in h's dtype, experts [tokens, k] int64, each row's experts ascending)
+    logits = F.linear(h, router)  # [tokens, experts], in bf16 as transformers
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, chosen = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    chosen, slot = chosen.sort(dim=-1)  # the order the outputs are summed in
+    return top.gather(1, slot).to(h.dtype), chosen
+
+
+def expert_rows(chosen, num_experts):
+    # chosen: [tokens, k] -> (pairs [tokens * k]: the flat (token, slot) index of each row, grouped by expert and by
+    # token within an expert; bounds [experts + 1] int64: expert e's rows are bounds[e]:bounds[e + 1]). No atomics: the
+    # bounds are searched for in the sorted experts, not counted.
+    flat = chosen.flatten()
+    pairs = torch.argsort(flat, stable=True)
+    experts = torch.arange(num_experts + 1, device=chosen.device)
+    return pairs, torch.searchsorted(flat[pairs], experts)
+
+
+def moe_ffn(h, w, k, renormalize, grouped, kernels):
+    # h: [tokens, hidden], the post-attention norm's output -> [tokens, hidden], the experts' weighted sum. grouped(a
+    # [rows, K] grouped by expert, weights [experts, N, K], bounds) -> [rows, N] is the expert compute picked at
+    # start-up (pick_experts).
+    weights, chosen = route(h, w.router, k, renormalize)
+    pairs, bounds = expert_rows(chosen, w.router.shape[0])
+    rows = h[pairs // k]  # [tokens * k, hidden], by expert
+    act = kernels.gated_act(grouped(rows, w.gate_up, bounds), "silu")  # [tokens * k, moe_intermediate]
+    out = grouped(act, w.down, bounds)  # [tokens * k, hidden]
+    row_of = torch.argsort(pairs).view(-1, k)  # the inverse permutation: where each (token, slot) pair's row went
+    acc = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    for j in range(k):  # bf16 x bf16 is exact in float32: one rounding per add, in ascending expert order
+        acc.addcmul_(out[row_of[:, j]], weights[:, j:j + 1])
+    return acc.to(h.dtype)
+
+
+def moe_block(x, w, cfg, max_tokens, kernels, grouped):
+    # x: [tokens, hidden], updated in place in slices of max_tokens rows: the routing buffers hold max_tokens *
+    # num_experts_per_tok rows (moe_scratch_per_token), whatever the wave
+    for s in range(0, x.shape[0], max_tokens):
+        xs = x[s:s + max_tokens]
+        h = kernels.rms_norm(xs, w.mlp_norm, cfg.rms_norm_eps)
+        xs += moe_ffn(h, w, cfg.num_experts_per_tok, cfg.norm_topk_prob, grouped, kernels)
+
+
+# --- expert compute: the grouped GEMM out[rows of e] = a[rows of e] @ w[e].T for every expert e
+
+def grouped_loop(a, w, bounds):
+    # the fallback: one GEMM per expert that has rows (a host sync for the bounds)
+    out = a.new_empty(a.shape[0], w.shape[1])
+    ends = bounds.tolist()
+    for e, (s, t) in enumerate(zip(ends[:-1], ends[1:])):
+        if t > s:
+            torch.mm(a[s:t], w[e].t(), out=out[s:t])
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, bounds_ptr, N, K, w_stride,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             EVEN_K: tl.constexpr):
+        # one program: BLOCK_M rows of one expert (tile_expert, -1 past the last tile) times BLOCK_N columns of its
+        # weights; a: [rows, K], w: [experts, N, K] (expert stride w_stride), out: [rows, N]. Rows past the expert's
+        # end belong to the next expert: masked.
+        tile, n_block = tl.program_id(0), tl.program_id(1)
+        expert = tl.load(tile_expert_ptr + tile)
+        if expert >= 0:
+            rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
+            cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+            ks = tl.arange(0, BLOCK_K)
+            row_ok = rows[:, None] < tl.load(bounds_ptr + expert + 1)
+            col_ok = cols[None, :] < N
+            a_at = a_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]  # [BLOCK_M, BLOCK_K]
+            w_at = (w_ptr + expert.to(tl.int64) * w_stride + cols[None, :].to(tl.int64) * K
+                    + ks[:, None])  # [BLOCK_K, BLOCK_N]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_at, mask=row_ok, other=0.0)
+                    b = tl.load(w_at, mask=col_ok, other=0.0)
+                else:
+                    a = tl.load(a_at, mask=row_ok & (k0 + ks[None, :] < K), other=0.0)
+                    b = tl.load(w_at, mask=col_ok & (k0 + ks[:, None] < K), other=0.0)
+                acc = tl.dot(a, b, acc)
+                a_at += BLOCK_K
+                w_at += BLOCK_K
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=row_ok & col_ok)
+
+
+def expert_tiles(bounds, block_m, rows):
+    # bounds [experts + 1] -> (tile_expert, tile_row) int32 for cdiv(rows, block_m) + experts programs, which is at
+    # least the tiles needed: each expert's rows in tiles of block_m, the expert (-1 for the surplus programs) and
+    # first row of each. On the device, with no host sync.
+    E = bounds.shape[0] - 1
+    tiles = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m  # [experts]
+    ends = tiles.cumsum(0)
+    t = torch.arange(-(-rows // block_m) + E, device=bounds.device)
+    expert = torch.searchsorted(ends, t, right=True)
+    e = expert.clamp(max=E - 1)
+    row = bounds[e] + (t - ends[e] + tiles[e]) * block_m
+    return torch.where(expert < E, e, -1).to(torch.int32), row.to(torch.int32)
+
+
+def grouped_triton(a, w, bounds, tile):
+    block_m, block_n, block_k, warps, stages = tile
+    (R, K), N = a.shape, w.shape[1]
+    assert a.is_contiguous() and w.stride(2) == 1 and w.stride(1) == K
+    out = torch.empty((R, N), dtype=a.dtype, device=a.device)
+    tile_expert, tile_row = expert_tiles(bounds, block_m, R)
+    _grouped_gemm_kernel[(tile_expert.shape[0], triton.cdiv(N, block_n))](
+        a, w, out, tile_expert, tile_row, bounds, N, K, w.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages)
+    return out
+
+
+def grouped_mm_native(device):
+    # whether torch's grouped GEMM is one kernel here. aten/src/ATen/native/cuda/GroupedBlas.cpp (_grouped_mm_cuda,
+    # read at pytorch 00d4eaf): CUTLASS's bf16 kernel on sm90 and sm100 only; on ROCm, CK's on gfx942/gfx950 when torch
+    # was built with USE_ROCM_CK_GEMM; everywhere else _grouped_mm_fallback (GroupedMMUtils.h), a loop of mm per group
+    # after copying the offsets to the host: the loop candidate's work, not faster.
+    if device.type != "cuda":
+        return False
+    props = torch.cuda.get_device_properties(device)
+    return gpu_arch(props) in ("gfx942", "gfx950") if torch.version.hip else props.major in (9, 10)
+
+
+# The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, else prefill's Triton one;
+# the loop last. On the CPU "auto" offers no Triton: its interpreter (tests) multiplies bf16 tiles as raw integers.
+EXPERT_KINDS = ["grouped_mm", "triton", "loop"]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the Triton grouped GEMM per GPU family, none of them measured yet:
+# NVIDIA's are the usual Triton GEMM tiles for Hopper; RDNA3's compiled for gfx1100 under Triton 3.9 without spills
+# (159 and 98 VGPRs; of ten tiles tried up to 128x128x64, which took 235, none spilled), and the timing at start-up
+# picks between them. tests/test_gfx1100_compile.py compiles them.
+EXPERT_TILES = {
+    "nvidia": [(128, 128, 64, 8, 3), (64, 128, 64, 4, 3)],
+    "rdna3": [(128, 128, 32, 8, 1), (64, 64, 32, 4, 2)],
+    "cpu": [(32, 32, 32, 4, 1)],  # Triton's interpreter (tests)
+}
+EXPERT_TILES["amd"] = EXPERT_TILES["rdna3"]
+
+
+def make_experts(kind, tile=None):
+    """The grouped GEMM (a [rows, K] grouped by expert, w [experts, N, K], bounds [experts + 1]) -> [rows, N]."""
+    if kind == "loop":
+        return grouped_loop
+    if kind == "triton":
+        if triton is None:
+            raise RuntimeError("triton is not installed")
+        return lambda a, w, bounds: grouped_triton(a, w, bounds, tile)
+    if kind == "grouped_mm":
+        grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # torch >= 2.10, >= 2.8
+        if grouped_mm is None:
+            raise RuntimeError(f"torch {torch.__version__} has no grouped_mm")
+        return lambda a, w, bounds: grouped_mm(a, w.transpose(1, 2), offs=bounds[1:].to(torch.int32))
+    raise UserError(f"unknown expert kernel {kind!r}")
+
+
+def expert_candidates(requested, device):
+    # (name, kind, tile) of each expert kernel that `requested` names: "auto", a kind, or a name pick_experts returned
+    family = gpu_family(device)
+    kinds = EXPERT_KINDS if grouped_mm_native(device) else ["triton", "grouped_mm", "loop"]
+    named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}x{tile[2]}", kind, tile) for kind in kinds
+             if not (kind == "triton" and requested == "auto" and device.type != "cuda")
+             for tile in (EXPERT_TILES[family] if kind == "triton" else [None])]
+    chosen = [c for c in named if requested in ("auto", c[0], c[1])]
+    if not chosen:
+        raise UserError(f"unknown expert kernel {requested!r}")
+    return chosen
+
+
+def moe_reference(h, logits, gate_up, down, k, renormalize):
+    # float32 math written out: softmax, top-k, renormalisation, each expert's SwiGLU on its tokens, weighted sum.
+    # logits are the router's own bf16 output, and the k are torch.topk's, as transformers': bf16 logits tie often (in
+    # the check's 600 tokens a few ties sit between the k-th and the (k+1)-th expert), and which of two equal
+    # probabilities topk keeps is its own rule (not the lower index); a logit rounded otherwise would swap experts too.
+    top, chosen = logits.float().softmax(-1).topk(k, dim=-1)
+    if renormalize:
+        top = top / top.sum(-1, keepdim=True)
+    out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    for e in range(gate_up.shape[0]):
+        tokens, slots = (chosen == e).nonzero(as_tuple=True)
+        if len(tokens):
+            gate, up = (h[tokens].float() @ gate_up[e].float().T).chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ down[e].float().T
+            out[tokens] += top[tokens, slots, None] * y  # a token meets expert e at most once
+    return out
+
+
+def expert_inputs(device, cfg, seed, tokens, experts):
+    """(h, LayerWeights of the feed-forward alone) with cfg's hidden and moe_intermediate sizes, `experts` experts and
+    `tokens` tokens routed by a random router so that their rows are uneven: expert 0 takes half the tokens (several
+    tiles of rows, a partial last one), the last expert none."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+
+    def randn(*shape, std=1.0):
+        return (torch.randn(shape, generator=gen, device=device) * std).to(DTYPE)
+    h = torch.randn(tokens, H, generator=gen, device=device)
+    router = torch.randn(experts, H, generator=gen, device=device) / math.sqrt(H)  # logits ~ N(0, 1)
+    common = torch.randn(H, generator=gen, device=device)
+    common /= common.norm()
+    h += 3 * common  # a direction every token shares and the last expert's router row opposes: logit ~ -12
+    router[-1] = -4 * common
+    h[:tokens // 2] += 6 * router[0] / router[0].norm()  # expert 0's logit +6 for half the tokens
+    w = LayerWeights(mlp_norm=torch.ones(H, device=device, dtype=DTYPE), router=router.to(DTYPE),
+                     gate_up=randn(experts, 2 * I, H, std=H ** -0.5), down=randn(experts, H, I, std=I ** -0.5))
+    return h.to(DTYPE), w
+
+
+def check_experts(candidates, device, cfg):
+    """Each (name, kind, tile) candidate, run twice through moe_ffn on uneven routing: a list of dicts with name,
+    grouped (None where refused), error and, where refused, reason."""
+    k = min(cfg.num_experts_per_tok, 2)
+    h, w = expert_inputs(device, cfg, seed=0, tokens=600, experts=min(cfg.num_experts, 8))
+    want = moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, cfg.norm_topk_prob)
+    return [checked({"name": name, "grouped": None, "error": None}, "grouped", lambda: make_experts(kind, tile),
+                    lambda grouped: moe_ffn(h, w, k, cfg.norm_topk_prob, grouped, TORCH_KERNELS), want, "experts")
+            for name, kind, tile in candidates]
+
+
+def experts_ms(grouped, inputs, repeats=5):
+    # mean ms of a chunk's two grouped GEMMs (gate_up, down) after one warm-up, on a stream of its own
+    rows, act, w, bounds = inputs
+    stream = torch.cuda.Stream(rows.device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        for i in range(repeats + 1):
+            if i == 1:
+                start.record()
+            grouped(rows, w.gate_up, bounds)
+            grouped(act, w.down, bounds)
+        end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def expert_timing_inputs(device, cfg, chunk_tokens, experts=8):
+    # one chunk's rows as a run sees them, for `experts` of the model's experts (their shapes decide the speed; all of
+    # them would be a layer's bytes of scratch): chunk_tokens * top-k / num_experts rows each on average, uneven
+    h, w = expert_inputs(device, cfg, seed=1, tokens=max(2, chunk_tokens * experts // cfg.num_experts), experts=experts)
+    _, chosen = route(h, w.router, min(cfg.num_experts_per_tok, experts), cfg.norm_topk_prob)
+    pairs, bounds = expert_rows(chosen, experts)
+    rows = h[pairs // chosen.shape[1]]
+    act = torch.randn(rows.shape[0], cfg.moe_intermediate_size, device=device).to(DTYPE)
+    return rows, act, w, bounds
+
+
+def pick_experts(requested, device, cfg, picks, chunk_tokens=4096):
+    """(name, grouped, report): of the candidates that pass the check, the one this machine's picks name; else, on a
+    GPU with a writable picks file, the fastest on a chunk's shapes (then kept); else the first in EXPERT_KINDS's
+    order. Where the kept one is known, only it is checked."""
+    candidates = expert_candidates(requested, device)
+    kept = picks.get(f"experts {requested}")
+    report = check_experts([c for c in candidates if c[0] == kept] or candidates, device, cfg)
+    if not any(e["grouped"] for e in report) and len(report) < len(candidates):  # the kept one failed
+        report += check_experts([c for c in candidates if c[0] != kept], device, cfg)
+    passed = [e for e in report if e["grouped"] is not None]
+    if not passed:
+        reasons = "; ".join(f"{e['name']}: {e['reason']}" for e in report)
+        raise UserError(f"expert kernel {requested!r} is unusable on {device}: {reasons}")
+    if len(passed) > 1 and device.type in TIMED_DEVICES and picks.writable():
+        inputs = expert_timing_inputs(device, cfg, chunk_tokens)
+        for entry in passed:
+            entry["time_ms"] = experts_ms(entry["grouped"], inputs)
+        passed.sort(key=lambda e: e["time_ms"])
+        picks.put(f"experts {requested}", passed[0]["name"])
+    return passed[0]["name"], passed[0]["grouped"], report
+
+
 # ----------------------------------------------------------------------------- start-up checks and picks
 # Every kernel prefill may run is checked at start-up against float32 math written out with plain matmuls: neither
 # the fused kernels nor SDPA (on ROCm the bf16 SDPA is AOTriton, the same code as the torch-flash candidate; SPEC §8)
@@ -2014,6 +2428,24 @@ def bucketed_attention(attends):
 
 def attention_summary(names):
     return ", ".join(f"{name} ({label})" for label, name in names.items())
+
+
+def checked(entry, key, make, run, want, what):
+    """A check entry's verdict on one candidate: entry[key] = make()'s kernel when run(kernel) is within
+    CHECK_TOLERANCE of the float32 `want` and gives the same bits a second time, else entry["reason"] says why."""
+    try:
+        kernel = make()
+        got = run(kernel)
+        entry["error"] = check_error(got, want)
+        if not entry["error"] <= CHECK_TOLERANCE:
+            entry["reason"] = f"differs from float32 {what} by {entry['error']:.3g} (relative)"
+        elif not torch.equal(got, run(kernel)):  # torch flags cuDNN SDPA as nondeterministic
+            entry["reason"] = "gave other bits for the same input the second time"
+        else:
+            entry[key] = kernel
+    except Exception as e:
+        entry["reason"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return entry
 
 
 SHARP_SCORES = 8.0  # the spread of sharp check inputs' scores (natural units, std): most of a row's weight on a
@@ -2333,10 +2765,11 @@ def pick_kernels(requested, device, cfg):
 
 
 def gemm_shapes(cfg, tokens=4096):
-    # (name, M, N, K) of each GEMM of a layer step, and of the loss
+    # (name, M, N, K) of each GEMM of a layer step, then the loss's last; a MoE layer's experts are grouped GEMMs,
+    # not these (pick_experts times them)
     H, Q, KV, I = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    return [("qkv", tokens, Q + 2 * KV, H), ("o_proj", tokens, H, Q), ("gate_up", tokens, 2 * I, H),
-            ("down", tokens, H, I), ("lm_head", tokens, cfg.vocab_size, H)]
+    mlp = [] if cfg.num_experts else [("gate_up", tokens, 2 * I, H), ("down", tokens, H, I)]
+    return [("qkv", tokens, Q + 2 * KV, H), ("o_proj", tokens, H, Q), *mlp, ("lm_head", tokens, cfg.vocab_size, H)]
 
 
 def gemm_tflops(device, shapes, weights=None, repeats=5):
@@ -2378,8 +2811,8 @@ def pick_blas(device, cfg, picks):
     if kept not in BLAS_LIBRARIES and picks.writable():
         for library in BLAS_LIBRARIES:
             torch.backends.cuda.preferred_blas_library(library)
-            rates[library] = gemm_tflops(device, gemm_shapes(cfg)[:4])
-        seconds = {lib: sum(2 * M * N * K / (r[name] * 1e12) for name, M, N, K in gemm_shapes(cfg)[:4])
+            rates[library] = gemm_tflops(device, gemm_shapes(cfg)[:-1])
+        seconds = {lib: sum(2 * M * N * K / (r[name] * 1e12) for name, M, N, K in gemm_shapes(cfg)[:-1])
                    for lib, r in rates.items()}
         kept = min(seconds, key=seconds.get)
         picks.put("blas", kept)
@@ -2442,6 +2875,7 @@ def machine_key(device, cfg):
     versions = [torch.__version__, torch.version.hip or torch.version.cuda,
                 triton.__version__ if triton is not None else None, package_version("flash_attn")]
     geometry = [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim]
+    geometry += [cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size] if cfg.num_experts else []
     geometry += [cfg.model_type] + [[how.scale, how.window, how.softcap] for how in attention_settings(cfg)]
     return json.dumps([device.type, *gpu, *versions, *geometry, source])
 
@@ -2825,8 +3259,8 @@ class Runner:
     """The model, loaded once: score() scores texts (the Python API), losses() token lists."""
 
     def __init__(self, model_dir, device=None, gpu_memory_gib=None, attention="auto", kernels="auto",
-                 chunk_tokens=4096, wave_tokens=65536, workers=None, load="auto", pin="auto", picks=None,
-                 host_memory_gib=None):
+                 chunk_tokens=4096, wave_tokens=WAVE_STEP, workers=None, load="auto", pin="auto", picks=None,
+                 host_memory_gib=None, experts="auto"):
         t0 = time.perf_counter()
         self.load_wall_s, marks = {}, [t0]  # where time-to-ready goes, for --stats
         # when each phase of the time to `ready` ended, in seconds since the process started (--stats)
@@ -2858,21 +3292,30 @@ class Runner:
 
         self.picks = picks if isinstance(picks, Picks) else Picks(default_picks_path() if picks is None else picks,
                                                                   machine_key(self.device, cfg))
-        with ThreadPoolExecutor(4) as side:
+        with ThreadPoolExecutor(5) as side:
             # the tokenizer (0.3 s from tokenizer.json, seconds when transformers is imported) overlaps the loading
             tokenizer = side.submit(side_task, "tokenizer", load_tokenizer, model_dir)
             self.times_attention = attention_to_time(attention, self.device, self.picks)
-            self.plan = plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens)
+            self.wave_plan = None  # wave_tokens None: WAVE_STEP, or for a MoE model the wave plan_wave picks
+            if wave_tokens is None and cfg.num_experts:
+                self.plan, self.wave_plan = plan_wave(cfg, self._budget(gpu_memory_gib), chunk_tokens,
+                                                      PLAN_RATES[gpu_family(self.device)])
+            else:
+                self.plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens or WAVE_STEP)
+            plan = self.plan
             lap("setup")
             # so do the kernels' JIT compilation, checks and timings
             picked_attention = side.submit(side_task, "attention", pick_attention, attention, self.device, cfg,
                                            self.picks)
             picked_kernels = side.submit(side_task, "kernels", pick_kernels, kernels, self.device, cfg)
 
-            def blas_after_attention():
-                picked_attention.exception()  # waits: its timings would otherwise share the GPU with these GEMMs'
-                return pick_blas(self.device, cfg, self.picks)
-            picked_blas = side.submit(side_task, "blas", blas_after_attention)
+            def after(picked, fn, *args):
+                picked.exception()  # waits: its timings would otherwise share the GPU with these GEMMs'
+                return fn(*args)
+            picked_blas = side.submit(side_task, "blas", after, picked_attention, pick_blas, self.device, cfg,
+                                      self.picks)
+            picked_experts = side.submit(side_task, "experts", after, picked_blas, pick_experts, experts, self.device,
+                                         cfg, self.picks, chunk_tokens) if cfg.num_experts else None
             on_device, host = self._load_weights(ckpt, fixed, workers or min(16, os.cpu_count() or 1), load,
                                                  host_memory_gib)
             lap("weights")
@@ -2882,6 +3325,9 @@ class Runner:
             self.attention, self.attend, self.attention_report = picked_attention.result()
             self.kernels, self.kernel_errors = picked_kernels.result()
             self.blas, self.blas_tflops = picked_blas.result()
+            # the expert kernel picked (None for a dense model), its grouped GEMM, the check's report
+            self.experts, self.grouped, self.experts_report = picked_experts.result() if picked_experts else \
+                (None, None, [])
             lap("kernels_wait")
         if self.device.type == "cuda":  # the checks' and timings' scratch (2 GiB reserved with kept picks on the H200)
             torch.cuda.empty_cache()
@@ -2897,8 +3343,10 @@ class Runner:
         log(f"loaded {cfg.num_hidden_layers}-layer {cfg.model_type} ({self._model_bytes() / 1e9:.1f} GB) from "
             f"{model_dir} in {time.perf_counter() - t0:.1f} s on {self.device}, {self.load_mode} ({self.load_seconds}); "
             f"attention: {attention_summary(self.attention)}, elementwise kernels: {self.kernels.name}"
-            + (f", BLAS: {self.blas}" if self.blas else ""))
+            + (f", experts: {self.experts}" if self.experts else "") + (f", BLAS: {self.blas}" if self.blas else ""))
         log(f"{plan.describe()}; {self.host_plan.describe()}")
+        if self.wave_plan:
+            log(self.wave_plan)
         self.since_start_s["loaded"] = since_process_start()  # the side tasks waited for, the slots filled
 
     def _budget(self, gpu_memory_gib):
@@ -3208,7 +3656,10 @@ class Runner:
             for c in chunks:  # attention needs whole sequences; the MLP (80% of FLOPs) does not, so...
                 attention_block(x[c.start:c.end], w, cos[c.start:c.end], sin[c.start:c.end], c, cfg, attend,
                                 self.kernels, cfg.attention[layer], wave_kv)
-            mlp_block(x, w, cfg, self.plan.chunk_tokens, self.kernels)  # ...it runs in GEMM-friendly equal slices
+            if w.router is None:  # ...it runs in GEMM-friendly equal slices
+                mlp_block(x, w, cfg, self.plan.chunk_tokens, self.kernels)
+            else:
+                moe_block(x, w, cfg, self.plan.chunk_tokens, self.kernels, self.grouped)
             self.streamer.release(layer)
 
     def tree_attention(self):
@@ -3521,11 +3972,21 @@ def doctor(runner):
     fig["attention"] = runner.attention
     fig["attention_candidates"] = [{k: v for k, v in e.items() if k != "attend"} for e in report]
     fig.update(kernels=runner.kernels.name, kernel_errors=runner.kernel_errors, blas=runner.blas)
+    if cfg.num_experts:  # every expert kernel offered here, checked, and timed on a chunk's shapes
+        experts = check_experts(expert_candidates("auto", dev), dev, cfg)
+        inputs = expert_timing_inputs(dev, cfg, plan.chunk_tokens) if cuda else None
+        rows = inputs[0].shape[0] if cuda else 0
+        for e in experts:
+            if cuda and e["grouped"] is not None:
+                e["time_ms"] = experts_ms(e["grouped"], inputs)
+                e["tflops"] = 6 * rows * cfg.moe_intermediate_size * cfg.hidden_size / (e["time_ms"] / 1e3) / 1e12
+        fig["experts"] = runner.experts
+        fig["expert_candidates"] = [{k: v for k, v in e.items() if k != "grouped"} for e in experts]
     if cuda:
         w = next(iter(runner.streamer.resident.values()), None) or runner.streamer.slot_views[0]
         own = {"qkv": w.qkv, "o_proj": w.o_proj, "gate_up": w.gate_up, "down": w.down, "lm_head": runner.lm_head}
-        shapes = gemm_shapes(cfg, plan.chunk_tokens)[:4] + [("lm_head", plan.loss_chunk_tokens, cfg.vocab_size,
-                                                             cfg.hidden_size)]
+        shapes = gemm_shapes(cfg, plan.chunk_tokens)[:-1] + [("lm_head", plan.loss_chunk_tokens, cfg.vocab_size,
+                                                              cfg.hidden_size)]
         fig["gemm_tflops"] = {}
         for library in BLAS_LIBRARIES:
             torch.backends.cuda.preferred_blas_library(library)
@@ -3533,7 +3994,10 @@ def doctor(runner):
         torch.backends.cuda.preferred_blas_library(runner.blas)
         # contest-100 projected: each token's GEMM FLOPs at the rates measured for the library in use
         rate = fig["gemm_tflops"][runner.blas]
-        per_token = sum(2 * N * K / (rate[name] * 1e12) for name, _, N, K in shapes[:4]) * cfg.num_hidden_layers
+        per_token = sum(2 * N * K / (rate[name] * 1e12) for name, _, N, K in shapes[:-1]) * cfg.num_hidden_layers
+        if cfg.num_experts:  # the router and a token's k experts at the picked kernel's rate
+            per_token += (layer_flops(cfg, 1) - 2 * sum(N * K for _, _, N, K in shapes[:-1])) * cfg.num_hidden_layers \
+                / (next(e["tflops"] for e in fig["expert_candidates"] if e["name"] == runner.experts) * 1e12)
         fig["contest100_compute_s"] = CONTEST_TOKENS * (per_token + 2 * cfg.vocab_size * cfg.hidden_size
                                                         / (rate["lm_head"] * 1e12))
         fig["contest100_transfer_s"] = len(plan.streamed_layers) * cfg.layer_bytes / (fig["h2d_gbps"] * 1e9)
@@ -3575,6 +4039,15 @@ def doctor(runner):
     fused_here = None if cuda else "not on the CPU" if triton is not None else "triton is not installed"
     lines.append(f"kernels    {runner.kernels.name}" + (f" (rel. error against float32 math: {errors})" if errors else
                                                         f" (fused Triton kernels: {fused_here})" if fused_here else ""))
+    if cfg.num_experts:
+        lines.append(f"experts    {runner.experts} (checked against float32 experts on uneven routing)"
+                     + (f"; ms and TFLOP/s of a {plan.chunk_tokens}-token chunk's two grouped GEMMs, * picked"
+                        if cuda else ""))
+        for e in fig["expert_candidates"]:
+            state = f"refused: {e['reason'][:90]}" if "reason" in e else f"error {e['error']:.1e}" + (
+                f"  {'*' if e['name'] == runner.experts else ' '}{e['time_ms']:7.3f} ms {e['tflops']:5.0f}"
+                if "time_ms" in e else "")
+            lines.append(f"    {e['name']:<18} {state}")
     if cuda:
         for library, rates in fig["gemm_tflops"].items():
             lines.append(f"{'BLAS' if library == BLAS_LIBRARIES[0] else '':<10} {'*' if library == runner.blas else ' '}"
@@ -4117,9 +4590,9 @@ class RankZeroPicks(Picks):
         return json.loads(self.group.wait("picks")).get(what)
 
 
-def publish_picks(group, runner, attention):
+def publish_picks(group, runner, attention, experts):
     kept = {f"attention {attention} {label}": name for label, name in runner.attention.items()}
-    group.set("picks", json.dumps(dict(kept, blas=runner.blas)))
+    group.set("picks", json.dumps(dict(kept, blas=runner.blas, **{f"experts {experts}": runner.experts})))
 
 
 def all_ready(group):
@@ -4255,9 +4728,9 @@ MAX_TOKENS = 2**31 - 1  # cu_seqlens are int32
 
 def parse_args(argv):
     p = ArgumentParser(
-        description="Per-text loss of a dense Llama, Mistral, Qwen2/2.5, Qwen3 or Gemma 2/3 checkpoint (safetensors; "
-                    "model_type llama, mistral, qwen2, qwen3, gemma2, gemma3_text, or gemma3 saved as multimodal: its "
-                    "text model), streaming the layers that do not fit "
+        description="Per-text loss of a dense Llama, Mistral, Qwen2/2.5, Qwen3 or Gemma 2/3 checkpoint, or a "
+                    "Qwen3-MoE (safetensors; model_type llama, mistral, qwen2, qwen3, gemma2, gemma3_text, gemma3 "
+                    "saved as multimodal: its text model, or qwen3_moe), streaming the layers that do not fit "
                     "in GPU memory. Without --input: prints `ready`, reads one JSON array of strings on stdin, "
                     "prints one loss per text (nan for texts of < 2 tokens) and exits. With --input FILE: the same "
                     "losses for FILE's texts, without the handshake. With --input FILE --output OUT.jsonl: scores a "
@@ -4323,9 +4796,17 @@ def parse_args(argv):
     p.add_argument("--chunk-tokens", type=bounded(int, 1, MAX_TOKENS), default=4096, metavar="N",
                    help="tokens per GEMM step: attention runs on chunks of whole texts of up to N tokens, the MLP "
                         "on slices of N (default 4096)")
-    p.add_argument("--wave-tokens", type=bounded(int, 1, MAX_TOKENS), default=65536, metavar="N",
+    p.add_argument("--wave-tokens", type=bounded(int, 1, MAX_TOKENS), metavar="N",
                    help="tokens kept on the GPU across all layers; larger requests run in several waves, "
-                        "each streaming the layers again (default 65536)")
+                        f"each streaming the layers again (default {WAVE_STEP}; for a mixture of experts with "
+                        "--input, the smallest multiple of it whose compute hides the wave's copies at the GPU "
+                        "family's nominal rates, as large as memory allows: one stderr line says which bound; not "
+                        "under torchrun)")
+    p.add_argument("--experts", default="auto", choices=["auto"] + EXPERT_KINDS,
+                   help="a mixture of experts' grouped GEMMs: torch's grouped_mm, prefill's Triton kernel, or one "
+                        "GEMM per expert (default: of those that match float32 experts at start-up, the one kept in "
+                        "--picks; the first run on a GPU times them and keeps the fastest; without a picks file, "
+                        "grouped_mm where it is one kernel, else Triton, on the CPU the loop)")
     p.add_argument("--load", default="auto", choices=["auto", "map", "copy"],
                    help="map: page-lock the streamed layers' pages of the checkpoint's page cache in place and "
                         "copy them to the GPU straight from there (no host copy; those pages stay locked in RAM while "
@@ -4344,7 +4825,8 @@ def parse_args(argv):
                         "place (exact size) or torch's pinned allocator (power-of-two sizes); auto: register on CUDA, "
                         "alloc on ROCm")
     p.add_argument("--picks", metavar="FILE",
-                   help="where the choices only timing can make (attention backend; on ROCm, rocBLAS or hipBLASLt) "
+                   help="where the choices only timing can make (attention backend, expert kernel; on ROCm, rocBLAS or "
+                        "hipBLASLt) "
                         "are kept per machine, so that every later run computes the same numbers; without a "
                         "writable file nothing is timed and a fixed order decides (default: "
                         "$XDG_CACHE_HOME/prefill/picks.json, else ~/.cache/prefill/picks.json)")
@@ -4386,9 +4868,12 @@ def picked_settings(runner):
     """The settings that the start-up picks among those the options allow (by the picks file, which can change
     between runs, or by the GPU itself): the rest of what the numbers depend on, known once the model is loaded."""
     device = runner.device
+    # a mixture of experts' expert kernel and the wave planned for it (a dense model's settings are what they were:
+    # its records' digests stay valid)
+    moe = {"experts": runner.experts, "wave_tokens planned": runner.plan.wave_tokens} if runner.experts else {}
     return {**{f"attention {label}": name for label, name in runner.attention.items()},
             "elementwise kernels": runner.kernels.name, "blas": runner.blas,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type}
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type, **moe}
 
 
 def settings_changes(kept, now):
@@ -4439,6 +4924,10 @@ def serve(args, protocol, group=None):
     writer = group is None or group.rank == 0  # rank 0 alone writes OUT and speaks the protocol
     records = total = settings = kept = None
     pairs = False  # the records are continuations (context and continuation fields), not texts
+    if args.wave_tokens is None:  # None (the Runner plans it): a mixture of experts' corpus, on one process (the
+        # planned wave is one rank's, from its own free memory, and every rank must cut the same batches)
+        moe = args.input and not group and ModelConfig.from_dir(args.model).num_experts
+        args.wave_tokens = None if moe else WAVE_STEP
     if args.doctor and group:
         raise UserError("--doctor reports on one process: run it without torchrun")
     if args.output:
@@ -4464,11 +4953,12 @@ def serve(args, protocol, group=None):
     if args.stats and writer:
         check_writable(args.stats)
     runner = Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
-                    kernels=args.kernels, chunk_tokens=args.chunk_tokens, wave_tokens=args.wave_tokens,
-                    load=args.load, pin=args.pin, host_memory_gib=args.host_memory,
+                    kernels=args.kernels, chunk_tokens=args.chunk_tokens,
+                    wave_tokens=args.wave_tokens,
+                    load=args.load, pin=args.pin, host_memory_gib=args.host_memory, experts=args.experts,
                     picks=args.picks if writer else RankZeroPicks(group))
     if group and writer:
-        publish_picks(group, runner, args.attention)
+        publish_picks(group, runner, args.attention, args.experts)
     if settings is not None:
         settings.update(picked := picked_settings(runner))
         changed = settings_changes(kept, picked)
@@ -4570,7 +5060,8 @@ def serve(args, protocol, group=None):
                  side_done_s=runner.side_done_s, load_mode=runner.load_mode, warm_up_s=warm_up_s,
                  since_start_s=runner.since_start_s, load_seconds=runner.load_seconds,
                  resident_layers=len(runner.plan.resident_layers), streamed_layers=len(runner.plan.streamed_layers),
-                 attention=runner.attention, kernels=runner.kernels.name, blas=runner.blas,
+                 attention=runner.attention, kernels=runner.kernels.name, blas=runner.blas, experts=runner.experts,
+                 wave_tokens=runner.plan.wave_tokens, wave_plan=runner.wave_plan,
                  pin_method=runner.pin_method, budget_bytes=runner.plan.budget_bytes,
                  planned_bytes=runner.plan.total_bytes, gpus=group.world if group else 1,
                  start_unix_s=start_unix_s)
@@ -4578,8 +5069,8 @@ def serve(args, protocol, group=None):
     if runner.device.type == "cuda":
         stats["peak_gpu_bytes"] = torch.cuda.max_memory_reserved(runner.device)
     if run.get("texts_over_wave"):  # counted, one line: the harness reads stderr only after the run
-        log(f"warning: {run['texts_over_wave']} text(s) longer than --wave-tokens {args.wave_tokens} ran as waves "
-            "of their own")
+        log(f"warning: {run['texts_over_wave']} text(s) longer than --wave-tokens {runner.plan.wave_tokens} ran as "
+            "waves of their own")
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in stats["phases"].items())
     unit = progress.unit + "s"
     earlier = f" ({resumed['texts']} {unit} were in {args.output} already)" if resumed["texts"] else ""

@@ -1,14 +1,15 @@
 """Write a random bf16 checkpoint with a real model's geometry (Qwen3-32B by default; Gemma-3-27B, Qwen2.5-32B,
-Llama-3.1-70B's layers; or a shallower / tiny one) for benchmarks.
+Llama-3.1-70B's layers, Qwen3-30B-A3B; or a shallower / tiny one) for benchmarks.
 
     python bench/make_checkpoint.py --out /dev/shm/qwen3-32b-random --device cuda --tokenizer DIR
     python bench/make_checkpoint.py --out /tmp/q4 --layers 4 --device cuda --tokenizer DIR
     python bench/make_checkpoint.py --out /dev/shm/gemma3 --geometry gemma3-27b --device cuda
+    python bench/make_checkpoint.py --out /dev/shm/qwen3-30b-a3b-random --geometry qwen3-30b-a3b --device cuda
 
-The weights come from interact.write_random_checkpoint (seeded; the same config, seed and device give the
-same weights).  A marker file, written last, records what was built: `--reuse` skips the build when the
-folder already holds a complete checkpoint of the same config and seed, so that a half-written folder
-(a run killed mid-write) is never taken for a finished one.
+The weights come from interact.write_random_checkpoint (seeded; the same config, seed and device give the same
+weights).  A marker file, written last, records what was built: `--reuse` skips the build when the folder already
+holds a complete checkpoint of the same config and seed, so that a half-written folder (a run killed mid-write) is
+never taken for a finished one.
 """
 
 from __future__ import annotations
@@ -86,12 +87,19 @@ def tiny(geometry: dict, **dims) -> dict:
     return {**geometry, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, **dims}
 
+# Qwen3-30B-A3B's config.json (SPEC §11): 48 layers of 1.25 GB, 97% of it experts; 61 GB in all.
+# interact.QWEN3_MOE_CONFIG_DEFAULTS supplies the rest (no dense layer, renormalised top-k).
+QWEN3_30B_A3B = {**QWEN3_32B, "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
+                 "num_experts_per_tok": 8, "moe_intermediate_size": 768}
 
 GEOMETRIES = {"qwen3-32b": QWEN3_32B, "gemma3-27b": GEMMA3_27B, "qwen2.5-32b": QWEN2_5_32B,
               "llama-3.1-70b": LLAMA_3_1_70B, "tiny": tiny(QWEN3_32B),
               # 6 layers, a window of 16: both kinds of layer and both RoPEs, windows that bite on short texts
               "tiny-gemma3": tiny(GEMMA3_27B, num_hidden_layers=6, sliding_window=16, query_pre_attn_scalar=64),
-              "tiny-qwen2.5": tiny(QWEN2_5_32B), "tiny-llama": tiny(LLAMA_3_1_70B)}
+              "tiny-qwen2.5": tiny(QWEN2_5_32B), "tiny-llama": tiny(LLAMA_3_1_70B),
+              "qwen3-30b-a3b": QWEN3_30B_A3B,
+              "tiny-moe": tiny(QWEN3_30B_A3B, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)}
 
 
 def model_config(cfg: dict):
@@ -110,17 +118,24 @@ def geometry(name: str, layers: int | None = None) -> dict:
 def matrix_shapes(cfg: dict) -> dict[str, tuple[int, int, int]]:
     """name -> (N, K, count): each projection as an N x K weight, and how many of it a token meets.
 
-    q/k/v and gate/up are listed fused, as a runner would run them (the FLOPs are the same either way)."""
+    q/k/v and gate/up are listed fused, as a runner would run them (the FLOPs are the same either way). In a MoE
+    geometry a token meets the router and its top-k experts of each layer instead of the dense MLP."""
     h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or h // heads
     layers = cfg["num_hidden_layers"]
-    return {
+    moe = layers if cfg.get("num_experts") else 0  # prefill runs Qwen3-MoE with every layer MoE
+    shapes = {
         "qkv": ((heads + 2 * kv) * hd, h, layers),
         "o": (h, heads * hd, layers),
-        "gate_up": (2 * cfg["intermediate_size"], h, layers),
-        "down": (h, cfg["intermediate_size"], layers),
+        "gate_up": (2 * cfg["intermediate_size"], h, layers - moe),
+        "down": (h, cfg["intermediate_size"], layers - moe),
         "lm_head": (cfg["vocab_size"], h, 1),
     }
+    if moe:
+        top_k, inter = cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+        shapes.update(router=(cfg["num_experts"], h, moe), expert_gate_up=(2 * inter, h, top_k * moe),
+                      expert_down=(h, inter, top_k * moe))
+    return shapes
 
 
 def flops_per_token(cfg: dict) -> float:

