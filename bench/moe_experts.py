@@ -86,14 +86,7 @@ def measure_chunk(cfg, w, tokens, entries, device, repeats):
         "candidates": {},
     }
     row["dense_same_rows_tflops"] = flops / row["dense_same_rows_ms"] / 1e9
-    row_of = torch.argsort(pairs).view(tokens, k)
-
-    def combine():
-        acc = torch.zeros(h.shape, dtype=torch.float32, device=device)
-        for j in range(k):
-            acc.addcmul_(out[row_of[:, j]], weights[:, j:j + 1])
-        return acc.to(h.dtype)
-    row["combine_ms"] = ms(combine, device, repeats)
+    row["combine_ms"] = ms(lambda: prefill.combine(out, pairs, weights), device, repeats)
     for entry in entries:
         grouped = entry["grouped"]
         gemms = ms(lambda: (grouped(rows, w.gate_up, bounds), grouped(act, w.down, bounds)), device, repeats)
