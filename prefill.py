@@ -2435,21 +2435,34 @@ def attention_summary(names):
     return ", ".join(f"{name} ({label})" for label, name in names.items())
 
 
+def verdict(run, want, what, detail=""):
+    """(relative error, reason or None): run()'s output against the float32 `want`, refused past CHECK_TOLERANCE or
+    where a second run gives other bits."""
+    got = run()
+    error = check_error(got, want)
+    if not error <= CHECK_TOLERANCE:
+        return error, f"differs from float32 {what} by {error:.3g} (relative){detail}"
+    if not torch.equal(got, run()):  # torch flags cuDNN SDPA as nondeterministic
+        return error, "gave other bits for the same input the second time"
+    return error, None
+
+
+def failure(e):  # an exception as a check's one-line reason
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def checked(entry, key, make, run, want, what):
-    """A check entry's verdict on one candidate: entry[key] = make()'s kernel when run(kernel) is within
-    CHECK_TOLERANCE of the float32 `want` and gives the same bits a second time, else entry["reason"] says why."""
+    """A check entry's verdict on one candidate: entry[key] = make()'s kernel when run(kernel) passes verdict(),
+    else entry["reason"] says why."""
     try:
         kernel = make()
-        got = run(kernel)
-        entry["error"] = check_error(got, want)
-        if not entry["error"] <= CHECK_TOLERANCE:
-            entry["reason"] = f"differs from float32 {what} by {entry['error']:.3g} (relative)"
-        elif not torch.equal(got, run(kernel)):  # torch flags cuDNN SDPA as nondeterministic
-            entry["reason"] = "gave other bits for the same input the second time"
-        else:
+        entry["error"], reason = verdict(lambda: run(kernel), want, what)
+        if reason is None:
             entry[key] = kernel
+        else:
+            entry["reason"] = reason
     except Exception as e:
-        entry["reason"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        entry["reason"] = failure(e)
     return entry
 
 
@@ -2502,23 +2515,20 @@ def check_attention(candidates, device, cfg, cases=None):
         try:
             entry["attend"] = make_attention(entry.pop("kind"), entry.pop("tile"))
         except Exception as e:
-            entry.update(error=None, reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            entry.update(error=None, reason=failure(e))
     for how, sharp, (q, k, v, chunk), reference in text_check_cases(device, cfg) if cases is None else cases:
+        detail = f" with {describe_attention(how)}" if how.window or how.softcap or sharp else ""
         for entry in report:
             attend = entry["attend"]
             if attend is None:
                 continue
             try:
-                got = attend(q, k, v, chunk, how)
-                error = check_error(got, reference)
+                error, reason = verdict(lambda: attend(q, k, v, chunk, how), reference, "attention", detail)
                 entry["error"] = max(entry["error"], error)
-                if not error <= CHECK_TOLERANCE:
-                    entry["reason"] = f"differs from float32 attention by {error:.3g} (relative)" + (
-                        f" with {describe_attention(how)}" if how.window or how.softcap or sharp else "")
-                elif not torch.equal(got, attend(q, k, v, chunk, how)):  # torch flags cuDNN SDPA nondeterministic
-                    entry["reason"] = "gave other bits for the same input the second time"
+                if reason is not None:
+                    entry["reason"] = reason
             except Exception as e:
-                entry.update(error=None, reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                entry.update(error=None, reason=failure(e))
             if "reason" in entry:
                 entry["attend"] = None
     return report
@@ -2764,7 +2774,7 @@ def pick_kernels(requested, device, cfg):
     except Exception as e:
         if requested == "triton":
             raise UserError(f"--kernels triton is unusable on {device}: {e}") from None
-        log(f"fused Triton kernels unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+        log(f"fused Triton kernels unavailable ({failure(e)}); "
             "using PyTorch")
         return TORCH_KERNELS, {}
 
