@@ -960,6 +960,7 @@ class MemoryPlan:
     resident_layers: tuple   # layer indices kept on the device
     streamed_layers: tuple   # layer indices streamed through the slots, spread evenly among the resident ones
     chunk_tokens: int        # attention: chunks of whole texts up to this; MLP: slices of this
+    moe_chunk_tokens: int    # a MoE layer's slices (MOE_CHUNK_FACTOR chunks); 0: a dense model
     wave_tokens: int         # tokens whose hidden states stay on the device across all layers
     loss_chunk_tokens: int
     tree_wave_tokens: int    # a prefix tree's unique tokens in the same room (their keys and values stay too)
@@ -975,21 +976,33 @@ class MemoryPlan:
     def describe(self):
         fits = "" if self.total_bytes <= self.budget_bytes else " (over budget: the smallest plan that runs)"
         budget = f"{self.budget_bytes / GiB:.1f} GiB" if self.budget_bytes < 1 << 50 else "no memory limit"
+        moe = f" (experts: {self.moe_chunk_tokens})" if self.moe_chunk_tokens else ""
         return (f"plan for {budget}: {len(self.resident_layers)} layers resident, "
                 f"{len(self.streamed_layers)} streamed through {self.slot_bytes // max(1, self.layer_bytes)} slots; "
                 f"{self.total_bytes / GiB:.2f} GiB planned{fits}; "
-                f"chunks of {self.chunk_tokens} tokens, waves of {self.wave_tokens}")
+                f"chunks of {self.chunk_tokens} tokens{moe}, waves of {self.wave_tokens}")
+
+
+# A MoE layer's feed-forward runs in slices of MOE_CHUNK_FACTOR attention chunks (16,384 tokens by default): its
+# routing costs about the same a slice whatever the slice's size (~0.6 ms on the H200), and torch's grouped GEMM
+# reaches 445 TFLOP/s on a 4,096-token slice's rows, 632 on a 16,384-token one's (bench/results/…-moe-experts.json).
+# A multiple of the chunk setting, never of the free memory: the slices decide the expert GEMMs' shapes.
+MOE_CHUNK_FACTOR = 4
 
 
 def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536):
     H, D, V, L = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.num_hidden_layers
     loss_chunk_tokens = max(16, min(chunk_tokens, LOGITS_CHUNK_BYTES // (4 * V)))
+    moe_chunk_tokens = MOE_CHUNK_FACTOR * chunk_tokens if cfg.num_experts else 0
     # bf16 activations of one chunk (norm out, qkv, rotated q/k, attention out, o_proj out, gate_up, act, down out;
-    # Gemma's normed attention and MLP outputs; a MoE layer's routing instead of the MLP's) plus the float32
-    # temporaries of an RMSNorm over the widest row.
-    per_token = 2 * ((5 if cfg.sandwich_norms else 3) * H + 2 * (cfg.q_size + cfg.kv_size) + cfg.q_size) + (
-        moe_scratch_per_token(cfg) if cfg.num_experts else 2 * 3 * cfg.intermediate_size)
-    layer_scratch = chunk_tokens * (per_token + 12 * max(H, cfg.q_size))
+    # Gemma's normed attention and MLP outputs) plus the float32 temporaries of an RMSNorm over the widest row; a MoE
+    # layer's attention chunk, or its feed-forward slice, whichever holds more
+    attention = 2 * ((5 if cfg.sandwich_norms else 3) * H + 2 * (cfg.q_size + cfg.kv_size) + cfg.q_size)
+    if cfg.num_experts:
+        layer_scratch = max(chunk_tokens * (attention + 12 * max(H, cfg.q_size)),
+                            moe_chunk_tokens * moe_scratch_per_token(cfg))
+    else:
+        layer_scratch = chunk_tokens * (attention + 2 * 3 * cfg.intermediate_size + 12 * max(H, cfg.q_size))
     loss_scratch = loss_chunk_tokens * V * (2 + 4 + 4)  # bf16 logits, float32 copy, float32 log-softmax
     state = 2 * H + 4 * D * len(set(cfg.ropes)) + 32  # per token: hidden states, each RoPE's cos/sin (Gemma 3 has
     #                                                   two), ids/targets/positions
@@ -1010,7 +1023,8 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536):
     streamed = tuple((j + 1) * L // n_streamed - 1 for j in range(n_streamed))
     return MemoryPlan(
         budget_bytes=budget_bytes, resident_layers=tuple(i for i in range(L) if i not in streamed),
-        streamed_layers=streamed, chunk_tokens=chunk_tokens, wave_tokens=wave_tokens,
+        streamed_layers=streamed, chunk_tokens=chunk_tokens, moe_chunk_tokens=moe_chunk_tokens,
+        wave_tokens=wave_tokens,
         loss_chunk_tokens=loss_chunk_tokens, tree_wave_tokens=tree_wave_tokens,
         fixed_bytes=fixed, working_bytes=working, slot_bytes=slots,
         layer_bytes=cfg.layer_bytes,
@@ -1446,11 +1460,12 @@ class Kernels:
     head_norm_rope: object  # (x [tokens, heads, head_dim], weight or None, cos, sin, eps, offset) -> x's shape
     gated_act: object       # (gate_up [tokens, 2 intermediate], activation) -> [tokens, intermediate]
     token_nll: object       # (logits [tokens, vocab], targets [tokens]) -> [tokens] float32
+    combine: object         # (x [tokens, hidden] += each token's k expert rows of out, weighted: see combine)
 
 
 # late-bound, so that tests can swap a piece of the math for a broken one
 TORCH_KERNELS = Kernels("torch", lambda *a: rms_norm(*a), lambda *a: head_norm_rope(*a), lambda *a: gated_act(*a),
-                        lambda *a: token_nll(*a))
+                        lambda *a: token_nll(*a), lambda *a: combine(*a))
 
 
 @dataclass
@@ -1588,6 +1603,23 @@ if triton is not None:
         else:
             act = gate / (1.0 + tl.exp(-gate))
         tl.store(out_ptr + t * inter + cols, (act.to(tl.bfloat16).to(tl.float32) * up).to(tl.bfloat16), mask=mask)
+
+    @triton.jit
+    def _combine_kernel(x_ptr, x_stride, out_ptr, row_of_ptr, weights_ptr, hidden, K: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        # x[t] += Σ_j weights[t, j] · out[row_of[t k + j]]: float32 products summed in slot order and rounded to bf16
+        # once, then the add rounded, as combine's bmm and in-place add; each token's k rows gathered as they are read
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for j in tl.static_range(K):
+            row = tl.load(row_of_ptr + t * K + j).to(tl.int64)
+            weight = tl.load(weights_ptr + t * K + j).to(tl.float32)
+            acc += weight * tl.load(out_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        at = x_ptr + t.to(tl.int64) * x_stride + cols
+        x = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+        tl.store(at, (x + acc.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16), mask=mask)
 
     @triton.jit
     def _token_nll_kernel(logits_ptr, stride, targets_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
@@ -1783,6 +1815,15 @@ def gated_act_triton(gate_up, activation):
     return out
 
 
+def combine_triton(x, out, row_of, weights):
+    # what combine computes, without the [tokens, k, hidden] copy of the gathered rows that its bmm reads
+    (T, k), H = weights.shape, out.shape[1]
+    assert x.stride(1) == 1 and out.is_contiguous() and row_of.is_contiguous() and weights.is_contiguous()
+    block = min(2048, triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, block))](x, x.stride(0), out, row_of, weights, H, K=k, BLOCK=block,
+                                                num_warps=max(1, block // 256))
+
+
 def token_nll_triton(logits, targets):
     # reads the bf16 logits once, where the plain path writes and rereads a float32 copy and its log-softmax
     assert logits.stride(-1) == 1
@@ -1792,7 +1833,8 @@ def token_nll_triton(logits, targets):
     return out
 
 
-TRITON_KERNELS = Kernels("triton", rms_norm_triton, head_norm_rope_triton, gated_act_triton, token_nll_triton)
+TRITON_KERNELS = Kernels("triton", rms_norm_triton, head_norm_rope_triton, gated_act_triton, token_nll_triton,
+                         combine_triton)
 
 
 # ----------------------------------------------------------------------------- attention backends
@@ -2087,34 +2129,34 @@ def expert_rows(chosen, num_experts):
     return pairs, torch.searchsorted(flat[pairs], experts)
 
 
-def moe_ffn(h, w, k, renormalize, grouped, kernels):
-    # h: [tokens, hidden], the post-attention norm's output -> [tokens, hidden], the experts' weighted sum. grouped(a
-    # [rows, K] grouped by expert, weights [experts, N, K], bounds) -> [rows, N] is the expert compute picked at
-    # start-up (pick_experts).
+def moe_ffn(x, h, w, k, renormalize, grouped, kernels):
+    # x: [tokens, hidden] += the experts' weighted sum over h: [tokens, hidden], the post-attention norm's output;
+    # returns x. grouped(a [rows, K] grouped by expert, weights [experts, N, K], bounds) -> [rows, N] is the expert
+    # compute picked at start-up (pick_experts). Each buffer is dropped as soon as the next step has read it.
     weights, chosen = route(h, w.router, k, renormalize)
     pairs, bounds = expert_rows(chosen, w.router.shape[0])
-    rows = h[pairs // k]  # [tokens * k, hidden], by expert
-    act = kernels.gated_act(grouped(rows, w.gate_up, bounds), "silu")  # [tokens * k, moe_intermediate]
-    return combine(grouped(act, w.down, bounds), pairs, weights)  # [tokens * k, hidden] -> [tokens, hidden]
+    act = kernels.gated_act(grouped(h[pairs // k], w.gate_up, bounds), "silu")  # [tokens * k, moe_intermediate]
+    row_of = torch.empty_like(pairs).scatter_(0, pairs, torch.arange(pairs.numel(), device=pairs.device))
+    kernels.combine(x, grouped(act, w.down, bounds), row_of, weights)  # the inverse permutation: each pair's row
+    return x
 
 
-def combine(out, pairs, weights):
-    # out: [tokens * k, hidden], the experts' output rows by expert; pairs: [tokens * k], the (token, slot) of each;
-    # weights: [tokens, k] -> [tokens, hidden], each token's weighted sum as one batched GEMM ([1, k] @ [k, hidden] a
-    # token): float32 products and sums of bf16, one rounding. A loop of k gathers and float32 adds took 0.74 ms a
+def combine(x, out, row_of, weights):
+    # x: [tokens, hidden] += out: [tokens * k, hidden], the experts' output rows by expert, weighted: weights [tokens,
+    # k], token t's slot j at row row_of[t k + j]. Each token's sum is one batched GEMM ([1, k] @ [k, hidden] a token):
+    # float32 products and sums of bf16, one rounding. A loop of k gathers and float32 adds took 0.74 ms a
     # 4096-token chunk on the H200, beside 0.70 ms for both grouped GEMMs (bench/results/…-h200-moe-experts.json)
-    row_of = torch.argsort(pairs)  # the inverse permutation: where each (token, slot) pair's row went
     per_token = out[row_of].view(weights.shape[0], weights.shape[1], out.shape[1])  # slots in expert order
-    return torch.bmm(weights.unsqueeze(1), per_token).squeeze(1)
+    x += torch.bmm(weights.unsqueeze(1), per_token).squeeze(1)
 
 
 def moe_block(x, w, cfg, max_tokens, kernels, grouped):
-    # x: [tokens, hidden], updated in place in slices of max_tokens rows: the routing buffers hold max_tokens *
-    # num_experts_per_tok rows (moe_scratch_per_token), whatever the wave
+    # x: [tokens, hidden], updated in place in slices of max_tokens rows (the plan's moe_chunk_tokens): the routing
+    # buffers hold max_tokens * num_experts_per_tok rows (moe_scratch_per_token), whatever the wave
     for s in range(0, x.shape[0], max_tokens):
         xs = x[s:s + max_tokens]
-        h = kernels.rms_norm(xs, w.mlp_norm, cfg.rms_norm_eps)
-        xs += moe_ffn(h, w, cfg.num_experts_per_tok, cfg.norm_topk_prob, grouped, kernels)
+        moe_ffn(xs, kernels.rms_norm(xs, w.mlp_norm, cfg.rms_norm_eps), w, cfg.num_experts_per_tok,
+                cfg.norm_topk_prob, grouped, kernels)
 
 
 # --- expert compute: the grouped GEMM out[rows of e] = a[rows of e] @ w[e].T for every expert e
@@ -2290,7 +2332,8 @@ def check_experts(candidates, device, cfg):
     h, w = expert_inputs(device, cfg, seed=0, tokens=600, experts=min(cfg.num_experts, 8))
     want = moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, cfg.norm_topk_prob)
     return [checked({"name": name, "grouped": None, "error": None}, "grouped", lambda: make_experts(kind, tile),
-                    lambda grouped: moe_ffn(h, w, k, cfg.norm_topk_prob, grouped, TORCH_KERNELS), want, "experts")
+                    lambda grouped: moe_ffn(torch.zeros_like(h), h, w, k, cfg.norm_topk_prob, grouped,
+                                            TORCH_KERNELS), want, "experts")
             for name, kind, tile in candidates]
 
 
@@ -2755,6 +2798,15 @@ def check_kernels(device, cfg):
     got = {"rms_norm": rms_norm_triton(x, w_h, eps, offset),
            "head_norm_rope": head_norm_rope_triton(heads, w_qk, cos, sin, eps, offset),
            "gated_act": gated_act_triton(gate_up, cfg.activation), "token_nll": token_nll_triton(logits, targets)}
+    if cfg.num_experts:  # each token's k rows of a shuffled out, weighted, onto x of the same scale as their sum
+        k = cfg.num_experts_per_tok
+        out = torch.randn(T * k, H, generator=gen).to(device, DTYPE)
+        row_of = torch.randperm(T * k, generator=gen).to(device)
+        weights = torch.rand(T, k, generator=gen).softmax(-1).to(device, DTYPE)
+        x_moe = (torch.randn(T, H, generator=gen) / math.sqrt(k)).to(device, DTYPE)
+        want["combine"] = x_moe.float() + (weights.float()[..., None] * out.float()[row_of].view(T, k, H)).sum(1)
+        got["combine"] = x_moe.clone()
+        combine_triton(got["combine"], out, row_of, weights)
     return {name: check_error(got[name], want[name]) for name in want}
 
 
@@ -3330,7 +3382,7 @@ class Runner:
             picked_blas = side.submit(side_task, "blas", after, picked_attention, pick_blas, self.device, cfg,
                                       self.picks)
             picked_experts = side.submit(side_task, "experts", after, picked_blas, pick_experts, experts, self.device,
-                                         cfg, self.picks, chunk_tokens) if cfg.num_experts else None
+                                         cfg, self.picks, plan.moe_chunk_tokens) if cfg.num_experts else None
             on_device, host = self._load_weights(ckpt, fixed, workers or min(16, os.cpu_count() or 1), load,
                                                  host_memory_gib)
             lap("weights")
@@ -3674,7 +3726,7 @@ class Runner:
             if w.router is None:  # ...it runs in GEMM-friendly equal slices
                 mlp_block(x, w, cfg, self.plan.chunk_tokens, self.kernels)
             else:
-                moe_block(x, w, cfg, self.plan.chunk_tokens, self.kernels, self.grouped)
+                moe_block(x, w, cfg, self.plan.moe_chunk_tokens, self.kernels, self.grouped)
             self.streamer.release(layer)
 
     def tree_attention(self):
@@ -3813,7 +3865,9 @@ class Runner:
         own that copies nothing, streamed layers on the weights their slots already hold: the warm-up's numbers are
         thrown away, and the copy path itself ran when the slots were filled."""
         gen = torch.Generator().manual_seed(0)
-        n = min(self.plan.chunk_tokens, 4096) if self.device.type == "cuda" else 64
+        # a MoE model's texts fill one expert slice: its buffers are the largest a layer allocates
+        n = min(self.plan.chunk_tokens, 4096) * (MOE_CHUNK_FACTOR if self.cfg.num_experts else 1) \
+            if self.device.type == "cuda" else 64
         lengths = [n // 2, n // 2 - n // 8, n // 8 - 1]
         streamer, slots = self.streamer, self.streamer.slots
         if self.device.type == "cuda":  # the slots' first layers in place: no kernel reads them half-copied
@@ -3989,7 +4043,7 @@ def doctor(runner):
     fig.update(kernels=runner.kernels.name, kernel_errors=runner.kernel_errors, blas=runner.blas)
     if cfg.num_experts:  # every expert kernel offered here, checked, and timed on a chunk's shapes
         experts = check_experts(expert_candidates("auto", dev), dev, cfg)
-        inputs = expert_timing_inputs(dev, cfg, plan.chunk_tokens) if cuda else None
+        inputs = expert_timing_inputs(dev, cfg, plan.moe_chunk_tokens) if cuda else None
         rows = inputs[0].shape[0] if cuda else 0
         for e in experts:
             if cuda and e["grouped"] is not None:
@@ -4056,7 +4110,7 @@ def doctor(runner):
                                                         f" (fused Triton kernels: {fused_here})" if fused_here else ""))
     if cfg.num_experts:
         lines.append(f"experts    {runner.experts} (checked against float32 experts on uneven routing)"
-                     + (f"; ms and TFLOP/s of a {plan.chunk_tokens}-token chunk's two grouped GEMMs, * picked"
+                     + (f"; ms and TFLOP/s of a {plan.moe_chunk_tokens}-token slice's two grouped GEMMs, * picked"
                         if cuda else ""))
         for e in fig["expert_candidates"]:
             state = f"refused: {e['reason'][:90]}" if "reason" in e else f"error {e['error']:.1e}" + (

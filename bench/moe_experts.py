@@ -7,7 +7,8 @@ One MoE layer's router and all its experts, random (bf16, on the device). For ea
 slice holds): the start-up check of every expert kernel candidate (prefill.check_experts) and its result; each
 passing candidate's two grouped GEMMs (gate_up, down) on the chunk's real routing, in ms and TFLOP/s, against one
 dense GEMM of the same rows (what a grouped GEMM could at best reach); routing (router GEMM, softmax, top-k, sort,
-row gather), the SwiGLU and the combination, each alone; moe_block whole per candidate; its peak device memory
+row gather), the SwiGLU and the combination (plain, and fused where Triton runs), each alone; moe_block whole per
+candidate with the fused kernels a run would pick (prefill.pick_kernels); its peak device memory
 against prefill.moe_scratch_per_token; and whether a repeat gives the same bits. Then the plan arithmetic at this
 machine's measured rates: pinned host->device GB/s (prefill.h2d_gbps on one layer's bytes) and the best candidate's
 rate: copy and compute ms of one streamed layer at a 45k-token wave, and the wave at which compute hides the copy.
@@ -64,7 +65,7 @@ def chunk_rows(cfg, w, h):
     return weights, chosen, pairs, bounds, h[pairs // chosen.shape[1]]
 
 
-def measure_chunk(cfg, w, tokens, entries, device, repeats):
+def measure_chunk(cfg, w, tokens, entries, device, repeats, kernels):
     H, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     gen = torch.Generator(device=device).manual_seed(tokens)
     x = torch.randn(tokens, H, generator=gen, device=device).to(prefill.DTYPE)
@@ -74,19 +75,20 @@ def measure_chunk(cfg, w, tokens, entries, device, repeats):
     R, flops = rows.shape[0], 2 * rows.shape[0] * 3 * I * H
     act = prefill.TORCH_KERNELS.gated_act(prefill.grouped_loop(rows, w.gate_up, bounds), "silu")
     out = prefill.grouped_loop(act, w.down, bounds)
+    row_of = torch.argsort(pairs)
     dense_gate_up, dense_down = w.gate_up[0], w.down[0]
     row = {
         "tokens": tokens, "rows": R, "rows_per_expert_min_mean_max": [min(counts), R / len(counts), max(counts)],
         "experts_without_rows": sum(c == 0 for c in counts), "expert_gflop": flops / 1e9,
         "route_sort_gather_ms": ms(lambda: chunk_rows(cfg, w, h), device, repeats),
-        "silu_mul_ms": ms(lambda: prefill.TORCH_KERNELS.gated_act(torch.empty(R, 2 * I, device=device,
-                                                                                dtype=prefill.DTYPE), "silu"),
-                          device, repeats),
+        "silu_mul_ms": ms(lambda: kernels.gated_act(torch.empty(R, 2 * I, device=device, dtype=prefill.DTYPE),
+                                                    "silu"), device, repeats),
         "dense_same_rows_ms": ms(lambda: (F.linear(rows, dense_gate_up), F.linear(act, dense_down)), device, repeats),
         "candidates": {},
     }
     row["dense_same_rows_tflops"] = flops / row["dense_same_rows_ms"] / 1e9
-    row["combine_ms"] = ms(lambda: prefill.combine(out, pairs, weights), device, repeats)
+    row["combine_ms"] = {name: ms(lambda: fn(x.clone(), out, row_of, weights), device, repeats)
+                         for name, fn in combinations(kernels).items()}
     for entry in entries:
         grouped = entry["grouped"]
         gemms = ms(lambda: (grouped(rows, w.gate_up, bounds), grouped(act, w.down, bounds)), device, repeats)
@@ -95,12 +97,11 @@ def measure_chunk(cfg, w, tokens, entries, device, repeats):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
-        prefill.moe_block(block_x, w, cfg, tokens, prefill.TORCH_KERNELS, grouped)
+        prefill.moe_block(block_x, w, cfg, tokens, kernels, grouped)
         peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else None
         again = x.clone()
-        prefill.moe_block(again, w, cfg, tokens, prefill.TORCH_KERNELS, grouped)
-        block = ms(lambda: prefill.moe_block(x.clone(), w, cfg, tokens, prefill.TORCH_KERNELS, grouped), device,
-                   repeats)
+        prefill.moe_block(again, w, cfg, tokens, kernels, grouped)
+        block = ms(lambda: prefill.moe_block(x.clone(), w, cfg, tokens, kernels, grouped), device, repeats)
         row["candidates"][entry["name"]] = {
             "grouped_gemms_ms": gemms, "grouped_tflops": flops / gemms / 1e9, "moe_block_ms": block,
             "moe_block_peak_bytes": peak, "same_bits_twice": torch.equal(block_x, again)}
@@ -108,19 +109,29 @@ def measure_chunk(cfg, w, tokens, entries, device, repeats):
     return row
 
 
+def combinations(kernels):
+    # the plain combination (a gather, then one batched GEMM) and, where the fused kernels run, Triton's
+    both = {"torch": prefill.combine}
+    if kernels.name == "triton":
+        both["triton"] = prefill.combine_triton
+    return both
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--geometry", default="qwen3-30b-a3b", choices=[g for g in GEOMETRIES if "num_experts" in
                                                                      GEOMETRIES[g]])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--chunks", default="4096,8192,16384", help="tokens per moe_block slice, comma-separated")
+    ap.add_argument("--chunks", default="4096,16384,32768", help="tokens per moe_block slice, comma-separated")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", required=True, help="JSON report")
+    ap.add_argument("--commit", help="the commit measured (recorded as given)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     cfg = config(args.geometry)
     report = {"geometry": args.geometry, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
-              "cpu", "torch": torch.__version__, "grouped_mm_native": prefill.grouped_mm_native(device)}
+              "cpu", "torch": torch.__version__, "grouped_mm_native": prefill.grouped_mm_native(device),
+              "commit": args.commit}
     # every candidate of this device, the CPU's Triton too (refused there: the check is the judge)
     candidates = list(dict.fromkeys(prefill.expert_candidates("auto", device) + prefill.expert_candidates("triton",
                                                                                                          device)))
@@ -130,7 +141,10 @@ def main(argv=None):
     report["check"] = {e["name"]: e.get("reason") or f"passed, error {e['error']:.2e}" for e in checked}
     passed = [e for e in checked if e["grouped"] is not None]
     w = layer_weights(cfg, device)
-    report["chunks"] = [measure_chunk(cfg, w, int(n), passed, device, args.repeats) for n in args.chunks.split(",")]
+    kernels, report["kernel_errors"] = prefill.pick_kernels("auto", device, cfg)  # as a run picks them
+    report["kernels"] = kernels.name
+    report["chunks"] = [measure_chunk(cfg, w, int(n), passed, device, args.repeats, kernels)
+                        for n in args.chunks.split(",")]
     del w
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -150,7 +164,8 @@ def main(argv=None):
     for chunk in report["chunks"]:
         print(f"chunk {chunk['tokens']:6d} tokens: rows/expert {chunk['rows_per_expert_min_mean_max']}, route "
               f"{chunk['route_sort_gather_ms']:.3f} ms, silu {chunk['silu_mul_ms']:.3f}, combine "
-              f"{chunk['combine_ms']:.3f}, dense same rows {chunk['dense_same_rows_tflops']:.0f} TFLOP/s")
+              + ", ".join(f"{k} {v:.3f}" for k, v in chunk["combine_ms"].items())
+              + f", dense same rows {chunk['dense_same_rows_tflops']:.0f} TFLOP/s")
         for name, c in chunk["candidates"].items():
             peak = f"{c['moe_block_peak_bytes'] / 2**20:.0f}" if c["moe_block_peak_bytes"] is not None else "-"
             print(f"  {name:26s} grouped {c['grouped_gemms_ms']:8.3f} ms {c['grouped_tflops']:7.1f} TFLOP/s, "

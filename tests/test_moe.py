@@ -189,7 +189,8 @@ def test_moe_block_matches_transformers_mlp(moe_checkpoint, mlp_io, kind):
         w = layer_weights(path, cfg, i)
         xb = x.to(prefill.DTYPE)
         h = prefill.rms_norm(xb, w.mlp_norm, cfg.rms_norm_eps)
-        out = prefill.moe_ffn(h, w, cfg.num_experts_per_tok, cfg.norm_topk_prob, grouped, prefill.TORCH_KERNELS)
+        out = prefill.moe_ffn(torch.zeros_like(h), h, w, cfg.num_experts_per_tok, cfg.norm_topk_prob, grouped,
+                              prefill.TORCH_KERNELS)
         with torch.no_grad():
             hf = bf16.model.layers[i].mlp(bf16.model.layers[i].post_attention_layernorm(xb)[None])[0]
             same_routing = prefill.moe_reference(h, torch.nn.functional.linear(h, w.router), w.gate_up, w.down,
@@ -219,11 +220,12 @@ for i in json.loads(sys.argv[2]):
     h = data[f"{i}.h"].to(torch.float16)
     want = prefill.moe_reference(h, torch.nn.functional.linear(h, w.router), w.gate_up, w.down, 2, True)
     for tile in sorted({t for family in prefill.EXPERT_TILES.values() for t in family}):
-        out = prefill.moe_ffn(h, w, 2, True, prefill.make_experts("triton", tile), prefill.TORCH_KERNELS)
+        out = prefill.moe_ffn(torch.zeros_like(h), h, w, 2, True, prefill.make_experts("triton", tile),
+                              prefill.TORCH_KERNELS)
         report[f"{i} {tile}"] = ((out.float() - want).norm() / want.norm()).item()
     wrong = lambda a, w, bounds: prefill.grouped_triton(a, w.roll(1, 0), bounds, prefill.EXPERT_TILES["cpu"][0])
-    report[f"{i} wrong expert"] = ((prefill.moe_ffn(h, w, 2, True, wrong, prefill.TORCH_KERNELS).float() - want).norm()
-                                   / want.norm()).item()
+    out = prefill.moe_ffn(torch.zeros_like(h), h, w, 2, True, wrong, prefill.TORCH_KERNELS)
+    report[f"{i} wrong expert"] = ((out.float() - want).norm() / want.norm()).item()
 print(json.dumps(report))
 """
 
@@ -251,6 +253,37 @@ def test_triton_experts_match_float32_experts_in_the_interpreter(moe_checkpoint,
     wrong = {name: err for name, err in report.items() if "wrong" in name}
     assert max(err for name, err in report.items() if name not in wrong) < 2e-3, report  # float16: 5.8e-4 here
     assert min(wrong.values()) > 0.3, report  # 1.3
+
+
+FUSED_COMBINE = """
+import json, sys
+import prefill
+cfg = prefill.ModelConfig.from_dir(sys.argv[1])
+good = prefill.combine_triton
+planted = {"slots swapped": lambda x, out, row_of, w: good(x, out, row_of, w.flip(-1).contiguous()),  # weights
+           "residual dropped": lambda x, out, row_of, w: good(x.zero_(), out, row_of, w)}  # paired the other way
+report = {"good": prefill.check_kernels(prefill.torch.device("cpu"), cfg)}
+for name, bug in planted.items():
+    prefill.combine_triton = bug
+    report[name] = prefill.check_kernels(prefill.torch.device("cpu"), cfg)["combine"]
+prefill.combine_triton = good
+prefill.CHECK_LENGTHS = [37, 100]  # the attention check (SDPA) on short texts: the fused kernels are under test here
+r = prefill.Runner(sys.argv[1], device="cpu", attention="sdpa", kernels="triton", experts="loop")
+report["losses"] = r.losses(r.tokenize(json.loads(sys.argv[2])))
+print(json.dumps(report))
+"""
+
+
+def test_fused_combination_through_the_model_and_its_planted_bugs_refused(moe_checkpoint, reference):
+    # the Triton combination (each token's k rows gathered as they are read, weighted, added to the residual) in the
+    # interpreter: its start-up check passes it and refuses two planted bugs; the whole model with every fused kernel
+    from test_prefill import interpreted
+    p = interpreted(FUSED_COMBINE, moe_checkpoint[0], json.dumps(TEXTS[:6]))
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = json.loads(p.stdout)
+    assert "combine" in report["good"] and max(report["good"].values()) <= prefill.CHECK_TOLERANCE, report
+    assert min(report["slots swapped"], report["residual dropped"]) > 4 * prefill.CHECK_TOLERANCE, report
+    assert max_rel_err(report["losses"], reference[:6]) < TOLERANCE
 
 
 # ----------------------------------------------------------------------------- the whole model
