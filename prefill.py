@@ -4864,7 +4864,7 @@ def parse_args(argv):
                         "(default: Triton on a GPU where each kernel matches float32 math, else PyTorch)")
     p.add_argument("--chunk-tokens", type=bounded(int, 1, MAX_TOKENS), default=4096, metavar="N",
                    help="tokens per GEMM step: attention runs on chunks of whole texts of up to N tokens, the MLP "
-                        "on slices of N (default 4096)")
+                        "on slices of N, a MoE layer's experts on slices of 4 N (default 4096)")
     p.add_argument("--wave-tokens", type=bounded(int, 1, MAX_TOKENS), metavar="N",
                    help="tokens kept on the GPU across all layers; larger requests run in several waves, "
                         f"each streaming the layers again (default {WAVE_STEP}; for a mixture of experts with "
