@@ -126,6 +126,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", required=True, help="JSON report")
     ap.add_argument("--commit", help="the commit measured (recorded as given)")
+    ap.add_argument("--tiles", default="", help="more Triton grouped GEMM tiles to check and time, comma-separated "
+                                                "MxNxKxWARPSxSTAGES (e.g. 128x256x64x8x3)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     cfg = config(args.geometry)
@@ -135,6 +137,9 @@ def main(argv=None):
     # every candidate of this device, the CPU's Triton too (refused there: the check is the judge)
     candidates = list(dict.fromkeys(prefill.expert_candidates("auto", device) + prefill.expert_candidates("triton",
                                                                                                          device)))
+    for tile in filter(None, args.tiles.split(",")):  # more Triton tiles to try: BLOCK_M x N x K x warps x stages
+        m, n, k, warps, stages = map(int, tile.split("x"))
+        candidates.append((f"triton {m}x{n}x{k} w{warps} s{stages}", "triton", (m, n, k, warps, stages)))
     t = time.perf_counter()
     checked = prefill.check_experts(candidates, device, cfg)
     report["check_s"] = time.perf_counter() - t
