@@ -2248,12 +2248,14 @@ def grouped_mm_native(device):
 # The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, else prefill's Triton one;
 # the loop last. On the CPU "auto" offers no Triton: its interpreter (tests) multiplies bf16 tiles as raw integers.
 EXPERT_KINDS = ["grouped_mm", "triton", "loop"]
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the Triton grouped GEMM per GPU family, none of them measured yet:
-# NVIDIA's are the usual Triton GEMM tiles for Hopper; RDNA3's compiled for gfx1100 under Triton 3.9 without spills
-# (159 and 98 VGPRs; of ten tiles tried up to 128x128x64, which took 235, none spilled), and the timing at start-up
-# picks between them. tests/test_gfx1100_compile.py compiles them.
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the Triton grouped GEMM per GPU family. NVIDIA's: of ten tiles timed
+# on the H200 on a 16,384-token slice of Qwen3-30B-A3B (bench/results/…-moe-experts-tiles.json) the best three, 467,
+# 382 and 337 TFLOP/s (torch's grouped_mm: 625); the first needs 144 KiB of shared memory, which a GPU with less
+# refuses at the start-up check. RDNA3's compiled for gfx1100 under Triton 3.9 without spills (159 and 98 VGPRs; of
+# ten tiles tried up to 128x128x64, which took 235, none spilled), not measured. The timing at start-up picks between
+# a family's tiles. tests/test_gfx1100_compile.py compiles RDNA3's.
 EXPERT_TILES = {
-    "nvidia": [(128, 128, 64, 8, 3), (64, 128, 64, 4, 3)],
+    "nvidia": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3)],
     "rdna3": [(128, 128, 32, 8, 1), (64, 64, 32, 4, 2)],
     "cpu": [(32, 32, 32, 4, 1)],  # Triton's interpreter (tests)
 }
