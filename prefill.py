@@ -962,6 +962,8 @@ class MemoryPlan:
     chunk_tokens: int        # attention: chunks of whole texts up to this; MLP: slices of this
     moe_chunk_tokens: int    # a MoE layer's slices (MOE_CHUNK_FACTOR chunks); 0: a dense model
     wave_tokens: int         # tokens whose hidden states stay on the device across all layers
+    batch_tokens: int        # texts are cut into batches of up to this, the numbers' unit: a wave is one batch, or
+    #                          where the wave is planned (plan_wave) several consecutive ones
     loss_chunk_tokens: int
     tree_wave_tokens: int    # a prefix tree's unique tokens in the same room (their keys and values stay too)
     fixed_bytes: int         # embedding, lm_head (one matrix when tied), final norm
@@ -977,10 +979,11 @@ class MemoryPlan:
         fits = "" if self.total_bytes <= self.budget_bytes else " (over budget: the smallest plan that runs)"
         budget = f"{self.budget_bytes / GiB:.1f} GiB" if self.budget_bytes < 1 << 50 else "no memory limit"
         moe = f" (experts: {self.moe_chunk_tokens})" if self.moe_chunk_tokens else ""
+        batches = f" (batches of {self.batch_tokens})" if self.batch_tokens != self.wave_tokens else ""
         return (f"plan for {budget}: {len(self.resident_layers)} layers resident, "
                 f"{len(self.streamed_layers)} streamed through {self.slot_bytes // max(1, self.layer_bytes)} slots; "
                 f"{self.total_bytes / GiB:.2f} GiB planned{fits}; "
-                f"chunks of {self.chunk_tokens} tokens{moe}, waves of {self.wave_tokens}")
+                f"chunks of {self.chunk_tokens} tokens{moe}, waves of {self.wave_tokens}{batches}")
 
 
 # A MoE layer's feed-forward runs in slices of MOE_CHUNK_FACTOR attention chunks (16,384 tokens by default): its
@@ -990,7 +993,7 @@ class MemoryPlan:
 MOE_CHUNK_FACTOR = 4
 
 
-def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536):
+def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_tokens=None):
     H, D, V, L = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.num_hidden_layers
     loss_chunk_tokens = max(16, min(chunk_tokens, LOGITS_CHUNK_BYTES // (4 * V)))
     moe_chunk_tokens = MOE_CHUNK_FACTOR * chunk_tokens if cfg.num_experts else 0
@@ -1007,8 +1010,10 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536):
     state = 2 * H + 4 * D * len(set(cfg.ropes)) + 32  # per token: hidden states, each RoPE's cos/sin (Gemma 3 has
     #                                                   two), ids/targets/positions
     wave_state = wave_tokens * state
-    # a prefix tree's wave keeps every token's keys and values across the layer's chunks: fewer tokens, same bytes
-    tree_wave_tokens = max(1, wave_tokens * state // (state + 4 * cfg.kv_size))
+    # a prefix tree's wave keeps every token's keys and values across the layer's chunks: fewer tokens, same bytes (a
+    # tree is one batch: its wave never holds another)
+    batch_tokens = batch_tokens or wave_tokens
+    tree_wave_tokens = max(1, batch_tokens * state // (state + 4 * cfg.kv_size))
     working = wave_state + max(layer_scratch, loss_scratch) + ALLOCATOR_SLACK
     fixed = ((1 if cfg.tie_word_embeddings else 2) * V * H + H) * DTYPE.itemsize
     free = budget_bytes - fixed - working
@@ -1024,7 +1029,7 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536):
     return MemoryPlan(
         budget_bytes=budget_bytes, resident_layers=tuple(i for i in range(L) if i not in streamed),
         streamed_layers=streamed, chunk_tokens=chunk_tokens, moe_chunk_tokens=moe_chunk_tokens,
-        wave_tokens=wave_tokens,
+        wave_tokens=wave_tokens, batch_tokens=batch_tokens,
         loss_chunk_tokens=loss_chunk_tokens, tree_wave_tokens=tree_wave_tokens,
         fixed_bytes=fixed, working_bytes=working, slot_bytes=slots,
         layer_bytes=cfg.layer_bytes,
@@ -1087,10 +1092,11 @@ def plan_wave(cfg, budget_bytes, chunk_tokens, rates):
     hidden states from the resident layers, until a wave's compute at the nominal rates hides its copies (compute-
     bound), or a larger wave would not fit (memory-bound), or MAX_PLANNED_WAVE (transfer-bound at the cap); of those
     the plan with the least time a token. line says which bound, for stderr. The rates are nominal and the budget a
-    setting (--gpu-memory) or the free memory; only a memory bound depends on the latter."""
+    setting (--gpu-memory) or the free memory; only a memory bound depends on the latter, and that changes no number:
+    texts are cut into batches of WAVE_STEP tokens whatever the wave, and a wave runs whole batches (score_wave)."""
     best, bound = None, f"transfer-bound at the {MAX_PLANNED_WAVE}-token cap"
     for wave in range(WAVE_STEP, MAX_PLANNED_WAVE + 1, WAVE_STEP):
-        plan = plan_memory(cfg, budget_bytes, chunk_tokens, wave)
+        plan = plan_memory(cfg, budget_bytes, chunk_tokens, wave, WAVE_STEP)
         if best and plan.total_bytes > budget_bytes:
             bound = "memory-bound (a larger wave would not fit)"
             break
@@ -3591,7 +3597,7 @@ class Runner:
         """Mean losses (nan below 2 tokens) of token lists already tokenized, in the same batches as score (layers:
         see score_batch)."""
         self.stats = {}
-        scores = [s for b in batches(((i, ids, None) for i, ids in enumerate(token_lists)), self.plan.wave_tokens)
+        scores = [s for b in batches(((i, ids, None) for i, ids in enumerate(token_lists)), self.plan.batch_tokens)
                   for s in self.score_batch(b, layers)]
         return [math.nan if s.loss is None else s.loss for s in scores]
 
@@ -3631,7 +3637,7 @@ class Runner:
                     return ahead.put(thing, timeout=0.1)
 
         def produce():
-            cut = batches(tokenized(), self.plan.wave_tokens) if pair is None else \
+            cut = batches(tokenized(), self.plan.batch_tokens) if pair is None else \
                 request_batches(tokenized(), self.plan.tree_wave_tokens)
             try:
                 for batch in cut:
@@ -3677,61 +3683,82 @@ class Runner:
         if over:
             self.stats["texts_over_positions"] = self.stats.get("texts_over_positions", 0) + len(over)
 
-    @torch.inference_mode()
     def score_batch(self, batch, layers=None):
         """One batch from batches(), as one wave through every layer (or only `layers`: the warm-up's): its texts'
         Scores, in order. Adds to self.stats."""
+        return self.score_wave([batch], layers)[0]
+
+    @torch.inference_mode()
+    def score_wave(self, group, layers=None):
+        """Consecutive batches from batches() as one wave (each batch one segment of it, computed as it would be
+        alone: its own attention chunks, MLP or expert slices and loss chunks, so that no number depends on which
+        batches share a wave): per batch its texts' Scores, in order. Adds to self.stats."""
         cfg, plan, dev = self.cfg, self.plan, self.device
-        token_lists = [ids for _, ids, _ in batch]
-        sums = [0.0] * len(batch)
-        wave = wave_of(token_lists, plan.chunk_tokens)
+        waves, segments, chunks, offset = [], [], [], 0
+        for batch in group:
+            wave = wave_of([ids for _, ids, _ in batch], plan.chunk_tokens)
+            waves.append(wave)
+            if wave is not None:
+                segments.append((offset, offset + wave.ids.numel()))
+                chunks += [dataclasses.replace(c, start=c.start + offset, end=c.end + offset,
+                                               cu_seqlens=torch.tensor(c.seq_bounds, dtype=torch.int32, device=dev))
+                           for c in wave.chunks]
+                offset += wave.ids.numel()
+        present = [w for w in waves if w is not None]
+        totals = []  # per wave present: its sequences' NLL sums
         streamed_before, storage_before = self.streamer.streamed_bytes, self.streamer.storage_bytes
         timer = PhaseTimer(dev)
-        if wave is not None:
+        if present:
             timer.mark("layers")
-            T = wave.ids.numel()
-            ids = wave.ids.to(dev)
+            ids = torch.cat([w.ids for w in present]).to(dev)
             x = embed_tokens(self.embed, ids, cfg)  # [tokens, hidden]
-            lengths = torch.tensor(wave.lengths)
-            starts = torch.cumsum(lengths, 0) - lengths
-            seq_index = torch.repeat_interleave(torch.arange(len(wave.lengths)), lengths)  # [tokens]
-            positions = torch.arange(T) - starts[seq_index]
+            lengths = [torch.tensor(w.lengths) for w in present]
+            starts = [torch.cumsum(n, 0) - n for n in lengths]
+            seq_index = [torch.repeat_interleave(torch.arange(len(n)), n) for n in lengths]  # [segment tokens] each
+            positions = torch.cat([torch.arange(n.sum()) - s[i] for n, s, i in zip(lengths, starts, seq_index)])
             tables = {rope: rope_tables(positions.to(dev), rope, cfg.head_dim)  # [tokens, head_dim] cos, sin each
                       for rope in dict.fromkeys(cfg.ropes)}
-            for chunk in wave.chunks:
-                chunk.cu_seqlens = torch.tensor(chunk.seq_bounds, dtype=torch.int32, device=dev)
-            self.run_layers(x, tables, wave.chunks, layers, self.attend)
+            self.run_layers(x, tables, chunks, layers, self.attend, segments=segments)
             timer.mark("loss")
-            targets = torch.cat((ids[1:], ids[:1]))
-            targets[(starts + lengths - 1).to(dev)] = -100  # no target after a sequence's last token
-            wave_sums = sequence_nll(x, self.lm_head, self.final_norm, targets, seq_index,
-                                     len(wave.seqs), cfg, plan.loss_chunk_tokens, self.kernels)
-            for seq, total in zip(wave.seqs, wave_sums.tolist()):
-                sums[seq] = total
+            for wave, (s, e), n, i, start in zip(present, segments, lengths, seq_index, starts):
+                seg = ids[s:e]
+                targets = torch.cat((seg[1:], seg[:1]))
+                targets[(start + n - 1).to(dev)] = -100  # no target after a sequence's last token
+                totals.append(sequence_nll(x[s:e], self.lm_head, self.final_norm, targets, i, len(wave.seqs), cfg,
+                                           plan.loss_chunk_tokens, self.kernels).tolist())
             timer.mark("end")
-        scores = scores_of(batch, sums)
-        self.add_stats(scores, waves=int(wave is not None),
-                       texts_over_wave=int(wave is not None and wave.ids.numel() > plan.wave_tokens),  # beyond the plan
-                       streamed_bytes=self.streamer.streamed_bytes - streamed_before,
-                       storage_bytes=self.streamer.storage_bytes - storage_before)  # of those, read from storage
+        results, totals = [], iter(totals)
+        for b, (batch, wave) in enumerate(zip(group, waves)):
+            sums = [0.0] * len(batch)
+            for seq, total in zip(wave.seqs, next(totals)) if wave else ():
+                sums[seq] = total
+            results.append(scores_of(batch, sums))
+            first = b == 0  # the wave's copies and its one pass, counted with its first batch
+            self.add_stats(results[-1], waves=int(first and bool(present)),
+                           texts_over_wave=int(first and offset > plan.wave_tokens),  # a wave beyond the plan
+                           streamed_bytes=self.streamer.streamed_bytes - streamed_before if first else 0,
+                           storage_bytes=self.streamer.storage_bytes - storage_before if first else 0)
         self.stats.update(host_budget_bytes=self.host_plan.budget_bytes,
                           storage_layers=len(self.host_plan.storage_layers))
         self.add_phases(timer)
-        return scores
+        return results
 
-    def run_layers(self, x, tables, chunks, layers, attend, wave_kv=None):
+    def run_layers(self, x, tables, chunks, layers, attend, wave_kv=None, segments=None):
         # x: [tokens, hidden], the wave, updated in place through every layer (or `layers`); tables: {Rope: (cos,
-        # sin)} at the wave's positions, [tokens, head_dim] each
+        # sin)} at the wave's positions, [tokens, head_dim] each; segments: the (start, end) of each batch in the
+        # wave (None: one), whose MLP slices start at its own start
         cfg = self.cfg
+        segments = segments or [(0, x.shape[0])]
         for layer in range(cfg.num_hidden_layers) if layers is None else layers:
             w, (cos, sin) = self.streamer.acquire(layer), tables[cfg.ropes[layer]]
             for c in chunks:  # attention needs whole sequences; the MLP (80% of FLOPs) does not, so...
                 attention_block(x[c.start:c.end], w, cos[c.start:c.end], sin[c.start:c.end], c, cfg, attend,
                                 self.kernels, cfg.attention[layer], wave_kv)
-            if w.router is None:  # ...it runs in GEMM-friendly equal slices
-                mlp_block(x, w, cfg, self.plan.chunk_tokens, self.kernels)
-            else:
-                moe_block(x, w, cfg, self.plan.moe_chunk_tokens, self.kernels, self.grouped)
+            for s, e in segments:  # ...it runs in GEMM-friendly equal slices
+                if w.router is None:
+                    mlp_block(x[s:e], w, cfg, self.plan.chunk_tokens, self.kernels)
+                else:
+                    moe_block(x[s:e], w, cfg, self.plan.moe_chunk_tokens, self.kernels, self.grouped)
             self.streamer.release(layer)
 
     def tree_attention(self):
@@ -4693,10 +4720,21 @@ def received(batch, data):
 
 def scored_batches(runner, batches, output, token_logprobs=False):
     """(batch, its Scores (or Loglikelihoods), None) of each batch, in order, or (batch, None, records) for those OUT
-    holds (--resume)."""
-    for batch in batches:
-        held = output.holds(batch) if output else None
-        yield batch, (None if held is not None else runner.score_any(batch, token_logprobs)), held
+    holds (--resume). Where the plan's wave holds more than a batch (a MoE model's planned wave), consecutive batches
+    of texts run as one wave, up to its tokens: the same numbers, each layer copied once for all of them."""
+    group, tokens, grouping = [], 0, runner.plan.wave_tokens > runner.plan.batch_tokens
+    for batch in itertools.chain(batches, [None]):
+        held = output.holds(batch) if output and batch is not None else None
+        texts = grouping and batch is not None and held is None and not (batch and isinstance(batch[0][1], Request))
+        n = sum(len(ids) for _, ids, _ in batch) if texts else 0
+        if group and not (texts and tokens + n <= runner.plan.wave_tokens):
+            yield from zip(group, runner.score_wave(group), itertools.repeat(None))
+            group, tokens = [], 0
+        if texts:
+            group.append(batch)
+            tokens += n
+        elif batch is not None:
+            yield batch, (None if held is not None else runner.score_any(batch, token_logprobs)), held
 
 
 def claimed_in_order(group, runner, batches, output, token_logprobs=False):
@@ -4942,9 +4980,9 @@ def picked_settings(runner):
     """The settings that the start-up picks among those the options allow (by the picks file, which can change
     between runs, or by the GPU itself): the rest of what the numbers depend on, known once the model is loaded."""
     device = runner.device
-    # a mixture of experts' expert kernel and the wave planned for it (a dense model's settings are what they were:
-    # its records' digests stay valid)
-    moe = {"experts": runner.experts, "wave_tokens planned": runner.plan.wave_tokens} if runner.experts else {}
+    # a mixture of experts' expert kernel (a dense model's settings are what they were: its records' digests stay
+    # valid). Not the wave planned for it: batches are cut at WAVE_STEP tokens whatever the wave (score_wave).
+    moe = {"experts": runner.experts} if runner.experts else {}
     return {**{f"attention {label}": name for label, name in runner.attention.items()},
             "elementwise kernels": runner.kernels.name, "blas": runner.blas,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type, **moe}
@@ -4998,8 +5036,8 @@ def serve(args, protocol, group=None):
     writer = group is None or group.rank == 0  # rank 0 alone writes OUT and speaks the protocol
     records = total = settings = kept = None
     pairs = False  # the records are continuations (context and continuation fields), not texts
-    if args.wave_tokens is None:  # None (the Runner plans it): a mixture of experts' corpus, on one process (the
-        # planned wave is one rank's, from its own free memory, and every rank must cut the same batches)
+    if args.wave_tokens is None:  # None (the Runner plans it): a mixture of experts' corpus, on one process (under
+        # torchrun the ranks claim batches one at a time, so a wave is one batch there)
         moe = args.input and not group and ModelConfig.from_dir(args.model).num_experts
         args.wave_tokens = None if moe else WAVE_STEP
     if args.doctor and group:

@@ -516,6 +516,36 @@ def test_corpus_mode_plans_the_wave_and_says_which_bound(moe_checkpoint, tmp_pat
     assert not any("-bound" in line for line in capsys.readouterr().err.splitlines())
 
 
+def test_a_planned_wave_runs_whole_batches_and_changes_no_number(moe_checkpoint, tmp_path, monkeypatch, capsys):
+    # batches of 64 tokens at most, waves of 256 planned (every layer streamed): every wave holds several batches,
+    # each computed as alone (its expert slices start and end inside it), so the numbers are those of waves of one
+    # batch, whatever wave the free memory would allow
+    monkeypatch.setattr(prefill, "WAVE_STEP", 64)
+    monkeypatch.setattr(prefill, "plan_wave", lambda cfg, budget, chunk, rates: (
+        prefill.plan_memory(cfg, budget, chunk, 256, 64), "waves of 256 tokens: planned by the test"))
+    slices, moe_block = [], prefill.moe_block
+    monkeypatch.setattr(prefill, "moe_block", lambda x, *a: (slices.append(x.shape[0]), moe_block(x, *a)))
+    corpus = tmp_path / "in.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 3))
+
+    def scored(*more):
+        out = tmp_path / f"out{len(more)}.jsonl"
+        assert prefill.main(["--model", str(moe_checkpoint[0]), "--device", "cpu", "--attention", "sdpa",
+                             "--gpu-memory", "0", "--input",
+                             str(corpus), "--output", str(out), "--stats", str(tmp_path / "stats.json"), *more]) == 0
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k != "digest"} for r in records], \
+            json.loads((tmp_path / "stats.json").read_text())
+    planned, stats = scored()
+    assert stats["wave_tokens"] == 256 and stats["streamed_bytes"] > 0
+    ids = prefill.load_tokenizer(moe_checkpoint[0])(TEXTS * 3)
+    batches = len(list(prefill.batches(((i, t, None) for i, t in enumerate(ids)), 64)))
+    assert 1 < stats["waves"] < batches  # several batches a wave
+    assert slices and max(slices) <= 64  # every expert slice inside one batch
+    alone, stats = scored("--wave-tokens", "64")
+    assert stats["waves"] == batches and planned == alone
+
+
 def test_the_doctor_lists_the_expert_kernels(moe_checkpoint, tmp_path):
     stats = tmp_path / "doctor.json"
     p = subprocess.run([sys.executable, str(ROOT / "prefill.py"), "--model", str(moe_checkpoint[0]), "--device", "cpu",
