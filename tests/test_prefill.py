@@ -215,7 +215,8 @@ def test_layers_read_from_storage_every_wave_equal_layers_held(gqa_checkpoint, m
         assert ring.losses(ids) == expected
         assert ring.stats["storage_bytes"] == ring.stats["streamed_bytes"] == 4 * weight_bytes(ring.cfg)
     for r in (held, ring):  # waves of a few texts each: every wave reads every layer again
-        r.plan = dataclasses.replace(r.plan, wave_tokens=max(len(t) for t in ids) + 5)
+        wave = max(len(t) for t in ids) + 5
+        r.plan = dataclasses.replace(r.plan, wave_tokens=wave, batch_tokens=wave)
     expected = held.losses(ids)
     assert ring.losses(ids) == expected and ring.stats["waves"] >= 3
     assert ring.stats["storage_bytes"] == ring.stats["waves"] * 4 * weight_bytes(ring.cfg)
@@ -817,7 +818,7 @@ def shared_runner(model, chunk_tokens, wave_tokens, **kw):
     if key not in RUNNERS:
         RUNNERS[key] = REAL_RUNNER(model, **kw)
     r = RUNNERS[key]
-    r.plan = dataclasses.replace(r.plan, chunk_tokens=chunk_tokens, wave_tokens=wave_tokens)
+    r.plan = dataclasses.replace(r.plan, chunk_tokens=chunk_tokens, wave_tokens=wave_tokens, batch_tokens=wave_tokens)
     return r
 
 
