@@ -5,7 +5,8 @@ transformers builds and saves (3 layers, every one MoE: 8 experts, top-2, renorm
 The router's rows are drawn so that a token's top-2 hold about a third of its probability: dropping the
 renormalisation, or keeping one expert too few or too many, moves some text's loss by 4-6 times the 1% tolerance,
 through the whole model and the Runner (test_each_routing_choice_decides_some_loss), while the right math stays
-within it.
+within it. Two more checkpoints keep dense layers among the MoE ones (mlp_only_layers, decoder_sparse_step), whose
+MLPs move the loss by 10-15 times the tolerance (test_each_dense_layer_decides_some_loss).
 """
 import dataclasses
 import json
