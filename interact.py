@@ -373,7 +373,7 @@ def _checkpoint_tensors(cfg: dict):
     out_std = {"o_proj", "down_proj"}  # the residual's writers: out_scale / sqrt(their input width), experts' too
     yield "model.embed_tokens.weight", (model.vocab_size, h), 0.0, LOGIT_STD / math.sqrt(h)
     for i in range(layers):
-        for name, (_, shape) in model.layer_layout.items():
+        for name, (_, shape) in model.layouts[model.layer_kinds[i]].items():
             if name.endswith("norm.weight"):
                 yield f"model.layers.{i}.{name}", shape, norm_mean, NORM_NOISE
             elif name.endswith(".bias"):

@@ -184,7 +184,7 @@ class Family:
     activation: str = "silu"       # its default
     tied: bool = False             # tie_word_embeddings' default
     two_ropes: bool = False        # Gemma 3: a RoPE for sliding layers and another for full ones
-    experts: bool = False          # Qwen3-MoE: every layer's feed-forward is a mixture of experts (moe_fields)
+    experts: bool = False          # Qwen3-MoE: feed-forwards of experts (moe_fields: which layers keep the MLP)
 
 
 GEMMA = dict(reads_layer_types=True, norm_offset=True, sandwich_norms=True, embed_scale=True, attention_bias=True,
@@ -292,13 +292,14 @@ def read_ropes(raw, family, path):
     return {None: rope_of({"rope_theta": raw.get("rope_theta", 10000.0), **part, **params}, f"{path}: RoPE")}
 
 
-def moe_fields(fields, path):
+def moe_fields(fields, path, layers):
     """Qwen3-MoE's fields of config.json, checked (transformers 5.24, models/qwen3_moe): num_experts (Hub configs
     say num_experts, configs that transformers 5 saves say num_local_experts), num_experts_per_tok,
-    moe_intermediate_size, norm_topk_prob (false when absent, as transformers' default). Layers that
-    mlp_only_layers or decoder_sparse_step keep dense would be layers of another size, which the streamer's
-    equal slots do not hold: refused. output_router_logits only adds the router's auxiliary loss to HF's .loss;
-    prefill's loss is the language-modelling loss alone, so it is not read."""
+    moe_intermediate_size, norm_topk_prob (false when absent, as transformers' default), and which layers keep the
+    dense MLP: Qwen3MoeDecoderLayer makes layer i a mixture of experts iff i is not in mlp_only_layers and (i + 1) %
+    decoder_sparse_step == 0 (both must hold: the config's docstring says mlp_only_layers overrides the step, its
+    code ANDs them). output_router_logits only adds the router's auxiliary loss to HF's .loss; prefill's loss is the
+    language-modelling loss alone, so it is not read."""
     spellings = {key: fields.source[key] for key in ("num_experts", "num_local_experts")
                  if fields.source.get(key) is not None}
     if len(set(map(repr, spellings.values()))) > 1:
@@ -306,13 +307,17 @@ def moe_fields(fields, path):
     experts, top_k = fields.count(next(iter(spellings), "num_experts")), fields.count("num_experts_per_tok")
     if top_k > experts:
         raise UserError(f"{path}: num_experts_per_tok is {top_k}, more than the {experts} experts")
-    step, dense = fields.count("decoder_sparse_step", 1), fields.source.get("mlp_only_layers") or []
-    if step != 1 or dense:
-        raise UserError(f"{path}: decoder_sparse_step {step}, mlp_only_layers {json.dumps(dense)[:60]}: dense layers "
-                        "among the MoE ones are not supported (every layer must be MoE)")
+    step, only = fields.count("decoder_sparse_step", 1), fields.source.get("mlp_only_layers")
+    only = [] if only is None else only
+    # transformers would ignore an index past the last layer; here it is a mistake named, as is a repeated one
+    if not (isinstance(only, list) and all(type(i) is int and 0 <= i < layers for i in only)
+            and len(set(only)) == len(only)):
+        raise UserError(f"{path}: mlp_only_layers is {json.dumps(only)[:60]}; expected a list of distinct layer "
+                        f"indices from 0 to {layers - 1}")
     return dict(num_experts=experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=fields.count("moe_intermediate_size"),
-                norm_topk_prob=fields.flag("norm_topk_prob"))
+                norm_topk_prob=fields.flag("norm_topk_prob"),
+                dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step))
 
 
 @dataclass
@@ -344,6 +349,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0    # these, each moe_intermediate_size wide, their weights renormalised to sum 1
     moe_intermediate_size: int = 0  # when norm_topk_prob
     norm_topk_prob: bool = False
+    dense_layers: tuple = ()        # Qwen3-MoE: layers whose feed-forward is the dense MLP, intermediate_size wide
 
     def __post_init__(self):
         D = self.head_dim
@@ -353,17 +359,27 @@ class ModelConfig:
             raise UserError("num_attention_heads must be a multiple of num_key_value_heads")
         if D < 2 or D % 2:
             raise UserError(f"head_dim is {D}; RoPE rotates pairs of a head's channels: it must be even and positive")
-        # One layer's tensors in their order inside the layer's flat buffer. q,k,v (and their biases) and gate,up (and
+        # Each layer's kind: "moe" (a mixture of experts) or "mlp" (the gated MLP); a Qwen3-MoE may mix them.
+        self.layer_kinds = tuple("moe" if self.num_experts and i not in self.dense_layers else "mlp"
+                                 for i in range(self.num_hidden_layers))
+        # A kind's tensors in their order inside the layer's flat buffer. q,k,v (and their biases) and gate,up (and
         # theirs) sit in adjacent rows, so the fused matrices and bias vectors are plain views; only group starts are
         # aligned (128 B).
-        self.layer_layout, offset = {}, 0
-        for name, shape, fused in self.attention_tensors() + self.mlp_tensors():
-            if not fused:
-                offset = -(-offset // 64) * 64
-            self.layer_layout[name] = (offset, shape)
-            offset += math.prod(shape)
-        self.layer_numel = offset
-        self.layer_bytes = offset * DTYPE.itemsize
+        self.layouts, numels = {}, {}  # kind -> {name: (offset, shape)}, kind -> the buffer's element count
+        for kind in dict.fromkeys(self.layer_kinds):
+            self.layouts[kind], offset = {}, 0
+            for name, shape, fused in self.attention_tensors() + self.mlp_tensors(kind):
+                if not fused:
+                    offset = -(-offset // 64) * 64
+                self.layouts[kind][name] = (offset, shape)
+                offset += math.prod(shape)
+            numels[kind] = offset
+        self.layer_nbytes = tuple(numels[kind] * DTYPE.itemsize for kind in self.layer_kinds)  # per layer
+        # the largest layer's: what a streaming slot and a storage ring's buffer hold (a model of one kind: every
+        # layer's)
+        self.largest_kind = max(numels, key=numels.get)
+        self.layer_layout, self.layer_numel = self.layouts[self.largest_kind], numels[self.largest_kind]
+        self.layer_bytes = self.layer_numel * DTYPE.itemsize
 
     def attention_tensors(self):
         # (name inside model.layers.N, shape, whether it continues the fused view before it): the attention half
@@ -382,11 +398,11 @@ class ModelConfig:
             out.append(("post_attention_layernorm.weight", (H,), False))
         return out
 
-    def mlp_tensors(self):
-        # the feed-forward half: its input norm, the gated MLP or the mixture of experts
+    def mlp_tensors(self, kind):
+        # the feed-forward half: its input norm, the gated MLP ("mlp") or the mixture of experts ("moe")
         H, I = self.hidden_size, self.intermediate_size
         norm = "pre_feedforward_layernorm" if self.sandwich_norms else "post_attention_layernorm"
-        if self.num_experts:  # the router; each expert's gate rows then its up rows, expert after expert (one
+        if kind == "moe":  # the router; each expert's gate rows then its up rows, expert after expert (one
             # [experts, 2 moe_intermediate, hidden] view, expert e's fused gate_up at [e]); each expert's down
             E, J = self.num_experts, self.moe_intermediate_size
             return ([(f"{norm}.weight", (H,), False), ("mlp.gate.weight", (E, H), False)]
@@ -475,7 +491,7 @@ class ModelConfig:
             mlp_bias=family.mlp_bias and fields.flag("mlp_bias"), embed_scale=family.embed_scale,
             final_softcap=fields.off_or(fields.positive, "final_logit_softcapping", family.softcaps[1])
             if family.softcaps else None,
-            tensor_prefixes=prefixes, **(moe_fields(fields, path) if family.experts else {}),
+            tensor_prefixes=prefixes, **(moe_fields(fields, path, layers) if family.experts else {}),
             max_position_embeddings=fields.get("max_position_embeddings", 0, lambda v: type(v) is int and v >= 0,
                                                "a non-negative integer"),
         )
@@ -776,7 +792,7 @@ def byte_range(flat, offset, count):
 def layer_tensors(cfg, layer):
     # (checkpoint name, offset, element count) of each tensor inside the layer's flat buffer, in layout order
     return [(f"model.layers.{layer}.{name}", offset, math.prod(shape))
-            for name, (offset, shape) in cfg.layer_layout.items()]
+            for name, (offset, shape) in cfg.layouts[cfg.layer_kinds[layer]].items()]
 
 
 @dataclass
@@ -798,16 +814,19 @@ class LayerWeights:  # None: the family has no such tensor
     mlp_out_norm: object = None      # [hidden]: Gemma's norm of the MLP's output
 
 
-def layer_views(flat, cfg):
+def layer_views(flat, cfg, kind=None):
+    # flat: a layer's buffer (a slot's may be longer), viewed as a layer of kind (None: the largest kind)
+    layout = cfg.layouts[kind or cfg.largest_kind]
+
     def view(name, rows=None, shape=None):  # rows (or the whole shape): the fused view's, which starts here
-        if name not in cfg.layer_layout:
+        if name not in layout:
             return None
-        offset, own = cfg.layer_layout[name]
+        offset, own = layout[name]
         shape = shape or ((rows, *own[1:]) if rows else own)
         return flat[offset:offset + math.prod(shape)].view(shape)
     qkv, gate_up = cfg.q_size + 2 * cfg.kv_size, 2 * cfg.intermediate_size
     mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
-    if cfg.num_experts:
+    if "mlp.gate.weight" in layout:
         E, H, J = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         experts = dict(router=view("mlp.gate.weight"),
                        gate_up=view("mlp.experts.0.gate_proj.weight", shape=(E, 2 * J, H)),
@@ -969,11 +988,12 @@ class MemoryPlan:
     fixed_bytes: int         # embedding, lm_head (one matrix when tied), final norm
     working_bytes: int       # wave hidden states + the larger of layer and loss scratch
     slot_bytes: int
-    layer_bytes: int
+    layer_bytes: int         # what a slot holds: the largest layer
+    resident_bytes: int      # the resident layers', each its own size
 
     @property
     def total_bytes(self):
-        return self.fixed_bytes + self.working_bytes + self.slot_bytes + len(self.resident_layers) * self.layer_bytes
+        return self.fixed_bytes + self.working_bytes + self.slot_bytes + self.resident_bytes
 
     def describe(self):
         fits = "" if self.total_bytes <= self.budget_bytes else " (over budget: the smallest plan that runs)"
@@ -999,13 +1019,11 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_t
     moe_chunk_tokens = MOE_CHUNK_FACTOR * chunk_tokens if cfg.num_experts else 0
     # bf16 activations of one chunk (norm out, qkv, rotated q/k, attention out, o_proj out, gate_up, act, down out;
     # Gemma's normed attention and MLP outputs) plus the float32 temporaries of an RMSNorm over the widest row; a MoE
-    # layer's attention chunk, or its feed-forward slice, whichever holds more
+    # model's attention chunk (with a dense layer's MLP, where it has one), or its expert slice, whichever holds more
     attention = 2 * ((5 if cfg.sandwich_norms else 3) * H + 2 * (cfg.q_size + cfg.kv_size) + cfg.q_size)
-    if cfg.num_experts:
-        layer_scratch = max(chunk_tokens * (attention + 12 * max(H, cfg.q_size)),
-                            moe_chunk_tokens * moe_scratch_per_token(cfg))
-    else:
-        layer_scratch = chunk_tokens * (attention + 2 * 3 * cfg.intermediate_size + 12 * max(H, cfg.q_size))
+    mlp = 2 * 3 * cfg.intermediate_size if "mlp" in cfg.layouts else 0
+    layer_scratch = max(chunk_tokens * (attention + mlp + 12 * max(H, cfg.q_size)),
+                        moe_chunk_tokens * moe_scratch_per_token(cfg) if "moe" in cfg.layouts else 0)
     loss_scratch = loss_chunk_tokens * V * (2 + 4 + 4)  # bf16 logits, float32 copy, float32 log-softmax
     state = 2 * H + 4 * D * len(set(cfg.ropes)) + 32  # per token: hidden states, each RoPE's cos/sin (Gemma 3 has
     #                                                   two), ids/targets/positions
@@ -1017,23 +1035,34 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_t
     working = wave_state + max(layer_scratch, loss_scratch) + ALLOCATOR_SLACK
     fixed = ((1 if cfg.tie_word_embeddings else 2) * V * H + H) * DTYPE.itemsize
     free = budget_bytes - fixed - working
-    if free >= L * cfg.layer_bytes:
-        resident, slots = L, 0
-    else:
-        slots = min(2, L) * cfg.layer_bytes
-        resident = max(0, (free - slots) // cfg.layer_bytes)
-    # Spread the streamed layers evenly (each is preceded by its share of resident layers, whose compute hides its
-    # copy); consecutive indices differ by >= floor(L / streamed) >= 1, so they are distinct.
-    n_streamed = L - resident
-    streamed = tuple((j + 1) * L // n_streamed - 1 for j in range(n_streamed))
+    # every layer resident, or two slots (of the largest layer) and as many resident layers as fit beside them
+    sizes = dict(enumerate(cfg.layer_nbytes))
+    slots = 0 if sum(cfg.layer_nbytes) <= free else min(2, L) * cfg.layer_bytes
+    streamed = held_first(sizes, free - slots)
+    resident = tuple(i for i in range(L) if i not in streamed)
     return MemoryPlan(
-        budget_bytes=budget_bytes, resident_layers=tuple(i for i in range(L) if i not in streamed),
+        budget_bytes=budget_bytes, resident_layers=resident,
         streamed_layers=streamed, chunk_tokens=chunk_tokens, moe_chunk_tokens=moe_chunk_tokens,
         wave_tokens=wave_tokens, batch_tokens=batch_tokens,
         loss_chunk_tokens=loss_chunk_tokens, tree_wave_tokens=tree_wave_tokens,
         fixed_bytes=fixed, working_bytes=working, slot_bytes=slots,
-        layer_bytes=cfg.layer_bytes,
+        layer_bytes=cfg.layer_bytes, resident_bytes=sum(sizes[i] for i in resident),
     )
+
+
+def held_first(sizes, room):
+    """The layers of sizes ({layer: bytes}) that room bytes do not hold, in order: as many as fit are held, the largest
+    first (fewer bytes left to copy every wave); those left of each size are spread evenly among that size's layers,
+    each preceded by its share of held ones (whose compute hides its copy). Consecutive ones of a size are >=
+    floor(layers of the size / those left) >= 1 apart, so distinct. A model of one layer size: n layers held, the
+    others (j + 1) * L // (L - n) - 1 for j < L - n."""
+    left = []
+    for size in sorted(set(sizes.values()), reverse=True):
+        same = [i for i in sizes if sizes[i] == size]
+        held = min(len(same), max(0, int(room // size)))
+        room -= held * size
+        left += [same[(j + 1) * len(same) // (len(same) - held) - 1] for j in range(len(same) - held)]
+    return tuple(sorted(left))
 
 
 def moe_scratch_per_token(cfg):
@@ -1047,20 +1076,21 @@ def moe_scratch_per_token(cfg):
 
 # --- how large a wave hides the copies: a streamed layer's bytes cross PCIe once a wave, its FLOPs grow with the wave
 
-def layer_flops(cfg, tokens, attended=0):
-    # matrix FLOPs of one layer over `tokens` tokens: attention projections, the MLP (a MoE layer: router and the k
-    # active experts' SwiGLU), and attention's scores and values for `attended` keys per query on average
+def layer_flops(cfg, kind, tokens, attended=0):
+    # matrix FLOPs of one layer of kind over `tokens` tokens: attention projections, the MLP (a MoE layer: router and
+    # the k active experts' SwiGLU), and attention's scores and values for `attended` keys per query on average
     H, Q, KV = cfg.hidden_size, cfg.q_size, cfg.kv_size
-    mlp = (2 * cfg.num_experts * H + cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H if cfg.num_experts
+    mlp = (2 * cfg.num_experts * H + cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H if kind == "moe"
            else 6 * cfg.intermediate_size * H)
     return tokens * (2 * H * (2 * Q + 2 * KV) + mlp + 4 * attended * Q)
 
 
 def layer_balance(cfg, wave_tokens, h2d_gbps, tflops, attended=0):
-    """(copy ms, compute ms) of one streamed layer at a wave of wave_tokens: its bytes over the host->device rate
-    against its FLOPs at the GEMM rate. Copy above compute means a wave of streamed layers alone is PCIe-bound."""
+    """(copy ms, compute ms) of one streamed layer (the largest kind) at a wave of wave_tokens: its bytes over the
+    host->device rate against its FLOPs at the GEMM rate. Copy above compute means a wave of streamed layers alone is
+    PCIe-bound."""
     return (cfg.layer_bytes / (h2d_gbps * 1e9) * 1e3,
-            layer_flops(cfg, wave_tokens, attended) / (tflops * 1e12) * 1e3)
+            layer_flops(cfg, cfg.largest_kind, wave_tokens, attended) / (tflops * 1e12) * 1e3)
 
 
 def hiding_tokens(cfg, h2d_gbps, tflops, attended=0):
@@ -1082,8 +1112,8 @@ PLAN_RATES = {"nvidia": (55.0, 500.0), "rdna3": (26.0, 60.0), "amd": (55.0, 500.
 def wave_seconds(cfg, plan, rates, attended=0):
     # (copy s, compute s) of one full wave under plan at the nominal rates: every streamed layer copied once
     h2d_gbps, tflops = rates
-    return (len(plan.streamed_layers) * cfg.layer_bytes / (h2d_gbps * 1e9),
-            cfg.num_hidden_layers * layer_flops(cfg, plan.wave_tokens, attended) / (tflops * 1e12))
+    return (sum(cfg.layer_nbytes[i] for i in plan.streamed_layers) / (h2d_gbps * 1e9),
+            sum(layer_flops(cfg, kind, plan.wave_tokens, attended) for kind in cfg.layer_kinds) / (tflops * 1e12))
 
 
 def plan_wave(cfg, budget_bytes, chunk_tokens, rates):
@@ -1168,7 +1198,7 @@ class HostPlan:
     ring_slots: int          # the storage ring's buffers, one layer each
     locked_bytes: int        # what locking the streamed layers' pages takes from the budget ("map"; 0 on tmpfs)
     pinned_bytes: int        # the loading threads' staging buffers, pinned copies, the ring
-    layer_bytes: int
+    storage_bytes: int       # the storage layers', read once a wave
 
     def describe(self):
         budget = "no limit" if self.budget_bytes is None else f"{self.budget_bytes / GiB:.1f} GiB"
@@ -1176,7 +1206,7 @@ class HostPlan:
                 if self.load == "map" else
                 f"{self.pinned_bytes / GiB:.1f} GiB pinned ({len(self.pinned_layers)} layers"
                 + (f", a ring of {self.ring_slots}" if self.ring_slots else "") + ")")
-        return (f"host {budget}: {held}; {len(self.storage_layers) * self.layer_bytes / GiB:.1f} GiB read from "
+        return (f"host {budget}: {held}; {self.storage_bytes / GiB:.1f} GiB read from "
                 f"storage per wave ({len(self.storage_layers)} layers)")
 
 
@@ -1189,7 +1219,9 @@ def plan_host(cfg, streamed, budget, requested="auto", device=torch.device("cpu"
     rest from storage. ROCm never maps unless asked: HIP documents its read-only registration flag as ignored on AMD
     devices (hip_runtime_api.h), so a refusal never comes to trigger the fallback, and registering ~20 GB of page
     cache goes through amdkfd's SVM path (see pin_method) in calls of a layer or more."""
+    # a pinned copy takes its layer's size, a ring buffer the largest layer's (any storage layer is read into it)
     n, layer = len(streamed), pinned_bytes(cfg.layer_bytes, pin)
+    copy = {i: pinned_bytes(cfg.layer_nbytes[i], pin) for i in streamed}
 
     def fits(nbytes):
         return budget is None or nbytes <= budget
@@ -1197,8 +1229,8 @@ def plan_host(cfg, streamed, budget, requested="auto", device=torch.device("cpu"
     def plan(load, pinned=(), storage=(), ring=0):
         return HostPlan(budget_bytes=budget, load=load, pinned_layers=tuple(pinned), storage_layers=tuple(storage),
                         ring_slots=ring, locked_bytes=map_bytes if load == "map" else 0,
-                        pinned_bytes=staging_bytes + (len(pinned) + ring) * layer,
-                        layer_bytes=cfg.layer_bytes)
+                        pinned_bytes=staging_bytes + sum(copy[i] for i in pinned) + ring * layer,
+                        storage_bytes=sum(cfg.layer_nbytes[i] for i in storage))
 
     hip = device.type == "cuda" and torch.version.hip is not None
     if requested == "map" or (requested == "auto" and bf16_files and not hip and fits(staging_bytes + map_bytes)):
@@ -1210,17 +1242,16 @@ def plan_host(cfg, streamed, budget, requested="auto", device=torch.device("cpu"
                             f"({(staging_bytes + map_bytes) / 1e9:.1f} GB) but the host memory budget is "
                             f"{budget / 1e9:.1f} GB; --load copy fits any budget it can")
         return plan("map")
-    if fits(staging_bytes + n * layer):
+    if fits(staging_bytes + sum(copy.values())):
         return plan("copy", streamed)
-    room = int(max(0, budget - staging_bytes) // layer)  # layers' worth of pinned memory beside the staging buffers
+    room = int(max(0, budget - staging_bytes) // layer)  # largest layers' worth of pinned memory beside the staging
     if room < min(2, n):  # the smallest plan: a ring of two, one read while the other is copied out
         raise UserError(f"host memory: the smallest plan needs {(staging_bytes + min(2, n) * layer) / GiB:.2f} GiB "
                         f"page-locked (a ring of two layers and the loading buffers), the budget is "
                         f"{budget / GiB:.2f} GiB (--host-memory, default: available memory less a margin): free host "
                         "memory, or give more --gpu-memory so that fewer layers stream")
     ring = min(RING_SLOTS, room)
-    n_storage = n - (room - ring)  # > ring: all n would fit otherwise
-    pick = {streamed[(j + 1) * n // n_storage - 1] for j in range(n_storage)}  # spread evenly, as plan_memory does
+    pick = held_first(copy, budget - staging_bytes - ring * layer)  # as many pinned copies as fit beside the ring
     return plan("copy", [i for i in streamed if i not in pick], [i for i in streamed if i in pick], ring)
 
 
@@ -1322,14 +1353,15 @@ class WeightStreamer:
     the slots already hold the first two streamed layers of the next one. The host side is `host` (HeldLayers or a
     StorageRing). Where it may have to wait for storage, the copies are issued from a thread of their own, so that
     only the compute that needs the layer waits, not the issuing of the layers before it. On the CPU the same code
-    does plain copies."""
+    does plain copies. A slot holds the largest layer; a smaller one (a Qwen3-MoE's dense layer) fills its start,
+    viewed by its own kind's layout."""
 
     def __init__(self, cfg, resident, host, order, device):
         self.buffers = resident  # layer -> its flat device buffer
-        self.resident = {i: layer_views(buf, cfg) for i, buf in resident.items()}  # layer -> views on the device
-        self.host, self.order = host, list(order)  # order: the streamed layers
+        self.resident = {i: layer_views(buf, cfg, cfg.layer_kinds[i]) for i, buf in resident.items()}  # on the device
+        self.host, self.order, self.kinds = host, list(order), cfg.layer_kinds  # order: the streamed layers
         self.slots = [torch.empty(cfg.layer_numel, dtype=DTYPE, device=device) for _ in range(min(2, len(order)))]
-        self.slot_views = [layer_views(s, cfg) for s in self.slots]
+        self.slot_views = [{kind: layer_views(s, cfg, kind) for kind in cfg.layouts} for s in self.slots]
         self.slot_bytes = [s.view(torch.uint8) for s in self.slots]
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -1339,7 +1371,7 @@ class WeightStreamer:
         self.copying = [None for _ in self.slots]  # the copier's Future for the slot's latest copy
         self.next_copy = 0  # position, in the endless cycle of streamed layers, of the next copy
         self.next_use = 0   # position of the next streamed layer compute will use
-        self.layer_weight_bytes = DTYPE.itemsize * sum(count for _, _, count in layer_tensors(cfg, 0))
+        self.weight_bytes = {i: DTYPE.itemsize * sum(count for _, _, count in layer_tensors(cfg, i)) for i in order}
         self.streamed_bytes = self.storage_bytes = 0
         for _ in self.slots:
             self._copy_next()
@@ -1350,8 +1382,8 @@ class WeightStreamer:
             self.copying[slot] = self.copier.submit(self._copy, slot, layer)
         else:
             self._copy(slot, layer)
-        self.streamed_bytes += self.layer_weight_bytes
-        self.storage_bytes += self.layer_weight_bytes if layer in self.host.storage_layers else 0
+        self.streamed_bytes += self.weight_bytes[layer]
+        self.storage_bytes += self.weight_bytes[layer] if layer in self.host.storage_layers else 0
         self.next_copy += 1
 
     def _copy(self, slot, layer):
@@ -1377,7 +1409,7 @@ class WeightStreamer:
             self.copying[slot].result()  # issued (and, on the CPU, done); raises what the reads raised
         if self.cuda:
             torch.cuda.current_stream().wait_event(self.slot_ready[slot])
-        return self.slot_views[slot]
+        return self.slot_views[slot][self.kinds[layer]]
 
     def release(self, layer):
         if layer in self.resident:
@@ -2129,8 +2161,8 @@ def expert_rows(chosen, num_experts):
     # chosen: [tokens, k] -> (pairs [tokens * k]: the flat (token, slot) index of each row, grouped by expert and by
     # token within an expert; bounds [experts + 1] int64: expert e's rows are bounds[e]:bounds[e + 1]). No atomics: the
     # bounds are searched for in the sorted experts, not counted. The keys are int16 where the experts fit: CUDA's
-    # radix sort makes a pass per 8 bits of key (8 a slice for int64 keys in the H200 profile, …-contest-48gib@84eaeaf),
-    # and a stable sort's order does not depend on the keys' width.
+    # radix sort makes a pass per 8 bits of key (8 a slice for int64 keys in the H200's profile,
+    # …-contest-48gib@84eaeaf), and a stable sort's order does not depend on the keys' width.
     keys = torch.int16 if num_experts < 2**15 else torch.int32
     flat = chosen.flatten().to(keys)
     pairs = torch.argsort(flat, stable=True)
@@ -2843,10 +2875,10 @@ def pick_kernels(requested, device, cfg):
 
 
 def gemm_shapes(cfg, tokens=4096):
-    # (name, M, N, K) of each GEMM of a layer step, then the loss's last; a MoE layer's experts are grouped GEMMs,
-    # not these (pick_experts times them)
+    # (name, M, N, K) of each GEMM of a layer step (the gated MLP's where some layer has one), then the loss's last;
+    # a MoE layer's experts are grouped GEMMs, not these (pick_experts times them)
     H, Q, KV, I = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    mlp = [] if cfg.num_experts else [("gate_up", tokens, 2 * I, H), ("down", tokens, H, I)]
+    mlp = [("gate_up", tokens, 2 * I, H), ("down", tokens, H, I)] if "mlp" in cfg.layouts else []
     return [("qkv", tokens, Q + 2 * KV, H), ("o_proj", tokens, H, Q), *mlp, ("lm_head", tokens, cfg.vocab_size, H)]
 
 
@@ -3353,8 +3385,8 @@ class Runner:
         self.cfg = cfg = ModelConfig.from_dir(model_dir)
         ckpt = Checkpoint(model_dir, cfg.tensor_prefixes)
         H, V = cfg.hidden_size, cfg.vocab_size
-        for layer in range(cfg.num_hidden_layers):  # every missing or misshapen tensor fails before any heavy work
-            for name, (_, shape) in cfg.layer_layout.items():
+        for layer, kind in enumerate(cfg.layer_kinds):  # every missing or misshapen tensor fails before heavy work
+            for name, (_, shape) in cfg.layouts[kind].items():
                 ckpt.get(f"model.layers.{layer}.{name}", shape)
         fixed = [("model.embed_tokens.weight", (V, H)), ("model.norm.weight", (H,))]
         if not cfg.tie_word_embeddings:
@@ -3438,14 +3470,14 @@ class Runner:
         return int(gpu_memory_gib * GiB)
 
     def _model_bytes(self):
-        return (self.cfg.num_hidden_layers * self.cfg.layer_bytes + self.embed.nbytes
+        return (sum(self.cfg.layer_nbytes) + self.embed.nbytes
                 + (0 if self.lm_head is self.embed else self.lm_head.nbytes))
 
     def _load_weights(self, ckpt, fixed, workers, load, host_memory_gib):
         # jobs: the big fixed matrices first (each one thread's job of a layer's size), then the layers
         cfg, cuda = self.cfg, self.device.type == "cuda"
         jobs = {name: ([(name, 0, math.prod(shape))], shape) for name, shape in fixed}
-        jobs.update({i: (layer_tensors(cfg, i), (cfg.layer_numel,)) for i in range(cfg.num_hidden_layers)})
+        jobs.update({i: (layer_tensors(cfg, i), (n // DTYPE.itemsize,)) for i, n in enumerate(cfg.layer_nbytes)})
         t = time.perf_counter()
         # Host memory page-locked in place, unlocked when this Runner goes and before it can be unmapped: freed while
         # registered, its addresses keep a stale registration that the next mapping there inherits (seen on the H200:
@@ -3891,12 +3923,14 @@ class Runner:
     def warm_up(self, trees=False):
         """Runs every kernel at the timed pass's shapes (a chunk-sized batch through a layer, the loss, each
         flash-attn max_seqlen bucket; with trees, a prefix tree's wave and its pick, for continuations) so
-        compilation and allocator growth stay out of the timed window. One layer:
-        every layer runs the same kernels at the same shapes, and all 64 took 0.56 s of the H200's time to ready
+        compilation and allocator growth stay out of the timed window. One layer of each kind (a Qwen3-MoE's dense
+        layers run the MLP's kernels, not the experts'): every layer of a kind runs the same kernels at the same
+        shapes, and all 64 took 0.56 s of the H200's time to ready
         (0.02 s for one; bench/results/primitives/2026-12-01-h200-load-phases-probe.json). It runs on a streamer of its
         own that copies nothing, streamed layers on the weights their slots already hold: the warm-up's numbers are
         thrown away, and the copy path itself ran when the slots were filled."""
         gen = torch.Generator().manual_seed(0)
+        layers = tuple(sorted(map(self.cfg.layer_kinds.index, self.cfg.layouts)))  # the first of each kind
         # a MoE model's texts fill one expert slice: its buffers are the largest a layer allocates
         n = min(self.plan.chunk_tokens, 4096) * (MOE_CHUNK_FACTOR if self.cfg.num_experts else 1) \
             if self.device.type == "cuda" else 64
@@ -3910,11 +3944,11 @@ class Runner:
                                        HeldLayers({}), (), self.device)
         try:
             self.losses([torch.randint(self.cfg.vocab_size, (k,), generator=gen).tolist() for k in lengths],
-                        layers=(0,))
+                        layers=layers)
             if trees:  # a context of n // 2 tokens, four one-token choices and an ending of n // 8
                 context = torch.randint(self.cfg.vocab_size, (n // 2,), generator=gen).tolist()
                 requests = [Request(context, [t]) for t in range(4)] + [Request(context, list(range(n // 8)))]
-                self.score_requests([(i, r, None) for i, r in enumerate(requests)], layers=(0,))
+                self.score_requests([(i, r, None) for i, r in enumerate(requests)], layers=layers)
         finally:
             self.streamer = streamer
         if "flash" in self.attention.values():  # a chunk of several texts has max_len <= chunk_tokens: 128, 256, ...
@@ -4084,7 +4118,11 @@ def doctor(runner):
         fig["experts"] = runner.experts
         fig["expert_candidates"] = [{k: v for k, v in e.items() if k != "grouped"} for e in experts]
     if cuda:
-        w = next(iter(runner.streamer.resident.values()), None) or runner.streamer.slot_views[0]
+        # a layer's weights on the device (a resident one's, else a slot's); a dense one where the model has any,
+        # whose MLP's GEMMs are timed too
+        kind = "mlp" if "mlp" in cfg.layouts else cfg.largest_kind
+        w = next((w for i, w in runner.streamer.resident.items() if cfg.layer_kinds[i] == kind), None) \
+            or runner.streamer.slot_views[0][kind]
         own = {"qkv": w.qkv, "o_proj": w.o_proj, "gate_up": w.gate_up, "down": w.down, "lm_head": runner.lm_head}
         shapes = gemm_shapes(cfg, plan.chunk_tokens)[:-1] + [("lm_head", plan.loss_chunk_tokens, cfg.vocab_size,
                                                               cfg.hidden_size)]
@@ -4095,13 +4133,17 @@ def doctor(runner):
         torch.backends.cuda.preferred_blas_library(runner.blas)
         # contest-100 projected: each token's GEMM FLOPs at the rates measured for the library in use
         rate = fig["gemm_tflops"][runner.blas]
-        per_token = sum(2 * N * K / (rate[name] * 1e12) for name, _, N, K in shapes[:-1]) * cfg.num_hidden_layers
-        if cfg.num_experts:  # the router and a token's k experts at the picked kernel's rate
-            per_token += (layer_flops(cfg, 1) - 2 * sum(N * K for _, _, N, K in shapes[:-1])) * cfg.num_hidden_layers \
-                / (next(e["tflops"] for e in fig["expert_candidates"] if e["name"] == runner.experts) * 1e12)
+
+        def token_s(kind):  # in a layer of kind; a MoE layer's router and k experts at the picked kernel's rate
+            gemms = [(name, N, K) for name, _, N, K in shapes[:-1] if kind == "mlp" or name not in ("gate_up", "down")]
+            dense_s = sum(2 * N * K / (rate[name] * 1e12) for name, N, K in gemms)
+            return dense_s if kind == "mlp" else dense_s + (layer_flops(cfg, kind, 1) - 2 * sum(
+                N * K for _, N, K in gemms)) / (next(e["tflops"] for e in fig["expert_candidates"]
+                                                     if e["name"] == runner.experts) * 1e12)
+        per_token = sum(token_s(kind) * cfg.layer_kinds.count(kind) for kind in cfg.layouts)
         fig["contest100_compute_s"] = CONTEST_TOKENS * (per_token + 2 * cfg.vocab_size * cfg.hidden_size
                                                         / (rate["lm_head"] * 1e12))
-        fig["contest100_transfer_s"] = len(plan.streamed_layers) * cfg.layer_bytes / (fig["h2d_gbps"] * 1e9)
+        fig["contest100_transfer_s"] = sum(cfg.layer_nbytes[i] for i in plan.streamed_layers) / (fig["h2d_gbps"] * 1e9)
     fig["plan"] = f"{plan.describe()}; {runner.host_plan.describe()}"
     # required paths: the warm-up ran every kernel; the same request twice gives the same bits
     gen = torch.Generator().manual_seed(2)

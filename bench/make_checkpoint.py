@@ -123,7 +123,7 @@ def matrix_shapes(cfg: dict) -> dict[str, tuple[int, int, int]]:
     h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or h // heads
     layers = cfg["num_hidden_layers"]
-    moe = layers if cfg.get("num_experts") else 0  # prefill runs Qwen3-MoE with every layer MoE
+    moe = model_config(cfg).layer_kinds.count("moe")  # a Qwen3-MoE's layers of experts (not the dense ones)
     shapes = {
         "qkv": ((heads + 2 * kv) * hd, h, layers),
         "o": (h, heads * hd, layers),
@@ -160,9 +160,9 @@ def attention_flops(cfg: dict, lengths: list[int]) -> float:
 def checkpoint_bytes(cfg: dict) -> int:
     """bf16 bytes of every tensor the checkpoint holds (norms and biases included)."""
     model = model_config(cfg)
-    layer_params = sum(math.prod(shape) for _, shape in model.layer_layout.values())
+    layer_params = sum(math.prod(shape) for kind in model.layer_kinds for _, shape in model.layouts[kind].values())
     embed_params = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
-    return 2 * (model.num_hidden_layers * layer_params + model.hidden_size + embed_params)
+    return 2 * (layer_params + model.hidden_size + embed_params)
 
 
 # ---------------------------------------------------------------------------------------------------------

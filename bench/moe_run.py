@@ -114,10 +114,12 @@ def measure_rates(cfg, device, chunk_tokens, moe_chunk_tokens):
 def compute_floor_s(cfg, geometry, counts, rates, experts):
     # each token's FLOPs at the rate its kind of GEMM reaches here (see the docstring)
     dense, H, L = rates["dense_tflops"], cfg.hidden_size, cfg.num_hidden_layers
-    per_token = L * sum(2 * N * K / (dense[name] * 1e12) for name, _, N, K in prefill.gemm_shapes(cfg)[:-1])
-    per_token += L * 2 * cfg.num_experts * H / (dense["qkv"] * 1e12)  # the router, a thin dense GEMM
-    per_token += L * cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H / (rates["grouped_tflops"][experts]
-                                                                                     * 1e12)
+    moe = cfg.layer_kinds.count("moe")  # the others (mlp_only_layers, decoder_sparse_step) run the dense MLP
+    per_token = sum((L - moe if name in ("gate_up", "down") else L) * 2 * N * K / (dense[name] * 1e12)
+                    for name, _, N, K in prefill.gemm_shapes(cfg)[:-1])
+    per_token += moe * 2 * cfg.num_experts * H / (dense["qkv"] * 1e12)  # the router, a thin dense GEMM
+    per_token += moe * cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H / (rates["grouped_tflops"][experts]
+                                                                                       * 1e12)
     per_token += 2 * cfg.vocab_size * H / (dense["lm_head"] * 1e12)
     return sum(counts) * per_token + make_checkpoint.attention_flops(geometry, counts) / (dense["qkv"] * 1e12)
 

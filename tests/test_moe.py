@@ -5,7 +5,8 @@ transformers builds and saves (3 layers, every one MoE: 8 experts, top-2, renorm
 The router's rows are drawn so that a token's top-2 hold about a third of its probability: dropping the
 renormalisation, or keeping one expert too few or too many, moves some text's loss by 4-6 times the 1% tolerance,
 through the whole model and the Runner (test_each_routing_choice_decides_some_loss), while the right math stays
-within it.
+within it. Two more checkpoints keep dense layers among the MoE ones (mlp_only_layers, decoder_sparse_step), whose
+MLPs move the loss by 10-15 times the tolerance (test_each_dense_layer_decides_some_loss).
 """
 import dataclasses
 import json
@@ -24,7 +25,7 @@ import interact
 import prefill
 from bench.make_checkpoint import QWEN3_30B_A3B, QWEN3_32B, geometry
 from test_families import TEXTS, byte_tokenizer, runner
-from test_prefill import TOLERANCE, max_rel_err, transformers_losses
+from test_prefill import TOLERANCE, max_rel_err, reference_losses, transformers_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 RANDOM_TEXTS, TEXT_TOKENS = 6, 48
@@ -37,20 +38,27 @@ CPU = torch.device("cpu")
 
 # ----------------------------------------------------------------------------- fixtures
 
-@pytest.fixture(scope="session")
-def moe_checkpoint(tmp_path_factory):
-    """A tiny Qwen3-MoE saved by transformers in bf16 with a byte-level tokenizer; random token ids for it."""
+def save_moe_checkpoint(out, seed, **changes):
+    """A tiny Qwen3-MoE of GEOMETRY (with changes) saved by transformers in bf16 with a byte-level tokenizer."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    out = tmp_path_factory.mktemp("moe")
-    torch.manual_seed(1)  # of seeds 1-6 the first whose right loss stays within TOLERANCE on TEXTS' short ones too
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**GEOMETRY)).eval()
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**GEOMETRY | changes)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            # weights of std 1/sqrt(fan-in): router logits of std ~1 over 8 experts, experts as strong as attention
+            # weights of std 1/sqrt(fan-in): router logits of std ~1 over 8 experts, experts (and a dense layer's
+            # MLP) as strong as attention
             p.normal_(1, 0.2) if p.dim() == 1 else p.normal_(0, 1 / p.shape[-1] ** 0.5)
         model.lm_head.weight.normal_(0, 2 / GEOMETRY["hidden_size"] ** 0.5)
     model.to(torch.bfloat16).save_pretrained(out)
     byte_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-MoE, every layer MoE; random token ids for it."""
+    # of seeds 1-6 the first whose right loss stays within TOLERANCE on TEXTS' short ones too
+    out = save_moe_checkpoint(tmp_path_factory.mktemp("moe"), seed=1)
     ids = torch.randint(0, GEOMETRY["vocab_size"], (RANDOM_TEXTS, TEXT_TOKENS),
                         generator=torch.Generator().manual_seed(1))
     return out, ids
@@ -99,10 +107,10 @@ def layer_weights(path, cfg, layer):
     """LayerWeights of one layer, read by prefill's loader into one flat buffer laid out by the config and viewed by
     layer_views, as the streamer's slots are."""
     ckpt = prefill.Checkpoint(path)
-    flat = torch.full((cfg.layer_numel,), math.nan, dtype=prefill.DTYPE)  # a tensor left out would show as NaN
+    flat = torch.full((cfg.layer_nbytes[layer] // 2,), math.nan, dtype=prefill.DTYPE)  # a tensor left out: NaN
     for name, offset, count in prefill.layer_tensors(cfg, layer):
         ckpt.read(name, flat[offset:offset + count])
-    return prefill.layer_views(flat, cfg)
+    return prefill.layer_views(flat, cfg, cfg.layer_kinds[layer])
 
 
 def rel_err(got, want):
@@ -131,10 +139,17 @@ def test_config_reads_both_spellings(moe_checkpoint):
 
 def test_what_is_not_built_is_refused_in_one_line(moe_checkpoint):
     saved = json.loads((moe_checkpoint[0] / "config.json").read_text())
-    dense_layers = "dense layers among the MoE ones are not supported"
+    layer_list = "; expected a list of distinct layer indices from 0 to 2"
     for bad, message in [({"num_local_experts": 16}, "disagree"), ({"num_experts": None}, "lacks num_experts"),
                          ({"num_experts_per_tok": 9}, "more than the 8 experts"), ({"num_experts": True}, "positive"),
-                         ({"mlp_only_layers": [1]}, dense_layers), ({"decoder_sparse_step": 2}, dense_layers),
+                         ({"mlp_only_layers": [3]}, "mlp_only_layers is [3]" + layer_list),
+                         ({"mlp_only_layers": [-1]}, "mlp_only_layers is [-1]" + layer_list),
+                         ({"mlp_only_layers": [1, 1]}, "mlp_only_layers is [1, 1]" + layer_list),
+                         ({"mlp_only_layers": [True]}, "mlp_only_layers is [true]" + layer_list),
+                         ({"mlp_only_layers": 1}, "mlp_only_layers is 1" + layer_list),
+                         ({"decoder_sparse_step": 0}, "decoder_sparse_step is 0; expected a positive integer"),
+                         ({"decoder_sparse_step": 1.5}, "decoder_sparse_step is 1.5; expected a positive integer"),
+                         ({"decoder_sparse_step": True}, "decoder_sparse_step is True; expected a positive integer"),
                          ({"norm_topk_prob": "yes"}, "true or false"),
                          ({"moe_intermediate_size": 0}, "moe_intermediate_size is 0"),
                          ({"model_type": "mixtral", "num_local_experts": 8}, "'mixtral', a mixture of experts"),
@@ -147,15 +162,18 @@ def test_what_is_not_built_is_refused_in_one_line(moe_checkpoint):
 
 
 def test_refusal_through_the_protocol_is_one_line_and_exit_2(moe_checkpoint, tmp_path):
+    # a bad value, and a dense layer that the config declares and the (all-MoE) checkpoint lacks
     saved = json.loads((moe_checkpoint[0] / "config.json").read_text())
     for f in moe_checkpoint[0].iterdir():
         (tmp_path / f.name).symlink_to(f)
-    (tmp_path / "config.json").unlink()
-    (tmp_path / "config.json").write_text(json.dumps(saved | {"mlp_only_layers": [0]}))
-    p = subprocess.run([sys.executable, str(ROOT / "prefill.py"), "--model", str(tmp_path), "--device", "cpu"],
-                       input="[]\n", capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and p.stdout == "" and len(p.stderr.splitlines()) == 1, p.stderr
-    assert "mlp_only_layers [0]: dense layers among the MoE ones are not supported" in p.stderr
+    for dense, message in [([0, 5], "mlp_only_layers is [0, 5]; expected a list of distinct layer indices from 0 to 2"),
+                           ([0], "checkpoint lacks tensor model.layers.0.mlp.gate_proj.weight")]:
+        (tmp_path / "config.json").unlink()
+        (tmp_path / "config.json").write_text(json.dumps(saved | {"mlp_only_layers": dense}))
+        p = subprocess.run([sys.executable, str(ROOT / "prefill.py"), "--model", str(tmp_path), "--device", "cpu"],
+                           input="[]\n", capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and p.stdout == "" and len(p.stderr.splitlines()) == 1, p.stderr
+        assert message in p.stderr
 
 
 def test_layout_views_are_transformers_fused_experts(moe_checkpoint):
@@ -356,6 +374,135 @@ def test_protocol_every_layer_streamed(moe_checkpoint, reference, tmp_path):
     assert len(p.stderr.splitlines()) <= 6  # the request's wave is not planned: no wave line
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["experts"] == "grouped_mm" and stats["wave_tokens"] == prefill.WAVE_STEP and not stats["wave_plan"]
+
+
+# ----------------------------------------------------------------------------- dense layers among the MoE ones
+
+# (config changes, seed, each layer's kind): the first seed (of 1-3) where the right loss stays within TOLERANCE and
+# zeroing each dense layer's MLP moves some text's loss by over 3 times it (decoder_sparse_step's seed 1: layer 2's
+# only 3.5e-2)
+DENSE_VARIANTS = {"mlp_only_layers": (dict(mlp_only_layers=[1]), 1, ("moe", "mlp", "moe")),
+                  "decoder_sparse_step": (dict(num_hidden_layers=4, decoder_sparse_step=2), 2,
+                                          ("mlp", "moe", "mlp", "moe"))}
+
+
+@pytest.fixture(scope="session", params=list(DENSE_VARIANTS))
+def dense_checkpoint(request, tmp_path_factory):
+    """A tiny Qwen3-MoE with dense layers (DENSE_VARIANTS), each layer's kind, transformers' float32 losses of TEXTS."""
+    changes, seed, kinds = DENSE_VARIANTS[request.param]
+    out = save_moe_checkpoint(tmp_path_factory.mktemp(request.param), seed, **changes)
+    return out, kinds, transformers_losses(out, TEXTS)
+
+
+@pytest.fixture(scope="session")
+def dense_runner(dense_checkpoint):
+    return runner(dense_checkpoint[0])
+
+
+def test_which_layers_are_moe_is_transformers_rule():
+    # Qwen3MoeDecoderLayer's own choice of its mlp, layer by layer, for mlp_only_layers and decoder_sparse_step alone
+    # and together (both must allow a MoE layer), against the config prefill reads from the same config.json
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer, Qwen3MoeSparseMoeBlock
+    for step, only in [(1, []), (2, []), (3, []), (1, [0, 4]), (2, [1]), (2, [0, 3]), (7, [])]:
+        config = Qwen3MoeConfig(**GEOMETRY | dict(num_hidden_layers=6, decoder_sparse_step=step, mlp_only_layers=only))
+        with torch.device("meta"):
+            theirs = tuple("moe" if isinstance(Qwen3MoeDecoderLayer(config, i).mlp, Qwen3MoeSparseMoeBlock) else "mlp"
+                           for i in range(6))
+        cfg = prefill.ModelConfig.from_json(json.loads(config.to_json_string()))
+        assert cfg.layer_kinds == theirs, (step, only)
+        assert cfg.dense_layers == tuple(i for i, kind in enumerate(theirs) if kind == "mlp")
+    assert theirs == ("mlp",) * 6  # a step past the last layer: no MoE layer at all, every layer the dense MLP
+
+
+def test_a_dense_layer_is_laid_out_and_viewed_as_transformers_mlp(dense_checkpoint):
+    from transformers import Qwen3MoeForCausalLM
+    path, kinds, _ = dense_checkpoint
+    cfg = saved_config(path)
+    model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert cfg.layer_kinds == kinds
+    dense = cfg.layouts["mlp"]
+    assert "mlp.gate.weight" not in dense and not any("experts" in name for name in dense)
+    assert [dense[f"mlp.{p}_proj.weight"][1] for p in ("gate", "up", "down")] == [(96, 64), (96, 64), (64, 96)]
+    # a dense layer is half a MoE one here (1.25 GB against 0.11 for 30B-A3B's geometry); a slot holds the larger
+    sizes = dict(zip(kinds, cfg.layer_nbytes))
+    assert sizes["mlp"] < 0.6 * sizes["moe"] and cfg.layer_bytes == sizes["moe"] == 2 * cfg.layer_numel
+    for i, kind in enumerate(kinds):
+        w, layer = layer_weights(path, cfg, i), model.model.layers[i]
+        assert torch.equal(w.qkv[:cfg.q_size], layer.self_attn.q_proj.weight)
+        assert torch.equal(w.mlp_norm, layer.post_attention_layernorm.weight)
+        if kind == "mlp":
+            mlp = layer.mlp
+            assert w.router is None and w.gate_up_bias is None and w.down_bias is None
+            assert torch.equal(w.gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            assert torch.equal(w.down, mlp.down_proj.weight)
+        else:
+            assert torch.equal(w.router, layer.mlp.gate.weight)
+            assert torch.equal(w.gate_up, layer.mlp.experts.gate_up_proj)
+
+
+def test_dense_layers_through_the_runner_match_transformers(dense_checkpoint, dense_runner):
+    # measured: mlp_only_layers 4.9e-3, decoder_sparse_step 3.5e-3 (transformers' own bf16: 3.7e-3, 3.3e-3)
+    path, kinds, reference = dense_checkpoint
+    assert dense_runner.cfg.layer_kinds == kinds and dense_runner.experts == "grouped_mm"
+    assert max_rel_err(dense_runner.losses(dense_runner.tokenize(TEXTS)), reference) < TOLERANCE
+
+
+def test_each_dense_layer_decides_some_loss(dense_checkpoint, dense_runner):
+    # the reference without one dense layer's MLP (its down_proj zeroed) is far from prefill's losses: measured
+    # 1.2e-1 (mlp_only_layers); 1.5e-1 and 1.0e-1 (decoder_sparse_step's layers 0 and 2)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path, kinds, _ = dense_checkpoint
+    got = dense_runner.losses(dense_runner.tokenize(TEXTS))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    for i in (i for i, kind in enumerate(kinds) if kind == "mlp"):
+        down = model.model.layers[i].mlp.down_proj.weight
+        kept = down.detach().clone()
+        with torch.no_grad():
+            down.zero_()
+            assert max_rel_err(got, reference_losses(model, tok, TEXTS)) > 3 * TOLERANCE, i
+            down.copy_(kept)
+
+
+def test_dense_layers_streamed_through_the_larger_slot_equal_resident(dense_checkpoint, dense_runner):
+    # every layer streamed: a dense layer rides in the first part of a slot sized for a MoE layer, viewed by its own
+    # layout; then read from storage every wave into a ring of MoE-sized buffers, alone or beside a pinned dense layer
+    path, kinds, _ = dense_checkpoint
+    ids = dense_runner.tokenize(TEXTS)
+    expected = dense_runner.losses(ids)
+    streamed = runner(path, gpu_memory_gib=0)
+    cfg, layers = streamed.cfg, range(len(kinds))
+    weights = [2 * sum(n for _, _, n in prefill.layer_tensors(cfg, i)) for i in layers]
+    assert streamed.plan.streamed_layers == tuple(layers) and streamed.plan.slot_bytes == 2 * cfg.layer_bytes
+    assert streamed.losses(ids) == expected
+    assert streamed.stats["streamed_bytes"] == sum(weights)  # each layer's own bytes, once a wave
+    # the ring of two alone, then beside one pinned dense layer (of two: with only one, its room would hold all)
+    moe = cfg.layer_bytes / prefill.GiB
+    for budget, pinned in [(2.2 * moe, 0)] + [(2.6 * moe, 1)] * (kinds.count("mlp") > 1):
+        ring = runner(path, gpu_memory_gib=0, load="copy", host_memory_gib=budget)
+        plan = ring.host_plan
+        assert plan.ring_slots == 2 and len(plan.pinned_layers) == pinned, plan
+        assert all(kinds[i] == "mlp" for i in plan.pinned_layers) and "moe" in {kinds[i] for i in plan.storage_layers}
+        assert plan.pinned_bytes == 2 * cfg.layer_bytes + sum(cfg.layer_nbytes[i] for i in plan.pinned_layers)
+        assert plan.storage_bytes == sum(cfg.layer_nbytes[i] for i in plan.storage_layers)
+        assert ring.losses(ids) == expected
+        assert ring.stats["storage_bytes"] == sum(weights[i] for i in plan.storage_layers)
+
+
+def test_protocol_with_dense_layers_streamed(dense_checkpoint, tmp_path):
+    # the harness's path: the warm-up runs a layer of each kind through the slots, then every text
+    path, kinds, reference = dense_checkpoint
+    p = subprocess.run([sys.executable, str(ROOT / "prefill.py"), "--model", str(path), "--device", "cpu",
+                        "--gpu-memory", "0", "--stats", str(tmp_path / "stats.json")],
+                       input=json.dumps(TEXTS) + "\n", capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == "ready" and len(lines) == 1 + len(TEXTS)
+    assert max_rel_err([float(x) for x in lines[1:]], reference) < TOLERANCE
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    cfg = saved_config(path)
+    assert stats["streamed_bytes"] == 2 * sum(n for i in range(len(kinds)) for _, _, n in prefill.layer_tensors(cfg, i))
 
 
 # ----------------------------------------------------------------------------- start-up check and pick
@@ -566,6 +713,61 @@ def test_the_expert_kernel_is_part_of_the_machine_key_geometry(moe_checkpoint):
     assert [8, 2, 32] == key[key.index("qwen3_moe") - 3:key.index("qwen3_moe")]
     dense = geometry_config(QWEN3_32B)  # a dense model's key is what it was before MoE came
     assert "qwen3" in json.loads(prefill.machine_key(CPU, dense))
+
+
+def test_the_plan_counts_each_layer_at_its_own_size():
+    # Qwen3-30B-A3B's geometry with every other layer dense (decoder_sparse_step 2): 24 MoE layers of 1.25 GB, 24
+    # dense ones of 0.11 GB (intermediate_size 6144); a slot holds a MoE layer, the resident layers their own sizes
+    cfg, moe, rates = geometry_config({**QWEN3_30B_A3B, "decoder_sparse_step": 2}), geometry_config(QWEN3_30B_A3B), \
+        prefill.PLAN_RATES["nvidia"]
+    H, I, J, E, k = cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size, cfg.num_experts, 8
+    assert cfg.layer_kinds == ("mlp", "moe") * 24 and cfg.layer_bytes == moe.layer_bytes == cfg.layer_nbytes[1]
+    assert cfg.layer_nbytes[0] == pytest.approx(moe.layer_bytes - 2 * (3 * E * J * H + E * H) + 2 * 3 * I * H,
+                                                abs=64 * 2 * 8)  # less the experts and the router, plus the MLP
+    for gib in (16, 24):  # 48 GiB holds every layer
+        plan, all_moe = prefill.plan_memory(cfg, gib * prefill.GiB), prefill.plan_memory(moe, gib * prefill.GiB)
+        assert plan.resident_bytes == sum(cfg.layer_nbytes[i] for i in plan.resident_layers)
+        assert plan.slot_bytes == 2 * cfg.layer_bytes and plan.total_bytes <= gib * prefill.GiB
+        # as many MoE layers held as in the all-MoE model (the fewest bytes to copy), then dense ones where room
+        # is left: no streamed layer would fit beside
+        assert [cfg.layer_kinds[i] for i in plan.resident_layers].count("moe") == len(all_moe.resident_layers)
+        assert plan.total_bytes + min(cfg.layer_nbytes[i] for i in plan.streamed_layers) > gib * prefill.GiB
+        # a wave's copies are the streamed layers' own bytes, its compute each layer's own FLOPs
+        copy_s, compute_s = prefill.wave_seconds(cfg, plan, rates)
+        assert copy_s == sum(cfg.layer_nbytes[i] for i in plan.streamed_layers) / (rates[0] * 1e9)
+        _, all_moe_compute_s = prefill.wave_seconds(moe, plan, rates)
+        dense_less = 24 * plan.wave_tokens * (2 * E * H + k * 6 * J * H - 6 * I * H) / (rates[1] * 1e12)
+        assert compute_s == pytest.approx(all_moe_compute_s - dense_less, rel=1e-12)
+    # the host: pinned copies of their own sizes beside a ring of MoE-sized buffers, the fewest layers from storage
+    streamed = prefill.plan_memory(cfg, 0).streamed_layers
+    host = prefill.plan_host(cfg, streamed, 20 * prefill.GiB, "copy")
+    ring = host.ring_slots * cfg.layer_bytes
+    assert host.ring_slots == 3 and host.pinned_bytes == ring + sum(cfg.layer_nbytes[i] for i in host.pinned_layers)
+    assert host.pinned_bytes <= 20 * prefill.GiB and host.storage_bytes == sum(cfg.layer_nbytes[i]
+                                                                               for i in host.storage_layers)
+    assert host.pinned_bytes + min(cfg.layer_nbytes[i] for i in host.storage_layers) > 20 * prefill.GiB
+    # the largest first (the fewest bytes read): as many MoE layers as fit beside the ring, then dense ones
+    assert [cfg.layer_kinds[i] for i in host.pinned_layers].count("moe") == (20 * prefill.GiB - ring) // cfg.layer_bytes
+
+
+@settings(max_examples=60, deadline=None)
+@given(gib=st.floats(0, 100), host=st.floats(0, 1.2), moe=st.booleans())
+def test_a_model_of_one_layer_size_plans_as_before(gib, host, moe):
+    # every layer of one size: the plans are those of the closed forms they replaced
+    cfg = geometry_config(QWEN3_30B_A3B if moe else QWEN3_32B)
+    L, layer = cfg.num_hidden_layers, cfg.layer_bytes
+    plan = prefill.plan_memory(cfg, int(gib * prefill.GiB))
+    free = plan.budget_bytes - plan.fixed_bytes - plan.working_bytes
+    resident = L if free >= L * layer else max(0, (free - 2 * layer) // layer)
+    assert len(plan.resident_layers) == resident and plan.resident_bytes == resident * layer
+    assert plan.streamed_layers == tuple((j + 1) * L // (L - resident) - 1 for j in range(L - resident))
+    n, budget = len(plan.streamed_layers), int(host * len(plan.streamed_layers) * layer)
+    room = budget // layer
+    if n * layer > budget and room >= min(2, n):
+        storage = n - (room - min(prefill.RING_SLOTS, room))
+        picked = prefill.plan_host(cfg, plan.streamed_layers, budget, "copy")
+        assert picked.storage_layers == tuple(plan.streamed_layers[(j + 1) * n // storage - 1] for j in range(storage))
+        assert picked.pinned_bytes == (n - storage + picked.ring_slots) * layer
 
 
 # ----------------------------------------------------------------------------- the benchmark checkpoint writer
