@@ -230,8 +230,8 @@ class ConfigFields:
                 raise UserError(f"{self.where} lacks {key}")
             value = default
         if isinstance(value, list) and key in SIZES:
-            raise UserError(f"{self.where}: {key} is a list (layers of different sizes); prefill runs layers of one "
-                            "size only")
+            raise UserError(f"{self.where}: {key} is a list (layers of different sizes); prefill reads one {key} "
+                            "for all layers")
         if not valid(value):
             raise UserError(f"{self.where}: {key} is {shown(value)}; expected {expected}")
         return value
