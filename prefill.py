@@ -1448,6 +1448,11 @@ def rope_tables(positions, rope, head_dim):
     return emb.cos().to(DTYPE), emb.sin().to(DTYPE)
 
 
+def wave_rope_tables(positions, cfg):
+    # {Rope: (cos, sin)} of each RoPE the model's layers use (Gemma 3: two), at positions [tokens] on the device
+    return {rope: rope_tables(positions, rope, cfg.head_dim) for rope in dict.fromkeys(cfg.ropes)}
+
+
 def apply_rope(x, cos, sin):
     # x: [tokens, heads, head_dim]; half-split (rotate_half) convention
     x1, x2 = x.chunk(2, dim=-1)
@@ -3748,8 +3753,7 @@ class Runner:
             starts = [torch.cumsum(n, 0) - n for n in lengths]
             seq_index = [torch.repeat_interleave(torch.arange(len(n)), n) for n in lengths]  # [segment tokens] each
             positions = torch.cat([torch.arange(n.sum()) - s[i] for n, s, i in zip(lengths, starts, seq_index)])
-            tables = {rope: rope_tables(positions.to(dev), rope, cfg.head_dim)  # [tokens, head_dim] cos, sin each
-                      for rope in dict.fromkeys(cfg.ropes)}
+            tables = wave_rope_tables(positions.to(dev), cfg)  # [tokens, head_dim] cos, sin each
             self.run_layers(x, tables, chunks, layers, self.attend, segments=segments)
             timer.mark("loss")
             for wave, (s, e), n, i, start in zip(present, segments, lengths, seq_index, starts):
@@ -3818,7 +3822,7 @@ class Runner:
         ids = wave.ids.to(dev)
         x = embed_tokens(self.embed, ids, cfg)  # [tokens, hidden]
         positions = wave.positions.to(dev)  # each token's depth
-        tables = {rope: rope_tables(positions, rope, cfg.head_dim) for rope in dict.fromkeys(cfg.ropes)}
+        tables = wave_rope_tables(positions, cfg)
         wave_kv = [torch.empty(T, cfg.num_key_value_heads, cfg.head_dim, dtype=DTYPE, device=dev) for _ in range(2)]
         self.run_layers(x, tables, wave.chunks, layers, attend, wave_kv)
         del wave_kv
