@@ -98,9 +98,10 @@ def load_texts_file(path: str | Path, text_field: str = "text") -> list[str]:
     """The texts of a file in any layout prefill.py's --input reads, through its own reader: a JSON array or JSON lines,
     each element or line a string or an object with a string text_field; a problem names the line or element."""
     import prefill  # beside this file; imported here, not at the top, so that --help needs no torch
+    import prefill_corpus
 
     try:
-        return [record.text for record in prefill.read_records(str(path), text_field)]
+        return [record.text for record in prefill_corpus.read_records(str(path), text_field)]
     except prefill.UserError as e:
         raise UserError(str(e)) from None
 

@@ -27,9 +27,7 @@ import math
 import mmap
 import os
 import queue
-import shlex
 import signal
-import socket
 import sys
 import threading
 import time
@@ -49,6 +47,9 @@ DTYPE = torch.bfloat16
 
 class UserError(Exception):
     """Bad checkpoint, bad option or bad request: reported as one line on stderr, exit code 2."""
+
+
+QUIET = {"on": False}  # under torchrun, ranks > 0 log nothing: rank 0 speaks for all
 
 
 def log(msg, end="\n"):
@@ -90,6 +91,31 @@ def shown(value):
     # a value from an untrusted file inside an error message: short, on one line
     text = repr(value) if isinstance(value, (str, int, float)) else type(value).__name__
     return text if len(text) <= 40 else text[:40] + "..."
+
+
+JSON_SPACE = " \t\r\n"
+
+
+def text_of(value, where):
+    if not isinstance(value, str):
+        raise UserError(f"{where} is {type(value).__name__}, not a string")
+    try:
+        value.encode("utf-8")  # fails on a lone surrogate: an escaped one in the JSON, or a byte that was not UTF-8
+    except UnicodeEncodeError as e:
+        raise UserError(f"{where} is not valid UTF-8 (a lone surrogate or bad byte at character {e.start})") from None
+    return value
+
+
+def decoded(data):
+    # bytes that are not UTF-8 survive as lone surrogates (surrogateescape), so text_of names the string they are in
+    return data.decode("utf-8", "surrogateescape") if isinstance(data, bytes) else data
+
+
+def json_array(data, source):
+    values = parse_json(decoded(data), source)
+    if not isinstance(values, list):
+        raise UserError(f"{source}: expected a JSON array of strings, got {type(values).__name__}")
+    return values
 
 
 # ----------------------------------------------------------------------------- config
@@ -4051,488 +4077,17 @@ def transformers_tokenizer(model_dir):
     return lambda texts: tokenizer(texts)["input_ids"]
 
 
-# ----------------------------------------------------------------------------- doctor
-# `--doctor`: every start-up decision on this machine and why, in one screen (and JSON with --stats), for the first
-# run on a new machine (a W7800 nobody here could run) to answer what was decided blind.
-
-CONTEST_TOKENS = 45_244  # contest-100's tokens in bench/results: 100 NuminaMath chats of < 2048 characters
 
 
-def h2d_gbps(device, method, nbytes=GiB):
-    # host->device copy rate out of pinned memory, and the seconds that page-locking nbytes took
-    t = time.perf_counter()
-    host, registered = pinned_empty(nbytes // DTYPE.itemsize, method, lambda buf: buf.fill_(1))
-    lock_s = time.perf_counter() - t
-    dst = torch.empty_like(host, device=device)
-    dst.copy_(host, non_blocking=True)
-    torch.cuda.synchronize(device)
-    t = time.perf_counter()
-    for _ in range(3):
-        dst.copy_(host, non_blocking=True)
-    torch.cuda.synchronize(device)
-    rate = 3 * nbytes / (time.perf_counter() - t) / 1e9
-    if registered:
-        unpin(host)
-    return rate, lock_s
+# ----------------------------------------------------------------------------- the protocol and the command line
+# `python prefill.py --model DIR`: load, warm up, print `ready`, read one JSON array of texts on stdin, print one loss
+# per text. What the protocol does not need lives beside this file and is imported only when asked: --input/--output
+# (prefill_corpus.py), torchrun (prefill_dist.py), --doctor (prefill_doctor.py). This file alone serves the protocol
+# and the Python API.
 
-
-def unavailable_here(kind, device):
-    """Why attention `kind` cannot run on this machine by design (the doctor shows it as expected, not as a
-    failure), or None where it should run."""
-    if kind == "triton" and triton is None:
-        return "triton is not installed"
-    if kind == "flash" and package_version("flash_attn") is None:
-        return "flash_attn is not installed"
-    if device.type == "cpu" and kind != "sdpa" and not (kind == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
-        return "a GPU kernel, not on the CPU"
-    return None
-
-
-def doctor(runner):
-    """(report lines, figures, problems) for a loaded, warmed-up Runner."""
-    cfg, plan, dev = runner.cfg, runner.plan, runner.device
-    cuda = dev.type == "cuda"
-    fig = {"torch": torch.__version__, "hip": torch.version.hip, "cuda": torch.version.cuda,
-           "triton": triton.__version__ if triton is not None else None, "flash_attn": package_version("flash_attn"),
-           "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "gpu_family": gpu_family(dev)}
-    if cuda:
-        props = torch.cuda.get_device_properties(dev)
-        fig["arch"] = gpu_arch(props)
-        fig["gpu_free_bytes"], fig["gpu_total_bytes"] = torch.cuda.mem_get_info(dev)
-    fig["host_spare_bytes"] = host_memory_spare()
-    fig.update(load_mode=runner.load_mode, pin_method=runner.pin_method, locked_bytes=runner.pinned_host_bytes,
-               lock_s=runner.lock_s, load_wall_s=runner.load_wall_s)
-    if cuda:  # both ways of page-locking 1 GiB, and the copy rate out of the one in use
-        measured = {m: h2d_gbps(dev, m) for m in PIN_METHODS}
-        fig["lock_s_per_gb"] = {m: lock_s / (GiB / 1e9) for m, (_, lock_s) in measured.items()}
-        fig["h2d_gbps"] = measured[runner.pin_method][0]
-    # every candidate offered here, checked and timed per bucket (the start-up checks only the kept ones where known)
-    report = check_attention(attention_candidates("auto", fig["gpu_family"], cfg), dev, cfg)
-    for label in BUCKET_LABELS if cuda else ():
-        time_attention([e for e in report if e["attend"] is not None], label, dev, cfg)
-    for e in report:
-        if "reason" in e:
-            e["expected"] = unavailable_here(e["name"].split()[0], dev)
-    failed = [e["name"] for e in report if "reason" in e and not e["expected"]]
-    fig["attention"] = runner.attention
-    fig["attention_candidates"] = [{k: v for k, v in e.items() if k != "attend"} for e in report]
-    fig.update(kernels=runner.kernels.name, kernel_errors=runner.kernel_errors, blas=runner.blas)
-    if cfg.num_experts:  # every expert kernel offered here, checked, and timed on a chunk's shapes
-        experts = check_experts(expert_candidates("auto", dev), dev, cfg)
-        inputs = expert_timing_inputs(dev, cfg, plan.moe_chunk_tokens) if cuda else None
-        rows = inputs[0].shape[0] if cuda else 0
-        for e in experts:
-            if cuda and e["grouped"] is not None:
-                e["time_ms"] = experts_ms(e["grouped"], inputs)
-                e["tflops"] = 6 * rows * cfg.moe_intermediate_size * cfg.hidden_size / (e["time_ms"] / 1e3) / 1e12
-        fig["experts"] = runner.experts
-        fig["expert_candidates"] = [{k: v for k, v in e.items() if k != "grouped"} for e in experts]
-    if cuda:
-        # a layer's weights on the device (a resident one's, else a slot's); a dense one where the model has any,
-        # whose MLP's GEMMs are timed too
-        kind = "mlp" if "mlp" in cfg.layouts else cfg.largest_kind
-        w = next((w for i, w in runner.streamer.resident.items() if cfg.layer_kinds[i] == kind), None) \
-            or runner.streamer.slot_views[0][kind]
-        own = {"qkv": w.qkv, "o_proj": w.o_proj, "gate_up": w.gate_up, "down": w.down, "lm_head": runner.lm_head}
-        shapes = gemm_shapes(cfg, plan.chunk_tokens)[:-1] + [("lm_head", plan.loss_chunk_tokens, cfg.vocab_size,
-                                                              cfg.hidden_size)]
-        fig["gemm_tflops"] = {}
-        for library in BLAS_LIBRARIES:
-            torch.backends.cuda.preferred_blas_library(library)
-            fig["gemm_tflops"][library] = gemm_tflops(dev, shapes, own)
-        torch.backends.cuda.preferred_blas_library(runner.blas)
-        # contest-100 projected: each token's GEMM FLOPs at the rates measured for the library in use
-        rate = fig["gemm_tflops"][runner.blas]
-
-        def token_s(kind):  # in a layer of kind; a MoE layer's router and k experts at the picked kernel's rate
-            gemms = [(name, N, K) for name, _, N, K in shapes[:-1] if kind == "mlp" or name not in ("gate_up", "down")]
-            dense_s = sum(2 * N * K / (rate[name] * 1e12) for name, N, K in gemms)
-            return dense_s if kind == "mlp" else dense_s + (layer_flops(cfg, kind, 1) - 2 * sum(
-                N * K for _, N, K in gemms)) / (next(e["tflops"] for e in fig["expert_candidates"]
-                                                     if e["name"] == runner.experts) * 1e12)
-        per_token = sum(token_s(kind) * cfg.layer_kinds.count(kind) for kind in cfg.layouts)
-        fig["contest100_compute_s"] = CONTEST_TOKENS * (per_token + 2 * cfg.vocab_size * cfg.hidden_size
-                                                        / (rate["lm_head"] * 1e12))
-        fig["contest100_transfer_s"] = sum(cfg.layer_nbytes[i] for i in plan.streamed_layers) / (fig["h2d_gbps"] * 1e9)
-    fig["plan"] = f"{plan.describe()}; {runner.host_plan.describe()}"
-    # required paths: the warm-up ran every kernel; the same request twice gives the same bits
-    gen = torch.Generator().manual_seed(2)
-    probe = [torch.randint(cfg.vocab_size, (n,), generator=gen).tolist() for n in (300, 650, 41)]
-    first, second = runner.losses(probe), runner.losses(probe)
-    fig["repeat_identical"] = first == second
-    problems = [] if fig["repeat_identical"] else ["the same request twice gave different losses"]
-    problems += [f"loss is not finite: {x}" for x in first if not math.isfinite(x)]
-
-    def gb(n):
-        return "?" if n is None else f"{n / 1e9:.1f} GB"
-    lines = [f"machine    {fig['device']} ({fig.get('arch', '-')}, {fig['gpu_family']}); torch {fig['torch']}, "
-             f"{'HIP ' + fig['hip'] if fig['hip'] else 'CUDA ' + str(fig['cuda'])}, triton {fig['triton']}, "
-             f"flash_attn {fig['flash_attn']}",
-             f"memory     " + (f"GPU {gb(fig['gpu_free_bytes'])} free of {gb(fig['gpu_total_bytes'])}; " if cuda else "")
-             + f"host {gb(fig['host_spare_bytes'])} can be page-locked (available less a margin)",
-             f"load       {runner.load_mode}, pinned by {runner.pin_method}: {gb(runner.pinned_host_bytes)} locked in "
-             f"{runner.lock_s:.1f} s" + (f"; 1 GiB locks in {fig['lock_s_per_gb']['register']:.2f} s/GB by "
-                                         f"register, {fig['lock_s_per_gb']['alloc']:.2f} s/GB by alloc; "
-                                         f"host->device {fig['h2d_gbps']:.1f} GB/s" if cuda else "")]
-    lines.append(f"attention  by the longest text in a chunk: {attention_summary(runner.attention)} (each checked "
-                 f"against float32 attention on texts of {CHECK_LENGTHS}, then each bucket's own; rel. error: the "
-                 "worst row's largest difference over that row's largest value)")
-    if cuda:
-        lines.append("  ms a chunk (first call) per bucket, * picked: " + ", ".join(
-            f"{label} timed on {len(timed)} texts of {sum(timed)} tokens" for label, _, timed, _ in ATTENTION_BUCKETS))
-    for e in fig["attention_candidates"]:
-        if "reason" in e:
-            state = f"not here: {e['expected']}" if e["expected"] else f"FAILED: {e['reason'][:90]}"
-        else:
-            state = f"rel. error {e['error']:.1e}" + "".join(
-                f"  {'*' if runner.attention[label] == e['name'] else ' '}{e['time_ms'][label]:7.3f} "
-                f"({e['first_ms'][label]:7.1f})" for label in BUCKET_LABELS if label in e.get("time_ms", {}))
-        lines.append(f"    {e['name']:<14} {state}")
-    errors = ", ".join(f"{k} {v:.1e}" for k, v in runner.kernel_errors.items())
-    fused_here = None if cuda else "not on the CPU" if triton is not None else "triton is not installed"
-    lines.append(f"kernels    {runner.kernels.name}" + (f" (rel. error against float32 math: {errors})" if errors else
-                                                        f" (fused Triton kernels: {fused_here})" if fused_here else ""))
-    if cfg.num_experts:
-        lines.append(f"experts    {runner.experts} (checked against float32 experts on uneven routing)"
-                     + (f"; ms and TFLOP/s of a {plan.moe_chunk_tokens}-token slice's two grouped GEMMs, * picked"
-                        if cuda else ""))
-        for e in fig["expert_candidates"]:
-            state = f"refused: {e['reason'][:90]}" if "reason" in e else f"error {e['error']:.1e}" + (
-                f"  {'*' if e['name'] == runner.experts else ' '}{e['time_ms']:7.3f} ms {e['tflops']:5.0f}"
-                if "time_ms" in e else "")
-            lines.append(f"    {e['name']:<18} {state}")
-    if cuda:
-        for library, rates in fig["gemm_tflops"].items():
-            lines.append(f"{'BLAS' if library == BLAS_LIBRARIES[0] else '':<10} {'*' if library == runner.blas else ' '}"
-                         f" {library:<9} TFLOP/s " + ", ".join(f"{k} {v:.0f}" for k, v in rates.items()))
-    lines.append(fig["plan"])  # "plan for ..."
-    if cuda:
-        lines.append(f"projected  contest-100 ({CONTEST_TOKENS} tokens): GEMMs {fig['contest100_compute_s']:.1f} s at "
-                     f"the rates above; streaming {fig['contest100_transfer_s']:.1f} s, hidden while it is smaller")
-    lines.append(f"repeat     the same request twice: {'identical' if fig['repeat_identical'] else 'DIFFERENT'}")
-    lines.append("verdict    " + ("; ".join(problems) if problems else "every required path works" + (
-        f"; {len(failed)} attention candidate(s) FAILED where they should run ({', '.join(failed)}): see above"
-        if failed else "")))
-    return lines, fig, problems
-
-
-# ----------------------------------------------------------------------------- corpus I/O
-# --input FILE --output OUT.jsonl scores a corpus of any size: records are read and tokenized on a side thread a few
-# batches ahead (Runner.batches), and each batch's records are appended to OUT in one write, flushed and fsynced.
-# OUT holds whole batches at every moment, but for the one a kill cut short, which --resume cuts off and redoes. Each
-# record carries a digest of what its numbers were computed from (its token ids and every setting), so that a resumed
-# run keeps only records it can prove were scored from the input as it is now.
-
-JSON_SPACE = " \t\r\n"
-CHECKED_RECORDS = 1000  # records read and checked before the model loads: a typo costs seconds, not a 65 GB load
 # Without a terminal, a progress line at most this often, and less often as the run grows (every tenth of the time
 # elapsed): a day's run logs ~60 lines, and the harness, which reads stderr only after a run of seconds, gets none
 PROGRESS_LINE_S = 60
-DIGEST_HEX = 16  # a record's digest: 64 bits, so an edited text passes for the old one with a chance of 2^-64
-
-
-def text_of(value, where):
-    if not isinstance(value, str):
-        raise UserError(f"{where} is {type(value).__name__}, not a string")
-    try:
-        value.encode("utf-8")  # fails on a lone surrogate: an escaped one in the JSON, or a byte that was not UTF-8
-    except UnicodeEncodeError as e:
-        raise UserError(f"{where} is not valid UTF-8 (a lone surrogate or bad byte at character {e.start})") from None
-    return value
-
-
-def decoded(data):
-    # bytes that are not UTF-8 survive as lone surrogates (surrogateescape), so text_of names the string they are in
-    return data.decode("utf-8", "surrogateescape") if isinstance(data, bytes) else data
-
-
-def json_array(data, source):
-    values = parse_json(decoded(data), source)
-    if not isinstance(values, list):
-        raise UserError(f"{source}: expected a JSON array of strings, got {type(values).__name__}")
-    return values
-
-
-NO_ID = object()  # a record without the id field (null is an id)
-
-
-@dataclass
-class Record:
-    text: str                # None in a continuation's record
-    id: object = NO_ID
-    context: str = None      # a continuation's record: the two strings instead of a text
-    continuation: str = None
-    where: str = "the request"  # where the input holds it ("in.jsonl line 7"), for --resume's messages
-
-
-PAIR_FIELDS = ("context", "continuation")  # --context-field, --continuation-field
-
-
-def record_of(value, where, text_field, id_field, pair_fields=PAIR_FIELDS):
-    if not isinstance(value, dict):
-        return Record(text_of(value, where), NO_ID, where=where)
-    context_field, continuation_field = pair_fields
-    if context_field in value:  # a continuation to score given its context (README: Score a corpus)
-        if continuation_field not in value:
-            raise UserError(f"{where} has the context field {shown(context_field)} but not the continuation field "
-                            f"{shown(continuation_field)} (--continuation-field)")
-        context = text_of(value[context_field], f"{where} field {shown(context_field)}")
-        continuation = text_of(value[continuation_field], f"{where} field {shown(continuation_field)}")
-        if not context.rstrip() or not continuation:
-            raise UserError(f"{where}: the {'context' if not context.rstrip() else 'continuation'} is empty (a "
-                            "continuation is predicted from at least one token of context)")
-        return Record(None, value.get(id_field, NO_ID), context, continuation, where)
-    if text_field not in value:
-        raise UserError(f"{where} is an object without the text field {shown(text_field)} (--text-field) or the "
-                        f"context field {shown(context_field)} (--context-field)")
-    return Record(text_of(value[text_field], f"{where} field {shown(text_field)}"), value.get(id_field, NO_ID),
-                  where=where)
-
-
-def read_records(path, text_field="text", id_field="id", pair_fields=PAIR_FIELDS):
-    """--input FILE ('-': stdin), one Record at a time: a JSON array, read whole, or JSON lines, read line by line
-    (blank lines skipped; the format for big corpora). An element or line is a string, or an object whose
-    text_field is a string, or one whose context and continuation fields (pair_fields) are (its id_field, any JSON
-    value, is kept; other fields are ignored). Every record of a file is of the first one's kind. A problem names
-    the element, or the line (1-based, as editors count)."""
-    kind = None
-    for where, record in read_located(path, text_field, id_field, pair_fields):
-        if kind is None:
-            kind = record.text is None
-        elif kind != (record.text is None):
-            raise UserError(f"{where} is a {'text' if kind else 'continuation'} where the records before it are "
-                            f"{'continuations' if kind else 'texts'}: a corpus holds one kind")
-        yield record
-
-
-def read_located(path, text_field, id_field, pair_fields):
-    # read_records' (where, Record) pairs
-    space = JSON_SPACE.encode()
-    try:
-        with contextlib.nullcontext(sys.stdin.buffer) if path == "-" else open(path, "rb") as f:
-            # lines end at b"\n" only, not at every break splitlines() knows: a JSON string may hold a raw U+2028
-            lines = ((number, line) for number, line in enumerate(f, 1) if line.strip(space))
-            first = next(lines, None)
-            if first and first[1].lstrip(space).startswith(b"["):
-                for i, value in enumerate(json_array(first[1] + f.read(), path)):
-                    where = f"{path}: element {i}"
-                    yield where, record_of(value, where, text_field, id_field, pair_fields)
-                return
-            for number, line in itertools.chain([first] if first else [], lines):
-                where = f"{path} line {number}"
-                yield where, record_of(parse_json(decoded(line), where), where, text_field, id_field, pair_fields)
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror}") from None
-
-
-def count_records(path):
-    """How many records --input holds, for the progress bar's ETA: its non-blank lines, or its array's length.
-    Counted on a side thread while the model loads; None where unknown (stdin, a file that does not parse)."""
-    space = JSON_SPACE.encode()
-    with contextlib.suppress(OSError, UserError):
-        with open(path, "rb") as f:
-            head = f.read(1 << 16)
-            if head.lstrip(space).startswith(b"["):
-                return len(json_array(head + f.read(), path))
-            f.seek(0)
-            return sum(1 for line in f if line.strip(space))
-    return None
-
-
-# The files whose bytes decide a checkpoint's numbers besides the weights' values: what an edit in place (another
-# config, tokenizer or set of tensors at the same path) changes. The weights are not read (65 GB): a safetensors file
-# counts by its header (each tensor's name, dtype, shape and offsets) and its size.
-FINGERPRINT_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
-                     "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json", "tokenizer.model")
-
-
-def checkpoint_fingerprint(model_dir):
-    """A digest of model_dir's FINGERPRINT_FILES and safetensors headers: milliseconds, before the model loads."""
-    folder = model_folder(model_dir)
-    digest = hashlib.sha256()
-    for path in [folder / name for name in FINGERPRINT_FILES] + sorted(folder.glob("*.safetensors")):
-        try:
-            with open(path, "rb") as f:
-                if path.suffix != ".safetensors":
-                    data = f.read()
-                else:  # a corrupt length reads at most the header limit; the loader names what is wrong with it
-                    head = f.read(8)
-                    data = head + f.read(min(int.from_bytes(head, "little"), SAFETENSORS_MAX_HEADER)) + \
-                        os.fstat(f.fileno()).st_size.to_bytes(8, "little")
-        except FileNotFoundError:
-            data = b""
-        except OSError as e:
-            raise UserError(f"cannot read {path}: {e.strerror}") from None
-        digest.update(f"{path.name} {len(data)}\n".encode() + data)
-    return digest.hexdigest()[:DIGEST_HEX]
-
-
-def settings_digest(settings):
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-
-
-def numbers_digest(settings_key, *token_lists):
-    """What a record's numbers were computed from, in DIGEST_HEX hex digits: the run's settings (settings_key, the
-    settings_digest of everything OUT.settings.json holds: the options, the checkpoint's fingerprint, the kernels
-    picked) and the token ids (a text's; a record of another kind passes each of its token lists). --resume keeps a
-    record only where what the input gives now has the digest stored with it."""
-    digest = hashlib.sha256(settings_key.encode())
-    for ids in token_lists:
-        digest.update(len(ids).to_bytes(8, "little") + array.array("q", ids).tobytes())
-    return digest.hexdigest()[:DIGEST_HEX]
-
-
-def record_key(index, ids, record, settings_key):
-    """What a record of OUT must hold for --resume to take it as the input's: its index, token counts, id, and the
-    digest of the token ids (a continuation's context and continuation, each) and settings its numbers came from."""
-    key = {"index": index}
-    if isinstance(ids, Request):
-        key.update(tokens=len(ids.context) + len(ids.continuation), continuation_tokens=len(ids.continuation))
-    else:
-        key["tokens"] = len(ids)
-    return key | ({} if record.id is NO_ID else {"id": record.id}) | {"digest": record_digest(ids, settings_key)}
-
-
-def record_digest(ids, settings_key):
-    # a text's token ids, or a continuation's context and continuation, each
-    return numbers_digest(settings_key, *((ids.context, ids.continuation) if isinstance(ids, Request) else (ids,)))
-
-
-def output_line(result, ids, record, digest):
-    # a text's Score, or a continuation's Loglikelihood: there loss and nll_sum are the continuation's (its mean and
-    # summed NLL), as a text's are its predicted tokens'
-    fields = {"index": result.index}
-    if record.id is not NO_ID:
-        fields["id"] = record.id
-    if isinstance(result, Loglikelihood):
-        fields.update(tokens=len(ids.context) + len(ids.continuation), context_tokens=len(ids.context),
-                      continuation_tokens=result.tokens, loss=-result.logprob / result.tokens,
-                      nll_sum=-result.logprob, logprob=result.logprob, greedy=result.greedy)
-        if result.token_logprobs is not None:
-            fields["token_logprobs"] = result.token_logprobs
-    else:
-        fields.update(tokens=result.tokens, loss=result.loss, nll_sum=result.nll_sum)
-    fields["digest"] = digest
-    return json.dumps(fields) + "\n"  # floats as repr: the shortest text that reads back to the same bits
-
-
-def write_atomically(path, text):
-    # a kill leaves the old file or the new one, never a part of one
-    partial = f"{path}.{os.getpid()}.partial"
-    with open(partial, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
-
-
-# A SIGINT or SIGTERM that arrives while a batch's records are written waits until they are on disk, so that a
-# signal never leaves a partial record (main installs on_signal for both).
-SIGNALS_HELD = {"on": False, "pending": None}
-
-
-def on_signal(signum, frame):
-    if SIGNALS_HELD["on"]:
-        SIGNALS_HELD["pending"] = signum
-        return
-    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
-
-
-@contextlib.contextmanager
-def signals_held():
-    SIGNALS_HELD["on"] = True
-    try:
-        yield
-    finally:
-        SIGNALS_HELD["on"] = False
-        signum, SIGNALS_HELD["pending"] = SIGNALS_HELD["pending"], None
-        if signum:
-            on_signal(signum, None)
-
-
-def record_differences(got, want):
-    """How a record OUT holds differs from the one the input gives now (want): a list of phrases, empty if none."""
-    if not (isinstance(got, dict) and isinstance(got.get("nll_sum"), float)):
-        return ["it is not a record prefill writes"]
-    differs = [f"{key} {shown(got[key]) if key in got else 'absent'} there, {shown(want[key])} now" for key in want
-               if key not in got or json.dumps(got[key]) != json.dumps(want[key])]
-    return differs + (["an id there, none now"] if "id" in got and "id" not in want else [])
-
-
-class CorpusOutput:
-    """OUT.jsonl, appended a batch at a time. With --resume, each batch the file already holds whole is checked
-    against the input (index, tokens, id, and the digest of the token ids and settings its numbers came from) and
-    skipped; at the first it does not hold whole (the one a kill cut: whole records and a cut line alike) the file is
-    cut back to the batch's start and scoring goes on. Batches are cut from token counts alone and each batch's
-    numbers are the same on every run, so the finished file is byte for byte what one uninterrupted run writes.
-    OUT.settings.json (settings) is written just before OUT first changes: a refused resume leaves both as they were."""
-
-    def __init__(self, path, resume, settings):
-        self.path, self.records, self.size = path, 0, 0  # records and bytes that are whole batches
-        self.settings, self.settings_key = settings, settings_digest(settings)
-        self.old = open(path, "rb") if resume and os.path.exists(path) and os.path.getsize(path) else None
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        if self.old is None:
-            os.ftruncate(self.fd, 0)  # empty already, or absent: check_output refused anything else
-
-    def holds(self, batch):
-        """The batch's records as OUT holds them (dicts), or None where it does not hold the whole batch. Whole lines
-        are checked against the input even then: a wrong input must not pass for a cut batch."""
-        if self.old is None:
-            return None
-        lines = list(itertools.takewhile(lambda line: line.endswith(b"\n"), (self.old.readline() for _ in batch)))
-        records = []
-        for line_no, line, (index, ids, record) in zip(itertools.count(self.records + 1), lines, batch):
-            want = record_key(index, ids, record, self.settings_key)
-            try:
-                got = json.loads(line)
-            except ValueError:
-                got = None
-            differs = record_differences(got, want)
-            if differs:
-                why = ("it was scored from another text than the input holds there now, or with another checkpoint "
-                       "or setting." if differs[0].startswith("digest ") else
-                       "another input, tokenizer or --id-field?")
-                raise UserError(f"{self.path} line {line_no} does not match {record.where} ({'; '.join(differs)}): "
-                                f"{why} Resume with the input and settings it was made with, or move {self.path} "
-                                "away to score afresh")
-            records.append(got)
-        if len(records) < len(batch):  # the end of what an interrupted run wrote: whole records, maybe a cut line
-            self._cut()
-            return None
-        self.records += len(batch)
-        self.size += sum(map(len, lines))
-        return records
-
-    def _settings_written(self):
-        if self.settings is not None:
-            write_atomically(self.path + ".settings.json", json.dumps(self.settings))
-            self.settings = None
-
-    def append(self, scores, batch):
-        self._settings_written()
-        data = memoryview("".join(output_line(s, ids, record, record_digest(ids, self.settings_key))
-                                  for s, (_, ids, record) in zip(scores, batch)).encode())
-        with signals_held():
-            written = len(data)
-            while data:
-                data = data[os.write(self.fd, data):]
-            os.fsync(self.fd)
-            self.records += len(batch)
-            self.size += written
-
-    def close(self):
-        if self.old is not None:  # every batch of the input was there already
-            if b"\n" in self.old.read():
-                raise UserError(f"{self.path} holds more records than the input ({self.records}): another input?")
-            self._cut()
-        os.close(self.fd)
-
-    def _cut(self):
-        self._settings_written()
-        self.old.close()
-        self.old = None
-        os.ftruncate(self.fd, self.size)
 
 
 class Progress:
@@ -4568,274 +4123,6 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
 
-
-# ----------------------------------------------------------------------------- distributed
-# Under torchrun (WORLD_SIZE > 1; README: Several GPUs) every rank loads the model on its own GPU (LOCAL_RANK) with its
-# own memory plan, reads and tokenizes the same input, and so cuts the same batches (batches() looks at token counts
-# alone). The ranks claim whole batches from a shared counter as they become free. A batch runs whole on one rank, so
-# its numbers are those of a 1-process run on the same GPU model, bit for bit (the same GEMM shapes), whichever rank
-# ran it. Rank 0 alone speaks: it prints `ready` once every rank is ready, reads the request, writes OUT in input order
-# and logs; the other ranks compute, publish and stay silent (their errors reach the user through rank 0's line).
-# What crosses between ranks is a few bytes a batch (its texts' float64 NLL sums), the request line and rank 0's
-# picks. They go through torchrun's own TCPStore (torch.distributed.rendezvous("env://")), not a process group: it
-# works the same with CPU, CUDA and ROCm builds (no NCCL/RCCL, so none of their 10-minute timeouts), its atomic add
-# makes claiming race-free, and torchrun's agent hosts it, so it outlives a dying rank, whose error stays readable.
-# A rank that dies on this node is seen by its torchrun agent within --monitor-interval (0.1 s) and the others get
-# SIGTERM (the 143 path: after the batch being written, with the resume line). A rank on another node that dies
-# without a word stops its heartbeat, and the ranks waiting on it stop after PEER_SILENT_S.
-
-POLL_S = 0.05         # how often a waiting rank looks at the store (TCPStore.wait's timeout logs a C++ warning)
-BEAT_S = 1.0
-PEER_SILENT_S = 30.0  # a rank whose heartbeat has not moved for this long is gone (its node down, or hung)
-SPEAK_WAIT_S = 10.0   # how long a failing rank > 0 waits for rank 0 to report the failure
-QUIET = {"on": False}  # ranks > 0 log nothing: rank 0 speaks for all
-
-
-class PeerFailed(Exception):
-    """Another rank failed or fell silent; the message names it and, where known, why."""
-
-
-def only_rank_gpu(env, local_rank, hip):
-    """Leaves this rank's GPU (LOCAL_RANK of those visible) the only one the runtime will see, as device 0; returns
-    the variable set. torch.cuda.set_device would not do: the current device is per thread, and the start-up checks,
-    loading threads, copier and Triton launches would work on GPU 0 (seen on the 2-GPU H200: rank 1's start-up
-    allocated on GPU 0 and rank 0 ran out of memory). Read once, when the runtime starts: before any CUDA call. HIP
-    reads HIP_VISIBLE_DEVICES (ROCm docs, reference/env-variables: HIP GPU isolation variables; whether it also reads
-    CUDA_VISIBLE_DEVICES differs between ROCm versions), relative to ROCR_VISIBLE_DEVICES where that is set."""
-    name = "HIP_VISIBLE_DEVICES" if hip else "CUDA_VISIBLE_DEVICES"
-    visible = [v for v in env.get(name, "").split(",") if v.strip()]
-    if visible and local_rank >= len(visible):
-        raise UserError(f"LOCAL_RANK {local_rank}, but {name}={env[name]} names {len(visible)} GPU(s): give torchrun "
-                        "at most that --nproc-per-node")
-    env[name] = visible[local_rank].strip() if visible else str(local_rank)
-    return name
-
-
-class Group:
-    """This process's rank among torchrun's, and the store the ranks share."""
-
-    def __init__(self, env, device):
-        try:
-            self.rank, self.world, self.local_rank = (int(env[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-        except (KeyError, ValueError):
-            raise UserError("WORLD_SIZE > 1 but no RANK and LOCAL_RANK: start prefill.py with torchrun") from None
-        self.nodes = self.world // int(env.get("LOCAL_WORLD_SIZE", self.world))
-        if device != "cpu":  # `cuda` below is then this rank's GPU, in every thread
-            name = only_rank_gpu(env, self.local_rank, hip=torch.version.hip is not None)
-            if not torch.cuda.is_available() and gpu_vendor_here():
-                raise UserError(f"LOCAL_RANK {self.local_rank}: no such GPU here ({name}={env[name]}); give torchrun "
-                                "at most as many --nproc-per-node as there are GPUs")
-        try:
-            store, _, _ = next(torch.distributed.rendezvous("env://", timeout=datetime.timedelta(seconds=60)))
-        except (RuntimeError, ValueError) as e:
-            raise UserError(f"cannot reach torchrun's store: {e}") from None
-        # a prefix per torchrun restart: a restarted group must not read the keys of the one before
-        self.store = torch.distributed.PrefixStore(f"prefill/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
-        self.store.set(f"proc/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
-        self.beats, self.stopping, self.closed = {}, threading.Event(), threading.Event()
-        self.beater = threading.Thread(target=self._beat, args=(self.store.clone(),), name="prefill-heartbeat",
-                                       daemon=True)
-        self.beater.start()
-        for signum in (signal.SIGINT, signal.SIGTERM):  # a side thread waiting on the store must let go too
-            handler = signal.getsignal(signum)
-            if callable(handler):
-                signal.signal(signum, lambda signum, frame, then=handler: (self.stopping.set(), then(signum, frame)))
-
-    @staticmethod
-    def from_env(device):
-        return Group(os.environ, device) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
-
-    def _beat(self, store):
-        with contextlib.suppress(Exception):  # the store has gone: so has the run
-            while not self.closed.is_set():
-                store.add(f"beat/{self.rank}", 1)
-                self.closed.wait(BEAT_S)
-
-    def close(self):
-        # the heartbeat ends before the interpreter does: a daemon thread inside the store's C++ client at exit can
-        # abort the process ("terminate called without an active exception", seen in CI on a rank's error exit)
-        self.closed.set()
-        self.beater.join(timeout=2 * BEAT_S)
-
-    def spoke(self):  # rank 0 has said why the run ends
-        self.set("spoken")
-
-    def await_rank_zero(self):
-        # a rank > 0 that fails waits (bounded) for rank 0 to say why, on stderr, before its own exit makes torchrun
-        # SIGTERM rank 0, which may still be importing torch and die without a word
-        end = time.monotonic() + SPEAK_WAIT_S
-        with contextlib.suppress(Exception):
-            while not self.store.check(["spoken"]) and time.monotonic() < end:
-                time.sleep(POLL_S)
-
-    def set(self, key, value=b""):
-        self.store.set(key, value)
-
-    def claim(self):
-        return self.store.add("claimed", 1) - 1
-
-    def has(self, key):
-        return self.store.check([key])
-
-    def wait(self, key):
-        """The value of key once a rank has set it; PeerFailed if a rank fails or falls silent first."""
-        checked = 0.0
-        while not self.store.check([key]):
-            if time.monotonic() - checked >= BEAT_S:
-                self.check_peers()
-                checked = time.monotonic()
-            time.sleep(POLL_S)
-        return self.store.get(key)
-
-    def check_peers(self):
-        if self.stopping.is_set():
-            raise PeerFailed("stopped by a signal")
-        if self.store.check(["failed"]):
-            raise PeerFailed(self.store.get("failed").decode())
-        now = time.monotonic()
-        for rank in range(self.world):
-            if rank == self.rank or self.store.check([f"done/{rank}"]):
-                continue
-            count = self.store.add(f"beat/{rank}", 0)
-            if self.beats.get(rank, (None,))[0] != count:
-                self.beats[rank] = (count, now)
-            elif count and now - self.beats[rank][1] > PEER_SILENT_S:  # from its first beat: imports can be slow
-                raise PeerFailed(f"rank {rank} has been silent for {PEER_SILENT_S:.0f} s (its node down, or hung)")
-
-    def fail(self, line):  # the first rank to fail is the one the others report
-        with contextlib.suppress(Exception):
-            self.store.compare_set("failed", "", f"rank {self.rank}: {line}")
-
-    def cause(self):
-        """Why the run is being stopped, as far as this rank can tell: the first failure a rank recorded, else a rank
-        of this node whose process has gone without recording one (SIGKILL, the OOM killer), else None."""
-        with contextlib.suppress(Exception):
-            if self.store.check(["failed"]):
-                return self.store.get("failed").decode()
-            for rank in range(self.world):
-                if rank != self.rank and self.store.check([f"proc/{rank}"]):
-                    host, pid = self.store.get(f"proc/{rank}").decode().split()
-                    if host == socket.gethostname() and not process_alive(int(pid)):
-                        return f"rank {rank} (pid {pid}) ended without an error: killed by a signal or the OOM killer?"
-        return None
-
-    def relaunch(self):  # how this run was started, for the resume line: torchrun's module, whatever its spelling was
-        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.world // self.nodes}"] + (
-            [f"--nnodes={self.nodes}", "<the same rendezvous options>"] if self.nodes > 1 else ["--standalone"])
-
-
-def process_alive(pid):
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except (OSError, IndexError):
-        return False
-
-
-class RankZeroPicks(Picks):
-    """Ranks > 0 take rank 0's timing-based choices: timed on several GPUs at once, they could differ, and with them the
-    numbers. Rank 0 publishes its choices once loaded; this rank's check of the candidates runs meanwhile."""
-
-    def __init__(self, group):
-        super().__init__(None, None)  # nothing is read, written or timed here
-        self.group = group
-
-    def get(self, what):
-        return json.loads(self.group.wait("picks")).get(what)
-
-
-def publish_picks(group, runner, attention, experts):
-    kept = {f"attention {attention} {label}": name for label, name in runner.attention.items()}
-    group.set("picks", json.dumps(dict(kept, blas=runner.blas, **{f"experts {experts}": runner.experts})))
-
-
-def all_ready(group):
-    group.set(f"ready/{group.rank}")
-    for rank in range(group.world):
-        group.wait(f"ready/{rank}")
-
-
-def published(results):
-    # a batch's numbers for rank 0: a text's NLL sum (float64 bytes); a continuation's log-prob, greedy and token
-    # log-probs (JSON: floats as repr, the same bits back)
-    if results and isinstance(results[0], Loglikelihood):
-        return json.dumps([[r.logprob, r.greedy, r.token_logprobs] for r in results])
-    return array.array("d", (s.nll_sum for s in results)).tobytes()
-
-
-def received(batch, data):
-    # published()'s numbers back into the batch's Scores or Loglikelihoods
-    if batch and isinstance(batch[0][1], Request):
-        return [Loglikelihood(index, logprob, len(request.continuation), greedy, token_logprobs)
-                for (index, request, _), (logprob, greedy, token_logprobs) in zip(batch, json.loads(data))]
-    return scores_of(batch, array.array("d", data).tolist())
-
-
-def scored_batches(runner, batches, output, token_logprobs=False):
-    """(batch, its Scores (or Loglikelihoods), None) of each batch, in order, or (batch, None, records) for those OUT
-    holds (--resume). Where the plan's wave holds more than a batch (a MoE model's planned wave), consecutive batches
-    of texts run as one wave, up to its tokens: the same numbers, each layer copied once for all of them."""
-    group, tokens, grouping = [], 0, runner.plan.wave_tokens > runner.plan.batch_tokens
-    for batch in itertools.chain(batches, [None]):
-        held = output.holds(batch) if output and batch is not None else None
-        texts = grouping and batch is not None and held is None and not (batch and isinstance(batch[0][1], Request))
-        n = sum(len(ids) for _, ids, _ in batch) if texts else 0
-        if group and not (texts and tokens + n <= runner.plan.wave_tokens):
-            yield from zip(group, runner.score_wave(group), itertools.repeat(None))
-            group, tokens = [], 0
-        if texts:
-            group.append(batch)
-            tokens += n
-        elif batch is not None:
-            yield batch, (None if held is not None else runner.score_any(batch, token_logprobs)), held
-
-
-def claimed_in_order(group, runner, batches, output, token_logprobs=False):
-    """Rank 0: scored_batches over every rank. It checks what OUT holds (--resume), tells the ranks where scoring
-    starts, then claims and scores batches like every rank, and yields each batch in order once its scores are here."""
-    pending, start, mine, k = collections.deque(), None, None, -1  # pending: [k, batch, Scores or None], in order
-
-    def ready(k, batch, scores):
-        if scores is None:  # another rank's: its numbers, and this rank's tally of what was scored
-            scores = received(batch, group.wait(f"sums/{k}"))
-            group.store.delete_key(f"sums/{k}")
-            runner.tally(batch, scores)
-        return batch, scores, None
-
-    for k, batch in enumerate(batches):
-        if start is None:
-            held = output.holds(batch) if output else None
-            if held is not None:
-                yield batch, None, held
-                continue
-            start = k
-            group.set("start", str(start))
-            mine = start + group.claim()
-        scores = None
-        if k == mine:
-            scores = runner.score_any(batch, token_logprobs)
-            mine = start + group.claim()
-        pending.append((k, batch, scores))
-        while pending and (pending[0][2] is not None or group.has(f"sums/{pending[0][0]}")):
-            yield ready(*pending.popleft())
-    if start is None:  # OUT held every batch (or there were none)
-        group.set("start", str(k + 1))
-    while pending:
-        yield ready(*pending.popleft())
-
-
-def score_claimed(group, runner, batches, token_logprobs=False):
-    """Ranks > 0: the batches this rank claims, scored, their numbers published for rank 0."""
-    start = int(group.wait("start"))
-    mine = start + group.claim()
-    for k, batch in enumerate(batches):
-        if k == mine:
-            group.set(f"sums/{k}", published(runner.score_any(batch, token_logprobs)))
-            mine = start + group.claim()
-        group.check_peers()  # rank 0 gone on another node: stop rather than score for nobody
-    group.set(f"done/{group.rank}")
-
-
-# ----------------------------------------------------------------------------- protocol / CLI
 
 def parse_request(data, source="stdin"):
     """The protocol's request: one JSON array of strings (bytes or str), on one line."""
@@ -4888,6 +4175,7 @@ def bounded(kind, low, high):
 
 
 MAX_TOKENS = 2**31 - 1  # cu_seqlens are int32
+PAIR_FIELDS = ("context", "continuation")  # --context-field, --continuation-field
 
 
 def parse_args(argv):
@@ -5016,201 +4304,41 @@ def check_writable(path, option="--stats"):
         os.unlink(path)
 
 
-def corpus_settings(args):
-    """The settings an --output file's numbers depend on that are known before the model loads: the options, and the
-    fingerprint of the checkpoint's files (an edit in place keeps the path). Kept beside OUT in OUT.settings.json to
-    name what changed, and digested into each record (numbers_digest) to prove nothing did."""
-    return {"model": str(Path(args.model).resolve()), "checkpoint": checkpoint_fingerprint(args.model),
-            "text_field": args.text_field, "id_field": args.id_field, "context_field": args.context_field,
-            "continuation_field": args.continuation_field, "token_logprobs": args.token_logprobs,
-            "chunk_tokens": args.chunk_tokens,
-            "wave_tokens": args.wave_tokens, "attention": args.attention, "kernels": args.kernels,
-            "device": args.device or "auto"}
 
 
-def picked_settings(runner):
-    """The settings that the start-up picks among those the options allow (by the picks file, which can change
-    between runs, or by the GPU itself): the rest of what the numbers depend on, known once the model is loaded."""
-    device = runner.device
-    # a mixture of experts' expert kernel (a dense model's settings are what they were: its records' digests stay
-    # valid). Not the wave planned for it: batches are cut at WAVE_STEP tokens whatever the wave (score_wave).
-    moe = {"experts": runner.experts} if runner.experts else {}
-    return {**{f"attention {label}": name for label, name in runner.attention.items()},
-            "elementwise kernels": runner.kernels.name, "blas": runner.blas,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type, **moe}
+def runner_of(args, wave_tokens, picks=None):
+    """The Runner the command line's options ask for, with wave_tokens (None: planned, for a mixture of experts' corpus)
+    and picks (None: the --picks file's; a rank > 0 takes rank 0's)."""
+    return Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
+                  kernels=args.kernels, chunk_tokens=args.chunk_tokens, wave_tokens=wave_tokens, load=args.load,
+                  pin=args.pin, host_memory_gib=args.host_memory, experts=args.experts,
+                  picks=args.picks if picks is None else picks)
 
 
-def settings_changes(kept, now):
-    # "key then, now now" for each setting of `now` that OUT.settings.json (`kept`, {} when unreadable) holds otherwise;
-    # one it lacks is left to the records' digests, which cover every setting
-    return [f"{key} {shown(kept[key])}, now {shown(now[key])}" for key in now if key in (kept or {}) and
-            kept[key] != now[key]]
-
-
-def check_output(args):
-    """--output, before the model loads: never clobber an earlier run; resume it only with its own settings. Returns
-    this run's settings (corpus_settings) and those OUT.settings.json holds (None: nothing to resume; {}: unreadable,
-    when the records' digests alone prove the settings)."""
-    if not args.input:
-        raise UserError("--output needs --input FILE")
-    check_writable(args.output, "--output")
-    size = os.path.getsize(args.output) if os.path.exists(args.output) else 0
-    if size and args.input != "-" and os.path.exists(args.input) and os.path.samefile(args.input, args.output):
-        raise UserError(f"--output {args.output} is the --input file")
-    now = corpus_settings(args)
-    if not size:
-        return now, None  # nothing there to lose
-    if not args.resume:
-        raise UserError(f"--output {args.output} exists ({size} bytes): pass --resume to continue it, or remove it")
-    with open(args.output, "rb") as f:
-        first = f.readline()
-    with contextlib.suppress(ValueError):  # a cut first line is the first batch to redo
-        record = json.loads(first)
-        if isinstance(record, dict) and "digest" not in record:
-            raise UserError(f"--output {args.output} was written by an older prefill.py, whose records carry no "
-                            "digest of the text and settings they were scored from, so none can be proven to match "
-                            f"this input: move {args.output} away to score afresh")
-    try:
-        kept = json.loads(Path(args.output + ".settings.json").read_text())
-    except (OSError, ValueError):
-        kept = {}
-    kept = kept if isinstance(kept, dict) else {}
-    changed = settings_changes(kept, now)
-    if changed:
-        raise UserError(f"--output {args.output} was made with other settings ({'; '.join(changed)}): resume with "
-                        "the same ones" + (" (checkpoint: a digest of config.json, the tokenizer files and the "
-                                           "safetensors headers)" if "checkpoint" in kept and
-                                           kept["checkpoint"] != now["checkpoint"] else ""))
-    return now, kept
-
-
-def serve(args, protocol, group=None):
-    writer = group is None or group.rank == 0  # rank 0 alone writes OUT and speaks the protocol
-    records = total = settings = kept = None
-    pairs = False  # the records are continuations (context and continuation fields), not texts
-    if args.wave_tokens is None:  # None (the Runner plans it): a mixture of experts' corpus, on one process (under
-        # torchrun the ranks claim batches one at a time, so a wave is one batch there)
-        moe = args.input and not group and ModelConfig.from_dir(args.model).num_experts
-        args.wave_tokens = None if moe else WAVE_STEP
-    if args.doctor and group:
-        raise UserError("--doctor reports on one process: run it without torchrun")
-    if args.output:
-        if writer:
-            settings, kept = check_output(args)
-    elif args.resume:
-        raise UserError("--resume needs --output OUT")
-    if args.input:  # the input opens and its first records (all of them without --output) parse before the load
-        records = read_records(args.input, args.text_field, args.id_field,
-                               (args.context_field, args.continuation_field))
-        head = list(itertools.islice(records, CHECKED_RECORDS if args.output else None))
-        if len(head) < CHECKED_RECORDS or not args.output:
-            total = len(head)
-        elif args.input != "-":  # counted while the model loads, for the progress bar's ETA
-            counter = ThreadPoolExecutor(1)
-            total = counter.submit(count_records, args.input)
-            counter.shutdown(wait=False)
-        records = itertools.chain(head, records)
-        pairs = bool(head) and head[0].text is None
-        if args.token_logprobs and not pairs:
-            raise UserError("--token-logprobs: the input's records are texts; it applies to context/continuation "
-                            "records (a text's token log-probs: give it as the continuation of its first token)")
-    if args.stats and writer:
-        check_writable(args.stats)
-    runner = Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
-                    kernels=args.kernels, chunk_tokens=args.chunk_tokens,
-                    wave_tokens=args.wave_tokens,
-                    load=args.load, pin=args.pin, host_memory_gib=args.host_memory, experts=args.experts,
-                    picks=args.picks if writer else RankZeroPicks(group))
-    if group and writer:
-        publish_picks(group, runner, args.attention, args.experts)
-    if settings is not None:
-        settings.update(picked := picked_settings(runner))
-        changed = settings_changes(kept, picked)
-        if changed:
-            raise UserError(f"--output {args.output} was made with other kernels than this start-up picked "
-                            f"({'; '.join(changed)}): the picks file (--picks) or the GPU changed since; resume with "
-                            f"the picks file it was made with, or move {args.output} away to score afresh")
+def warmed_up(runner):  # seconds the warm-up took
     t0 = time.perf_counter()
     runner.warm_up()
-    warm_up_s = time.perf_counter() - t0
-    if group:
-        all_ready(group)
-    if args.doctor:
-        lines, figures, problems = doctor(runner)
-        protocol.write("".join(line + "\n" for line in lines))
-        protocol.flush()
-        if args.stats:
-            Path(args.stats).write_text(json.dumps(dict(figures, lines=lines), indent=1))
-        return 2 if problems else 0
-    runner.since_start_s["ready"] = since_process_start()
-    if records is None and not writer:
-        line = group.wait("request")  # rank 0's request line, parsed here too: a bad one fails every rank alike
-    elif records is None:
-        ready_s = runner.since_start_s["ready"]
-        log(f"ready (warm-up {warm_up_s:.1f} s" + (f"; {ready_s:.1f} s since the process started)" if ready_s else ")"))
-        protocol.write("ready\n")
-        protocol.flush()
-        line = sys.stdin.buffer.readline()
-        if not line:
-            log("stdin closed before a request arrived")
-            return 1
-        if group:
-            group.set("request", line)
-    if records is None:
-        records = [Record(text) for text in parse_request(line)]
-        total = len(records)
-    if pairs:
-        batches = runner.batches(records, pair=lambda record: (record.context, record.continuation))
-    else:
-        batches = runner.batches(records, text=lambda record: record.text)
-    if not writer:  # computes and publishes; rank 0 writes, prints and logs
-        score_claimed(group, runner, batches, args.token_logprobs)
-        return 0
-    t_start, start_unix_s = time.perf_counter(), time.time()  # wall clock: bench times a corpus run's ready
-    output = CorpusOutput(args.output, args.resume, settings) if args.output else None
-    announce = output is not None and args.resume  # where a resumed run picks up, once it is known
-    scores, resumed = [], {"texts": 0, "tokens": 0, "predicted_tokens": 0, "nll_sum": 0.0}
-    progress = Progress(total.result() if hasattr(total, "result") else total, "request" if pairs else "text")
-    runner.stats = {}
-    try:
-        for batch, batch_scores, held in (claimed_in_order(group, runner, batches, output, args.token_logprobs)
-                                          if group else scored_batches(runner, batches, output, args.token_logprobs)):
-            if held is not None:  # --resume: already in OUT, checked against the input
-                for r in held:
-                    resumed.update(texts=resumed["texts"] + 1, tokens=resumed["tokens"] + r["tokens"],
-                                   predicted_tokens=resumed["predicted_tokens"]
-                                   + r.get("continuation_tokens", max(0, r["tokens"] - 1)),
-                                   nll_sum=resumed["nll_sum"] + r["nll_sum"])
-                progress.add(len(batch), 0, held=True)
-                continue
-            if announce:
-                log(f"resume: {resumed['texts']} {progress.unit}s of {args.output} match the input and are kept; "
-                    f"scoring from {progress.unit} {batch[0][0]} ({batch[0][2].where})")
-                announce = False
-            if output:
-                output.append(batch_scores, batch)
-            else:
-                scores += batch_scores
-            progress.add(len(batch), sum(s.tokens for s in batch_scores))
-        if announce:
-            log(f"resume: all {resumed['texts']} {progress.unit}s of {args.output} match the input and are kept; "
-                "none is left to score")
-        if output:
-            output.close()
-    except (KeyboardInterrupt, Terminated, PeerFailed) as e:
-        if output:  # to paste as it is: this interpreter (or torchrun's module under it), the arguments quoted
-            command = shlex.join((group.relaunch() if group else [sys.executable]) + args.command
-                                 + ([] if args.resume else ["--resume"]))
-            e.add_note(f"{output.records} of {progress.total or 'all'} {progress.unit}s done in {args.output}; "
-                       "resume with: "
-                       f"{command}")
-        raise
-    finally:
-        progress.close()
-    if not output:  # all at once: never a partial set
-        protocol.write("".join(f"{math.nan if s.loss is None else s.loss!r}\n" for s in scores))
-        protocol.flush()
-    elapsed = time.perf_counter() - t_start
+    return time.perf_counter() - t0
+
+
+def request_line(runner, warm_up_s, protocol):
+    """`ready` on the protocol's stdout, then the request line read from stdin (b"" if stdin closed first)."""
+    ready_s = runner.since_start_s["ready"]
+    log(f"ready (warm-up {warm_up_s:.1f} s" + (f"; {ready_s:.1f} s since the process started)" if ready_s else ")"))
+    protocol.write("ready\n")
+    protocol.flush()
+    return sys.stdin.buffer.readline()
+
+
+def print_losses(protocol, scores):  # all at once: never a partial set
+    protocol.write("".join(f"{math.nan if s.loss is None else s.loss!r}\n" for s in scores))
+    protocol.flush()
+
+
+def report(args, runner, elapsed, warm_up_s, start_unix_s, unit="text", resumed=None, group=None):
+    """The run's closing line on stderr, and its figures in --stats FILE. resumed: what --resume kept of --output (its
+    texts, tokens, predicted_tokens and nll_sum), counted in the totals."""
+    resumed = resumed or {"texts": 0, "tokens": 0, "predicted_tokens": 0, "nll_sum": 0.0}
     run = runner.stats
     run.setdefault("texts", run.get("requests", 0))  # a continuation counts as its record
     texts, tokens, predicted, nll_sum = (resumed[key] + run.get(key, 0)
@@ -5236,13 +4364,13 @@ def serve(args, protocol, group=None):
         log(f"warning: {run['texts_over_wave']} text(s) longer than --wave-tokens {runner.plan.wave_tokens} ran as "
             "waves of their own")
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in stats["phases"].items())
-    unit = progress.unit + "s"
-    earlier = f" ({resumed['texts']} {unit} were in {args.output} already)" if resumed["texts"] else ""
+    units = unit + "s"
+    earlier = f" ({resumed['texts']} {units} were in {args.output} already)" if resumed["texts"] else ""
     corpus = f"mean NLL {mean_nll:.4f} a predicted token, perplexity {stats['perplexity']:.4g}" if predicted else \
         "no token predicted"
     shared = (f", {run['tokens_computed']} computed for {run['tokens_requested']} requested"
               if run.get("tokens_requested") else "")  # a prefix tree's
-    log(f"{texts} {unit}, {tokens} tokens{shared}: {corpus}; scored {stats['scored_tokens']} tokens{earlier} in "
+    log(f"{texts} {units}, {tokens} tokens{shared}: {corpus}; scored {stats['scored_tokens']} tokens{earlier} in "
         f"{elapsed:.2f} s{f' on {group.world} ranks' if group else ''}, {stats['tokens_per_s']:.0f} tokens/s ({phases}); streamed "
         f"{run.get('streamed_bytes', 0) / 1e9:.1f} GB" + (" (rank 0)" if group else ""))
     if args.stats:
@@ -5250,6 +4378,31 @@ def serve(args, protocol, group=None):
             Path(args.stats).write_text(json.dumps(stats, indent=1))
         except OSError as e:
             raise UserError(f"--stats {args.stats} cannot be written: {e.strerror}") from None
+
+
+def serve_protocol(args, protocol):
+    """The contest's protocol on one process: the model loads and warms up, `ready`, one request line, its texts
+    scored by Runner.score and their losses printed in order."""
+    if args.stats:
+        check_writable(args.stats)
+    runner = runner_of(args, args.wave_tokens or WAVE_STEP)
+    warm_up_s = warmed_up(runner)
+    runner.since_start_s["ready"] = since_process_start()
+    line = request_line(runner, warm_up_s, protocol)
+    if not line:
+        log("stdin closed before a request arrived")
+        return 1
+    texts = parse_request(line)
+    t0, start_unix_s = time.perf_counter(), time.time()  # wall clock: bench times a run's ready
+    progress, scores = Progress(len(texts)), []
+    try:
+        for score in runner.score(texts):
+            scores.append(score)
+            progress.add(1, score.tokens)
+    finally:
+        progress.close()
+    print_losses(protocol, scores)
+    report(args, runner, time.perf_counter() - t0, warm_up_s, start_unix_s)
     return 0
 
 
@@ -5260,6 +4413,47 @@ def one_line(message):  # an error line stays one short line, whatever a path or
 
 class Terminated(BaseException):
     """SIGTERM, raised in the main thread as SIGINT raises KeyboardInterrupt: no `except Exception` swallows it."""
+
+
+class PeerFailed(Exception):
+    """Under torchrun, another rank failed or fell silent (prefill_dist.py); the message names it and, where known,
+    why."""
+
+
+# A SIGINT or SIGTERM that arrives while a batch's records are written waits until they are on disk, so that a
+# signal never leaves a partial record (main installs on_signal for both).
+SIGNALS_HELD = {"on": False, "pending": None}
+
+
+def on_signal(signum, frame):
+    if SIGNALS_HELD["on"]:
+        SIGNALS_HELD["pending"] = signum
+        return
+    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+
+
+@contextlib.contextmanager
+def signals_held():
+    SIGNALS_HELD["on"] = True
+    try:
+        yield
+    finally:
+        SIGNALS_HELD["on"] = False
+        signum, SIGNALS_HELD["pending"] = SIGNALS_HELD["pending"], None
+        if signum:
+            on_signal(signum, None)
+
+
+def sibling(module, what):
+    """A sibling file of this one (prefill_corpus, prefill_dist, prefill_doctor), imported when `what` asks for it;
+    a prefill.py copied alone, as the contest takes it, says what is missing in one line."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        raise UserError(f"{what} needs {module}.py beside prefill.py (this one runs the protocol and the Python API "
+                        "alone)") from None
 
 
 def main(argv=None):
@@ -5280,8 +4474,16 @@ def main(argv=None):
         return code
 
     try:
-        group = Group.from_env(args.device)
-        return serve(args, protocol, group)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            group = sibling("prefill_dist", "torchrun").Group.from_env(args.device)
+        if args.doctor:
+            if group:
+                raise UserError("--doctor reports on one process: run it without torchrun")
+            return sibling("prefill_doctor", "--doctor").serve(args, protocol)
+        if group or args.input or args.output or args.resume:
+            return sibling("prefill_corpus", "--input" if args.input else "--output" if args.output else
+                           "--resume" if args.resume else "torchrun").serve(args, protocol, group)
+        return serve_protocol(args, protocol)
     except UserError as e:
         return failed(f"error: {one_line(str(e))}", 2)
     except torch.cuda.OutOfMemoryError:
@@ -5307,6 +4509,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    # the siblings' `import prefill` is this module, run as __main__: a second copy would have its own UserError,
+    # signal state and registrar
+    sys.modules.setdefault("prefill", sys.modules[__name__])
     for signum in (signal.SIGINT, signal.SIGTERM):  # 130 and 143 with one line, never amid a batch's records
         signal.signal(signum, on_signal)
     sys.exit(main())

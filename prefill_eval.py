@@ -21,6 +21,7 @@ from lm_eval.models.utils import has_bos_prefix
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 import prefill
+import prefill_dist
 
 GENERATIVE = "generate_until"
 NOT_GENERATING = "prefill scores log-likelihoods and does not generate text"
@@ -65,7 +66,7 @@ class PrefillLM(TemplateLM):
         if self._world_size > 1:  # lm-eval's data parallel: torchrun's ranks, one GPU each
             self._rank = int(os.environ["RANK"])
             if self.options["device"] != "cpu":  # before the runtime starts: the rank's GPU alone is visible
-                prefill.only_rank_gpu(os.environ, int(os.environ["LOCAL_RANK"]), hip=torch.version.hip is not None)
+                prefill_dist.only_rank_gpu(os.environ, int(os.environ["LOCAL_RANK"]), hip=torch.version.hip is not None)
             if not torch.distributed.is_initialized():
                 torch.distributed.init_process_group("gloo")  # CPU tensors and objects: works beside any GPU
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import interact  # noqa: E402
 import prefill  # noqa: E402
+import prefill_doctor  # noqa: E402
 from bench.make_checkpoint import GEOMETRIES  # noqa: E402
 
 
@@ -153,7 +154,7 @@ def main(argv=None):
     del w
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        gbps, _ = prefill.h2d_gbps(device, prefill.pin_method(), cfg.layer_bytes)
+        gbps, _ = prefill_doctor.h2d_gbps(device, prefill.pin_method(), cfg.layer_bytes)
     else:
         gbps = 55.0  # SPEC §6's H200 figure: the CPU has no host->device copy
     best = max((c["grouped_tflops"], name) for chunk in report["chunks"] for name, c in chunk["candidates"].items())

@@ -42,6 +42,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import interact  # noqa: E402
 import prefill  # noqa: E402
+import prefill_doctor  # noqa: E402
 from bench import make_checkpoint, workload  # noqa: E402
 
 CONTEXT_GIB = 1.5  # what prefill's default budget leaves of the free memory for the CUDA context's growth
@@ -79,7 +80,7 @@ def measure_rates(cfg, device, chunk_tokens, moe_chunk_tokens):
     dense GEMMs on an attention chunk's rows, the grouped ones on an expert slice's routing."""
     layer = torch.empty(cfg.layer_numel, dtype=prefill.DTYPE)
     if device.type == "cuda":
-        h2d, _ = prefill.h2d_gbps(device, prefill.pin_method(), cfg.layer_bytes)
+        h2d, _ = prefill_doctor.h2d_gbps(device, prefill.pin_method(), cfg.layer_bytes)
         dense = prefill.gemm_tflops(device, prefill.gemm_shapes(cfg, chunk_tokens))
     else:  # the CPU: a host copy, and each GEMM timed the same way
         h2d = cfg.layer_bytes / seconds(lambda: torch.empty_like(layer).copy_(layer), device) / 1e9

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import interact
+import prefill_dist
 from test_prefill import CORPUS_ARGS, NEWLINE, TEXTS, batch_ends, corpus_file, corpus_in_process, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,9 +131,9 @@ def test_each_rank_sees_only_its_own_gpu(hip):
     import prefill
     name = "HIP_VISIBLE_DEVICES" if hip else "CUDA_VISIBLE_DEVICES"
     env = {}
-    assert prefill.only_rank_gpu(env, 1, hip) == name and env == {name: "1"}
+    assert prefill_dist.only_rank_gpu(env, 1, hip) == name and env == {name: "1"}
     env = {name: "4, 6,7"}
-    prefill.only_rank_gpu(env, 1, hip)
+    prefill_dist.only_rank_gpu(env, 1, hip)
     assert env == {name: "6"}
     with pytest.raises(prefill.UserError, match="names 3 GPU"):
-        prefill.only_rank_gpu({name: "4,6,7"}, 3, hip)
+        prefill_dist.only_rank_gpu({name: "4,6,7"}, 3, hip)

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 import torch
 
 import prefill
+import prefill_corpus
 
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -90,8 +91,8 @@ def expected_lines(data, text_field="text"):
             continue
         try:
             value = json.loads(line.decode("utf-8"))
-            record = (value.get(text_field), value.get("id", prefill.NO_ID)) if isinstance(value, dict) else \
-                (value, prefill.NO_ID)
+            record = (value.get(text_field), value.get("id", prefill_corpus.NO_ID)) if isinstance(value, dict) else \
+                (value, prefill_corpus.NO_ID)
             if not isinstance(record[0], str):
                 return None, number
             record[0].encode("utf-8")  # an escaped lone surrogate
@@ -115,11 +116,11 @@ line_kinds = st.one_of(
 
 
 def records_of(path, text_field):
-    return [(r.text, r.id) for r in prefill.read_records(path, text_field=text_field)]
+    return [(r.text, r.id) for r in prefill_corpus.read_records(path, text_field=text_field)]
 
 
 def id_key(value):  # ids compared as JSON text (a NaN id equals itself)
-    return "absent" if value is prefill.NO_ID else json.dumps(value)
+    return "absent" if value is prefill_corpus.NO_ID else json.dumps(value)
 
 
 @FUZZ

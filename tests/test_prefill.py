@@ -23,6 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import prefill
+import prefill_corpus
 from interact import reference_losses
 from test_fuzz import requests as fuzzed_requests
 
@@ -926,7 +927,7 @@ def input_faults(path, tmp_path):
 def output_faults(path, tmp_path):
     texts = tmp_path / "texts.jsonl"
     texts.write_text('"a b c"\n"d e"\n')
-    settings = {"model": str(path.resolve()), "checkpoint": prefill.checkpoint_fingerprint(path), "text_field": "text",
+    settings = {"model": str(path.resolve()), "checkpoint": prefill_corpus.checkpoint_fingerprint(path), "text_field": "text",
                 "id_field": "id", "chunk_tokens": 4096, "wave_tokens": 65536, "attention": "sdpa", "kernels": "auto",
                 "device": "cpu"}
     record = {"index": 0, "tokens": 1, "loss": None, "nll_sum": 0.0, "digest": "0123456789abcdef"}
@@ -1208,9 +1209,9 @@ def test_corpus_output_records_and_resume_from_any_cut(gqa_checkpoint, tmp_path,
     inputs = [json.loads(line) for line in texts.read_text().splitlines() if line]
     assert [r["index"] for r in records] == list(range(60))
     # each record's digest: of its token ids and of every setting OUT.settings.json holds
-    key = prefill.settings_digest(json.loads((tmp_path / "full.jsonl.settings.json").read_text()))
+    key = prefill_corpus.settings_digest(json.loads((tmp_path / "full.jsonl.settings.json").read_text()))
     ids = prefill.load_tokenizer(path)([g if isinstance(g, str) else g["text"] for g in inputs])
-    assert [r["digest"] for r in records] == [prefill.numbers_digest(key, t) for t in ids]
+    assert [r["digest"] for r in records] == [prefill_corpus.numbers_digest(key, t) for t in ids]
     for r, given in zip(records, inputs):
         assert list(r) == ["index"] + (["id"] if isinstance(given, dict) and "id" in given else []) + \
             ["tokens", "loss", "nll_sum", "digest"]
@@ -1331,12 +1332,12 @@ def test_a_kill_while_the_settings_are_written_leaves_the_old_file_whole(tmp_pat
 
     def killed(*args):
         raise KeyboardInterrupt
-    monkeypatch.setattr(prefill.os, "replace", killed)
+    monkeypatch.setattr(prefill_corpus.os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
-        prefill.write_atomically(settings, '{"new": 2}')
+        prefill_corpus.write_atomically(settings, '{"new": 2}')
     assert settings.read_text() == '{"old": 1}'
     monkeypatch.undo()
-    prefill.write_atomically(settings, '{"new": 2}')
+    prefill_corpus.write_atomically(settings, '{"new": 2}')
     assert settings.read_text() == '{"new": 2}'
 
 
@@ -1345,27 +1346,27 @@ def test_checkpoint_fingerprint_follows_config_tokenizer_and_headers_not_weight_
     path, _ = gqa_checkpoint
     copy = tmp_path / "copy"
     shutil.copytree(path, copy)
-    want = prefill.checkpoint_fingerprint(path)
-    assert prefill.checkpoint_fingerprint(copy) == want  # a copy elsewhere: the same files
+    want = prefill_corpus.checkpoint_fingerprint(path)
+    assert prefill_corpus.checkpoint_fingerprint(copy) == want  # a copy elsewhere: the same files
     shard = sorted(copy.glob("*.safetensors"))[0]
     tensors = load_file(shard)
     save_file({name: t + 1 for name, t in tensors.items()}, shard, {"format": "pt"})  # other values, same header
-    assert prefill.checkpoint_fingerprint(copy) == want  # the 65 GB of values are not read
+    assert prefill_corpus.checkpoint_fingerprint(copy) == want  # the 65 GB of values are not read
     changed = set()
     for name, edit in [("config.json", lambda t: t.replace("}", ', "note": 1}', 1)),
                        ("tokenizer_config.json", lambda t: t.replace("{", '{"model_max_length": 7, ', 1))]:
         (copy / name).write_text(edit((copy / name).read_text()))
-        changed.add(prefill.checkpoint_fingerprint(copy))
+        changed.add(prefill_corpus.checkpoint_fingerprint(copy))
     save_file({name: t for name, t in tensors.items() if name != min(tensors)}, shard, {"format": "pt"})
-    changed.add(prefill.checkpoint_fingerprint(copy))  # a header with other tensors
+    changed.add(prefill_corpus.checkpoint_fingerprint(copy))  # a header with other tensors
     assert len(changed) == 3 and want not in changed
     with pytest.raises(prefill.UserError, match="does not exist"):
-        prefill.checkpoint_fingerprint(tmp_path / "absent")
+        prefill_corpus.checkpoint_fingerprint(tmp_path / "absent")
 
 
 def test_bad_record_past_the_checked_ones_stops_with_whole_batches(gqa_checkpoint, tmp_path, monkeypatch, capsys):
     path, _ = gqa_checkpoint
-    monkeypatch.setattr(prefill, "CHECKED_RECORDS", 10)
+    monkeypatch.setattr(prefill_corpus, "CHECKED_RECORDS", 10)
     texts = corpus_file(tmp_path / "in.jsonl", 40, bad_line=35)
     out = tmp_path / "out.jsonl"
     rc, err = corpus_in_process(monkeypatch, capsys, path, "--input", texts, "--output", out)

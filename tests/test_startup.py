@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import prefill
+import prefill_doctor
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -374,8 +375,8 @@ def test_doctor_reports_every_decision_and_exits_0(tmp_path, monkeypatch, capsys
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(prefill, "take_stdout", lambda: report)
-    expected = prefill.unavailable_here
-    monkeypatch.setattr(prefill, "unavailable_here", lambda kind, device: None if kind == "torch-flash" else
+    expected = prefill_doctor.unavailable_here
+    monkeypatch.setattr(prefill_doctor, "unavailable_here", lambda kind, device: None if kind == "torch-flash" else
                         expected(kind, device))
     rc = prefill.main(["--model", str(tmp_path / "ckpt"), "--device", "cpu", "--doctor", "--stats", str(stats)])
     assert rc == 0, capsys.readouterr().err
@@ -400,15 +401,15 @@ def test_doctor_reports_every_decision_and_exits_0(tmp_path, monkeypatch, capsys
 
 
 def test_what_cannot_run_on_this_machine_by_design(monkeypatch):
-    assert prefill.unavailable_here("sdpa", CPU) is None
-    assert prefill.unavailable_here("torch-flash", CPU) == "a GPU kernel, not on the CPU"
-    assert prefill.unavailable_here("torch-flash", torch.device("cuda")) is None
+    assert prefill_doctor.unavailable_here("sdpa", CPU) is None
+    assert prefill_doctor.unavailable_here("torch-flash", CPU) == "a GPU kernel, not on the CPU"
+    assert prefill_doctor.unavailable_here("torch-flash", torch.device("cuda")) is None
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter runs its kernels on the CPU (the tests' way)
-    assert prefill.unavailable_here("triton", CPU) is None
-    monkeypatch.setattr(prefill, "triton", None)
-    assert prefill.unavailable_here("triton", torch.device("cuda")) == "triton is not installed"
-    monkeypatch.setattr(prefill, "package_version", lambda name: None)
-    assert prefill.unavailable_here("flash", torch.device("cuda")) == "flash_attn is not installed"
+    assert prefill_doctor.unavailable_here("triton", CPU) is None
+    monkeypatch.setattr(prefill_doctor, "triton", None)
+    assert prefill_doctor.unavailable_here("triton", torch.device("cuda")) == "triton is not installed"
+    monkeypatch.setattr(prefill_doctor, "package_version", lambda name: None)
+    assert prefill_doctor.unavailable_here("flash", torch.device("cuda")) == "flash_attn is not installed"
 
 
 def test_checkpoint_on_tmpfs_costs_no_host_memory_to_lock_in_place(tmp_path):
