@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
-"""Drive a prefill runner the way the contest harness does, time it and score it.
+"""Drive a prefill runner the way the contest harness does, time it and, on a real model, score it.
 
-    uv run interact.py                          # demo model + demo texts, runs ./prefill.py
+    uv run interact.py                          # demo model + demo texts, runs ./prefill.py: time and tokens/s
     uv run interact.py --model DIR --dataset DS --n 100 --seed 3 -- --gpu-memory 48
     uv run interact.py --model DIR --make-reference ref.json    # transformers, no runner
     uv run interact.py --model DIR --check ref.json
     uv run interact.py --model DIR --nproc 2    # the runner under torchrun, one process per GPU
 
-The protocol and the score are those of /work/shared/SPEC.md §2–3.
+The protocol is the contest harness's: start the runner with FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE, wait for
+`ready`, write the texts as one JSON line, read one loss per line, read stderr only once the runner has exited.
+The score is the contest's, made for Qwen3-32B on a W7800 (contest_score): on the demo's toy model, often on a CPU,
+it would mean nothing, so only a run with --model is scored.
 """
 
 import argparse
@@ -45,6 +48,7 @@ class UserError(Exception):
 
 
 def contest_score(t_seconds: float) -> float:
+    """The contest's score of T for its workload (100 texts, Qwen3-32B on a W7800): full marks up to 75 s."""
     if t_seconds <= 75:
         return 100.0
     if t_seconds >= 130:
@@ -770,8 +774,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             "Run a prefill runner exactly as the contest does: start `python RUNNER --model DIR RUNNER_ARGS` "
             "with FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE, wait for `ready`, send the texts as one JSON line, "
             "read one loss per line; its stderr is read only after it exits, as the contest does (keep it under "
-            "~64 KB). T runs from reading `ready` to reading the last loss; "
-            "score = 100 if T <= 75 s, 100*exp(-((T-75)/25)^2) up to 130 s, then 0."
+            "~64 KB). T runs from reading `ready` to reading the last loss. With --model, the contest's "
+            "score (set for Qwen3-32B on a W7800): 100 if T <= 75 s, 100*exp(-((T-75)/25)^2) up to 130 s, then 0; "
+            "the demo (no --model: a toy model, often on a CPU) is not scored. Tokens/s is shown where the texts "
+            "were made with the model's tokenizer (the demo, --dataset), not with --texts."
         ),
         epilog=(
             "Texts: --texts FILE, else --dataset DIR, else the built-in demo math chats. Dataset and demo "
@@ -814,7 +820,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default=1,
         metavar="N",
         help="start the runner under torchrun with N processes, one per GPU (`python -m torch.distributed.run "
-        "--standalone --nproc-per-node N RUNNER ...`; README: Several GPUs); default 1: plain `python RUNNER`",
+        "--standalone --nproc-per-node N RUNNER ...`; docs/distributed.md); default 1: plain `python RUNNER`",
     )
     p.add_argument("--timeout", type=float, default=1800, help="seconds before the runner is killed (default 1800)")
     p.add_argument(
@@ -845,20 +851,22 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--json",
         metavar="FILE",
-        help="write {texts, losses, t_seconds, time_to_ready_s, score, runner_cmd, stderr} to FILE",
+        help="write {texts, tokens, losses, t_seconds, time_to_ready_s, score, runner_cmd, stderr} to FILE (score and "
+        "tokens null where not shown)",
     )
     return p.parse_args(argv), runner_args
 
 
-def choose_texts(args, model_dir: Path) -> list[str]:
+def choose_texts(args, model_dir: Path) -> tuple[list[str], int | None]:
+    """The texts, and their token count where the model's tokenizer made them (the demo, --dataset); --texts loads
+    no tokenizer (None)."""
     if args.texts:
         texts = load_texts_file(args.texts, args.text_field)
-        return texts[: args.n] if args.n is not None else texts
+        return (texts[: args.n] if args.n is not None else texts), None
     tok = load_tokenizer(model_dir)
     n = 100 if args.n is None else args.n
-    if args.dataset:
-        return dataset_texts(args.dataset, tok, n, args.seed)
-    return demo_texts(tok, n, args.seed)
+    texts = dataset_texts(args.dataset, tok, n, args.seed) if args.dataset else demo_texts(tok, n, args.seed)
+    return texts, sum(len(ids) for ids in tok(texts)["input_ids"])
 
 
 def read_reference(path: str, texts: list[str]) -> list[float]:
@@ -905,7 +913,7 @@ def run(args, runner_args: list[str]) -> int:
         model_dir = demo_model_dir()
     if not (model_dir / "config.json").is_file():
         raise UserError(f"--model {model_dir}: no config.json there")
-    texts = choose_texts(args, model_dir)
+    texts, tokens = choose_texts(args, model_dir)
     if not texts:
         raise UserError("no texts to run")
     ref_losses = read_reference(args.check, texts) if args.check else None
@@ -937,16 +945,22 @@ def run(args, runner_args: list[str]) -> int:
         sys.stderr.write(result.stderr)
     for i, loss in enumerate(result.losses):
         print(f"{i:4d}  {loss:.6f}")
-    score = contest_score(result.t_seconds)
     print(f"time to ready: {result.time_to_ready_s:.2f} s")
     print(f"T: {result.t_seconds:.3f} s  (ready -> last loss, {len(texts)} texts)")
-    print(f"score: {score:.2f}")
+    if tokens is not None:
+        print(f"tokens: {tokens}, {tokens / result.t_seconds:.0f} tokens/s")
+    score = contest_score(result.t_seconds) if args.model else None  # the demo's toy model is not what it scores
+    if score is not None:
+        print(f"score: {score:.2f}")
+    elif ref_losses is None:
+        print("agreement with transformers: uv run interact.py --make-reference ref.json, then --check ref.json")
     if result.returncode != 0:
         print(f"warning: runner exited with code {result.returncode} after printing every loss", file=sys.stderr)
 
     if args.json:
         record = {
             "texts": len(texts),
+            "tokens": tokens,
             "losses": result.losses,
             "t_seconds": result.t_seconds,
             "time_to_ready_s": result.time_to_ready_s,

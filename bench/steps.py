@@ -396,7 +396,7 @@ def cmd_host_blocker(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# reference: transformers, the whole model on one device, one forward per text (SPEC §1's definition)
+# reference: transformers, the whole model on one device, one forward per text (the loss's definition, README)
 # ---------------------------------------------------------------------------------------------------------
 
 def _sync(device: str) -> None:

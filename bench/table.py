@@ -1,9 +1,9 @@
 """The performance table: one Markdown row per bench/results/*.json report written by bench/run.py.
 
-    python bench/table.py                      # print the table
-    python bench/table.py --readme README.md   # rewrite the README's table between its markers
+    python bench/table.py           # print the table
+    python bench/table.py --write   # rewrite docs/performance.md's table between its markers (or --write FILE)
 
-The README keeps the table between the lines `<!-- bench-table -->` and `<!-- /bench-table -->`.
+docs/performance.md keeps the table between the lines `<!-- bench-table -->` and `<!-- /bench-table -->`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+PERFORMANCE_DOC = HERE.parent / "docs" / "performance.md"
 START, END = "<!-- bench-table -->", "<!-- /bench-table -->"
 
 COLUMNS = ("date", "commit", "machine", "workload", "GPUs (speedup)", "texts", "tokens", "T (s)", "compute floor (s)", "T / floor",
@@ -33,7 +34,8 @@ def row(r: dict) -> list[str]:
     est = r.get("w7800_estimate") or {}
     w7800 = "–"
     if est.get("t_compute_s") is not None:
-        # The larger of the two floors (copies hidden under compute), from SPEC figures: an estimate.
+        # The larger of the two floors (copies hidden under compute), from the W7800's figures in bench/run.py
+        # (W7800_GEMM_TFLOPS, W7800_H2D_GBPS): an estimate.
         w7800 = f"≥ {_num(est.get('t_floor_s', est['t_compute_s']), '{:.1f}')} (est.)"
     return [
         r.get("date", "–"), f"`{str(r.get('commit', '–'))[:7]}`", r.get("machine", "–"), r.get("workload", "–"),
@@ -91,20 +93,21 @@ def replace_section(text: str, table: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=str(HERE / "results"), help="folder of reports (default: %(default)s)")
-    ap.add_argument("--readme", help="rewrite this file's table section instead of printing")
+    ap.add_argument("--write", nargs="?", const=str(PERFORMANCE_DOC), metavar="FILE",
+                    help="rewrite FILE's table section instead of printing (FILE default: %(const)s)")
     args = ap.parse_args(argv)
 
     table = markdown(load_reports(Path(args.results)))
-    if not args.readme:
+    if not args.write:
         print(table, end="")
         return 0
-    readme = Path(args.readme)
+    doc = Path(args.write)
     try:
-        readme.write_text(replace_section(readme.read_text(), table))
+        doc.write_text(replace_section(doc.read_text(), table))
     except (OSError, ValueError) as e:
-        print(f"table.py: {args.readme}: {e}", file=sys.stderr)
+        print(f"table.py: {args.write}: {e}", file=sys.stderr)
         return 1
-    print(f"table.py: {args.readme}: {len(table.splitlines()) - 2} rows")
+    print(f"table.py: {args.write}: {len(table.splitlines()) - 2} rows")
     return 0
 
 

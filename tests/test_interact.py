@@ -413,6 +413,25 @@ def test_harness_end_to_end(harness, capsys):
         assert why in err and "runner:" not in out and "flag" not in err, (out, err)
 
 
+def test_the_demo_shows_tokens_per_s_and_only_a_real_model_run_is_scored(harness, tiny_checkpoint, qwen_tokenizer,
+                                                                       monkeypatch, capsys):
+    # the contest's score is set for Qwen3-32B on a W7800: the demo's toy model gets time and tokens/s instead
+    tmp_path, _, base = harness
+    runner = base[base.index("--runner") + 1]
+    monkeypatch.setattr(interact, "demo_model_dir", lambda: tiny_checkpoint[0])
+    assert interact.main(["--runner", runner, "--n", "3", "--json", str(tmp_path / "demo.json")]) == 0
+    out = capsys.readouterr().out
+    tokens = sum(len(qwen_tokenizer(t)["input_ids"]) for t in interact.demo_texts(qwen_tokenizer, 3, seed=0))
+    record = json.loads((tmp_path / "demo.json").read_text())
+    assert f"tokens: {tokens}, {tokens / record['t_seconds']:.0f} tokens/s" in out and record["tokens"] == tokens
+    assert "score" not in out and record["score"] is None
+    assert "--make-reference ref.json, then --check ref.json" in out
+    # with --model (the texts from a file: no tokenizer loaded, no tokens/s): scored
+    assert interact.main(base) == 0
+    out = capsys.readouterr().out
+    assert "score: 100.00" in out and "tokens/s" not in out and "--make-reference" not in out
+
+
 def test_harness_runner_dies_before_ready(harness, capsys):
     _, _, base = harness
     assert interact.main([*base, "--", "--die"]) == 1
