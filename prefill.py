@@ -3659,7 +3659,7 @@ class Runner:
         alone: emptied when its iteration starts, complete once the iterator is exhausted."""
         texts = [texts] if isinstance(texts, str) else texts  # a string is one text, not an iterable of characters
         self.stats = {}
-        for batch in self.batches(text_of(t, f"element {i}") for i, t in enumerate(texts)):
+        for batch in self.text_batches(text_of(t, f"element {i}") for i, t in enumerate(texts)):
             yield from self.score_batch(batch)
 
     def losses(self, token_lists, layers=None):
@@ -3670,20 +3670,28 @@ class Runner:
                   for s in self.score_batch(b, layers)]
         return [math.nan if s.loss is None else s.loss for s in scores]
 
-    def batches(self, items, text=None, pair=None):
-        """batches() of items (strings, or anything `text` maps to one), read and tokenized on a side thread at most
-        AHEAD_BATCHES batches ahead: the CPU work overlaps the GPU's and memory stays bounded, whatever the length
-        of the stream. An exception from the items (a bad record) is raised here after the batches before it.
-        pair: maps an item to its (context, continuation) strings instead: request_batches() of Requests
-        (encode_pairs), for score_requests."""
+    def text_batches(self, items, text=None):
+        """batches() of items (strings, or anything `text` maps to one), for score_batch: read and tokenized ahead
+        (read_ahead)."""
         text = text or (lambda item: item)
-        ahead, stop, end = queue.Queue(AHEAD_BATCHES), threading.Event(), object()
+        return self.read_ahead(items, lambda group, index: self.tokenize([text(item) for item in group]),
+                               lambda tokenized: batches(tokenized, self.plan.batch_tokens), "text", len)
 
+    def pair_batches(self, items, pair):
+        """request_batches() of the Requests of items, for score_requests: `pair` maps an item to its (context,
+        continuation) strings, tokenized as encode_pairs does, read ahead (read_ahead)."""
         def encoded(group, index):
-            if pair is None:
-                return self.tokenize([text(item) for item in group])
             return [as_request(*ids, f"record {i}") for i, ids in
                     enumerate(self.encode_pairs([pair(item) for item in group]), index)]
+        return self.read_ahead(items, encoded, lambda tokenized: request_batches(tokenized, self.plan.tree_wave_tokens),
+                               "request", lambda request: len(request.input))
+
+    def read_ahead(self, items, encoded, cut, kind, length):
+        """The batches `cut` makes of items encoded by `encoded(group, index of its first)`, read and tokenized on a
+        side thread at most AHEAD_BATCHES batches ahead: the CPU work overlaps the GPU's and memory stays bounded,
+        whatever the length of the stream. An exception from the items (a bad record) is raised here after the
+        batches before it. kind and length: what an item is called and its tokens, for _note_long_texts."""
+        ahead, stop, end = queue.Queue(AHEAD_BATCHES), threading.Event(), object()
 
         def tokenized():
             items_left, index, error = iter(items), 0, None
@@ -3706,10 +3714,8 @@ class Runner:
                     return ahead.put(thing, timeout=0.1)
 
         def produce():
-            cut = batches(tokenized(), self.plan.batch_tokens) if pair is None else \
-                request_batches(tokenized(), self.plan.tree_wave_tokens)
             try:
-                for batch in cut:
+                for batch in cut(tokenized()):
                     put(batch)
                     if stop.is_set():  # the consumer has gone: read no further
                         return
@@ -3728,7 +3734,7 @@ class Runner:
                     return
                 if isinstance(batch, BaseException):
                     raise batch
-                self._note_long_texts(batch)
+                self._note_long_texts(batch, kind, length)
                 yield batch
         finally:
             stop.set()
@@ -3738,12 +3744,11 @@ class Runner:
             # is left behind after a second.
             producer.join(timeout=1.0)
 
-    def _note_long_texts(self, batch):
+    def _note_long_texts(self, batch, kind, length):
         # transformers computes a text past max_position_embeddings (RoPE has no hard limit) and so does prefill; the
         # numbers are outside what the model was trained on, which deserves one line (the first such text) a run
         limit = self.cfg.max_position_embeddings
-        kind = "request" if batch and isinstance(batch[0][1], Request) else "text"
-        lengths = ((index, len(ids.input) if kind == "request" else len(ids)) for index, ids, _ in batch)
+        lengths = ((index, length(ids)) for index, ids, _ in batch)
         over = [(index, n) for index, n in lengths if limit and n > limit]
         if over and not self.stats.get("texts_over_positions"):
             log(f"warning: {kind} {over[0][0]} has {over[0][1]} tokens, more than the model's max_position_embeddings "
@@ -3753,7 +3758,7 @@ class Runner:
             self.stats["texts_over_positions"] = self.stats.get("texts_over_positions", 0) + len(over)
 
     def score_batch(self, batch, layers=None):
-        """One batch from batches(), as one wave through every layer (or only `layers`: the warm-up's): its texts'
+        """One batch from text_batches() (or batches()), as one wave through every layer (or only `layers`: the warm-up's): its texts'
         Scores, in order. Adds to self.stats."""
         return self.score_wave([batch], layers)[0]
 
@@ -3886,25 +3891,14 @@ class Runner:
         for key, value in tally.items():
             self.stats[key] = self.stats.get(key, 0) + value
 
-    def score_any(self, batch, token_logprobs=False):
-        # a batch of texts (batches()) or of continuations (request_batches()): its Scores or Loglikelihoods
-        if batch and isinstance(batch[0][1], Request):
-            return self.score_requests(batch, token_logprobs)
-        return self.score_batch(batch)
-
-    def tally(self, batch, results):  # another rank's batch, into this rank's stats
-        if batch and isinstance(batch[0][1], Request):
-            self.add_request_stats(batch, results)
-        else:
-            self.add_stats(results)
-
-    def loglikelihoods(self, requests, token_logprobs=False, share=None, progress=None):
+    def loglikelihoods(self, requests, token_logprobs=False, progress=None, scored=None):
         """The Python API for continuations: requests, (context ids, continuation ids) pairs of token lists (each of
         at least one token), -> one Loglikelihood per request, in input order. Requests are scored once each
         (duplicates share one result) in the order of their tokens, so that those sharing a prefix share waves;
         batches are cut from the sorted requests alone, so the numbers depend on the set of requests and the
-        settings, not on their order. share=(rank, world): this process scores only every world-th batch, from the
-        rank-th (lm-eval's data parallel), and the others' results are None. progress: a Progress to add to."""
+        settings, not on their order. progress: a Progress to add to. scored: maps the batches to (batch, its
+        Loglikelihoods) in order, where another process may have scored some (prefill_dist.shared: lm-eval's data
+        parallel under torchrun); by default each is scored here."""
         t0, groups = time.perf_counter(), {}  # (order key, continuation length) -> (Request, the positions asking)
         for i, (context, continuation) in enumerate(requests):
             request = as_request(context, continuation, f"request {i}")
@@ -3915,17 +3909,16 @@ class Runner:
         distinct = [groups[key] for key in sorted(groups)]
         results = [None] * len(requests)
         self.stats = {"prepare_s": time.perf_counter() - t0}  # the host's checks and sort, before any batch
-        rank, world = share or (0, 1)
         items = ((j, request, None) for j, (request, _) in enumerate(distinct))
-        for k, batch in enumerate(request_batches(items, self.plan.tree_wave_tokens)):
-            if k % world != rank:
-                continue
-            computed = self.stats.get("tokens_computed", 0)
-            for result in self.score_requests(batch, token_logprobs):
+        cut = request_batches(items, self.plan.tree_wave_tokens)
+        computed = 0  # the unique tokens this process computed, for the progress
+        for batch, scores in (scored or (lambda cut: ((b, self.score_requests(b, token_logprobs)) for b in cut)))(cut):
+            for result in scores:
                 for i in distinct[result.index][1]:
                     results[i] = dataclasses.replace(result, index=i)
             if progress is not None:
-                progress.add(len(batch), self.stats["tokens_computed"] - computed)
+                progress.add(len(batch), self.stats.get("tokens_computed", 0) - computed)
+                computed = self.stats.get("tokens_computed", 0)
         return results
 
     def encode_pairs(self, pairs):

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from prefill import (JSON_SPACE, PAIR_FIELDS, SAFETENSORS_MAX_HEADER, WAVE_STEP, Loglikelihood, ModelConfig, PeerFailed,
-                     Progress, Request, Terminated, UserError, check_writable, decoded, json_array, log, model_folder,
+from prefill import (JSON_SPACE, PAIR_FIELDS, SAFETENSORS_MAX_HEADER, WAVE_STEP, ModelConfig, PeerFailed, Progress,
+                     Terminated, UserError, check_writable, decoded, json_array, log, model_folder,
                      parse_json, parse_request, print_losses, report, request_line, runner_of, shown, signals_held,
                      since_process_start, text_of, warmed_up)
-from prefill_dist import RankZeroPicks, all_ready, claimed_in_order, publish_picks, score_claimed
+from prefill_dist import (RankZeroPicks, all_ready, publish_loglikelihoods, publish_picks, publish_scores,
+                          receive_loglikelihoods, receive_scores, shared)
 
 CHECKED_RECORDS = 1000  # records read and checked before the model loads: a typo costs seconds, not a 65 GB load
 DIGEST_HEX = 16  # a record's digest: 64 bits, so an edited text passes for the old one with a chance of 2^-64
@@ -158,36 +159,61 @@ def numbers_digest(settings_key, *token_lists):
     return digest.hexdigest()[:DIGEST_HEX]
 
 
-def record_key(index, ids, record, settings_key):
+# ----------------------------------------------------------------------------- texts or continuations
+# A corpus holds one kind of record. Each step that differs between the two is a field of its Kind, chosen once
+# from the first record: the batches, their scoring, what crosses between ranks, what a record of OUT holds.
+
+@dataclass(frozen=True)
+class Kind:
+    unit: str           # "text" or "request": in messages and the progress
+    batches: object     # (runner, records) -> batches of (index, ids, record), read ahead
+    score: object       # (runner, batch, token_logprobs) -> the batch's results (Scores or Loglikelihoods)
+    tally: object       # (runner, batch, results): another rank's batch, into this rank's stats
+    publish: object     # results -> bytes for the other ranks, and back: (batch, bytes) -> results
+    receive: object
+    token_lists: object  # ids -> the token lists a record's digest covers
+    counts: object      # ids -> the token counts a record holds, checked by --resume
+    fields: object      # (result, ids) -> the numbers a record holds
+
+
+def text_fields(score, ids):
+    return {"tokens": score.tokens, "loss": score.loss, "nll_sum": score.nll_sum}
+
+
+def continuation_fields(result, ids):
+    # loss and nll_sum are the continuation's (its mean and summed NLL), as a text's are its predicted tokens'
+    fields = dict(tokens=len(ids.context) + len(ids.continuation), context_tokens=len(ids.context),
+                  continuation_tokens=result.tokens, loss=-result.logprob / result.tokens, nll_sum=-result.logprob,
+                  logprob=result.logprob, greedy=result.greedy)
+    return fields if result.token_logprobs is None else dict(fields, token_logprobs=result.token_logprobs)
+
+
+TEXTS = Kind("text", lambda runner, records: runner.text_batches(records, text=lambda record: record.text),
+             lambda runner, batch, _: runner.score_batch(batch),
+             lambda runner, batch, scores: runner.add_stats(scores), publish_scores, receive_scores,
+             lambda ids: (ids,), lambda ids: {"tokens": len(ids)}, text_fields)
+CONTINUATIONS = Kind("request", lambda runner, records: runner.pair_batches(
+                         records, lambda record: (record.context, record.continuation)),
+                     lambda runner, batch, token_logprobs: runner.score_requests(batch, token_logprobs),
+                     lambda runner, batch, results: runner.add_request_stats(batch, results),
+                     publish_loglikelihoods, receive_loglikelihoods, lambda ids: (ids.context, ids.continuation),
+                     lambda ids: {"tokens": len(ids.context) + len(ids.continuation),
+                                  "continuation_tokens": len(ids.continuation)}, continuation_fields)
+
+
+def record_key(kind, index, ids, record, settings_key):
     """What a record of OUT must hold for --resume to take it as the input's: its index, token counts, id, and the
     digest of the token ids (a continuation's context and continuation, each) and settings its numbers came from."""
-    key = {"index": index}
-    if isinstance(ids, Request):
-        key.update(tokens=len(ids.context) + len(ids.continuation), continuation_tokens=len(ids.continuation))
-    else:
-        key["tokens"] = len(ids)
-    return key | ({} if record.id is NO_ID else {"id": record.id}) | {"digest": record_digest(ids, settings_key)}
+    return ({"index": index} | kind.counts(ids) | ({} if record.id is NO_ID else {"id": record.id})
+            | {"digest": record_digest(kind, ids, settings_key)})
 
 
-def record_digest(ids, settings_key):
-    # a text's token ids, or a continuation's context and continuation, each
-    return numbers_digest(settings_key, *((ids.context, ids.continuation) if isinstance(ids, Request) else (ids,)))
+def record_digest(kind, ids, settings_key):
+    return numbers_digest(settings_key, *kind.token_lists(ids))
 
 
-def output_line(result, ids, record, digest):
-    # a text's Score, or a continuation's Loglikelihood: there loss and nll_sum are the continuation's (its mean and
-    # summed NLL), as a text's are its predicted tokens'
-    fields = {"index": result.index}
-    if record.id is not NO_ID:
-        fields["id"] = record.id
-    if isinstance(result, Loglikelihood):
-        fields.update(tokens=len(ids.context) + len(ids.continuation), context_tokens=len(ids.context),
-                      continuation_tokens=result.tokens, loss=-result.logprob / result.tokens,
-                      nll_sum=-result.logprob, logprob=result.logprob, greedy=result.greedy)
-        if result.token_logprobs is not None:
-            fields["token_logprobs"] = result.token_logprobs
-    else:
-        fields.update(tokens=result.tokens, loss=result.loss, nll_sum=result.nll_sum)
+def output_line(kind, result, ids, record, digest):
+    fields = {"index": result.index} | ({} if record.id is NO_ID else {"id": record.id}) | kind.fields(result, ids)
     fields["digest"] = digest
     return json.dumps(fields) + "\n"  # floats as repr: the shortest text that reads back to the same bits
 
@@ -219,8 +245,8 @@ class CorpusOutput:
     numbers are the same on every run, so the finished file is byte for byte what one uninterrupted run writes.
     OUT.settings.json (settings) is written just before OUT first changes: a refused resume leaves both as they were."""
 
-    def __init__(self, path, resume, settings):
-        self.path, self.records, self.size = path, 0, 0  # records and bytes that are whole batches
+    def __init__(self, path, resume, settings, kind):
+        self.path, self.records, self.size, self.kind = path, 0, 0, kind  # records and bytes: whole batches
         self.settings, self.settings_key = settings, settings_digest(settings)
         self.old = open(path, "rb") if resume and os.path.exists(path) and os.path.getsize(path) else None
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -235,7 +261,7 @@ class CorpusOutput:
         lines = list(itertools.takewhile(lambda line: line.endswith(b"\n"), (self.old.readline() for _ in batch)))
         records = []
         for line_no, line, (index, ids, record) in zip(itertools.count(self.records + 1), lines, batch):
-            want = record_key(index, ids, record, self.settings_key)
+            want = record_key(self.kind, index, ids, record, self.settings_key)
             try:
                 got = json.loads(line)
             except ValueError:
@@ -263,7 +289,8 @@ class CorpusOutput:
 
     def append(self, scores, batch):
         self._settings_written()
-        data = memoryview("".join(output_line(s, ids, record, record_digest(ids, self.settings_key))
+        data = memoryview("".join(output_line(self.kind, s, ids, record, record_digest(self.kind, ids,
+                                                                                       self.settings_key))
                                   for s, (_, ids, record) in zip(scores, batch)).encode())
         with signals_held():
             written = len(data)
@@ -287,23 +314,45 @@ class CorpusOutput:
         os.ftruncate(self.fd, self.size)
 
 
-def scored_batches(runner, batches, output, token_logprobs=False):
-    """(batch, its Scores (or Loglikelihoods), None) of each batch, in order, or (batch, None, records) for those OUT
+def scored_batches(runner, kind, batches, output, token_logprobs):
+    """One process: (batch, its results, None) of each batch, in order, or (batch, None, records) for those OUT
     holds (--resume). Where the plan's wave holds more than a batch (a MoE model's planned wave), consecutive batches
     of texts run as one wave, up to its tokens: the same numbers, each layer copied once for all of them."""
-    group, tokens, grouping = [], 0, runner.plan.wave_tokens > runner.plan.batch_tokens
+    waves = kind is TEXTS and runner.plan.wave_tokens > runner.plan.batch_tokens
+    group, tokens = [], 0  # batches of texts waiting for their wave
     for batch in itertools.chain(batches, [None]):
         held = output.holds(batch) if output and batch is not None else None
-        texts = grouping and batch is not None and held is None and not (batch and isinstance(batch[0][1], Request))
-        n = sum(len(ids) for _, ids, _ in batch) if texts else 0
-        if group and not (texts and tokens + n <= runner.plan.wave_tokens):
+        n = sum(len(ids) for _, ids, _ in batch) if waves and batch is not None and held is None else None
+        if group and not (n is not None and tokens + n <= runner.plan.wave_tokens):
             yield from zip(group, runner.score_wave(group), itertools.repeat(None))
             group, tokens = [], 0
-        if texts:
+        if n is not None:
             group.append(batch)
             tokens += n
         elif batch is not None:
-            yield batch, (None if held is not None else runner.score_any(batch, token_logprobs)), held
+            yield batch, (None if held is not None else kind.score(runner, batch, token_logprobs)), held
+
+
+def claimed_batches(group, runner, kind, batches, output, token_logprobs):
+    """Under torchrun: scored_batches over every rank, through prefill_dist.shared. Rank 0 checks what OUT holds
+    (--resume) and tells the ranks where scoring starts; every rank then claims and scores batches from there."""
+    batches, start = iter(batches), 0
+    if group.rank == 0:
+        for batch in batches:
+            held = output.holds(batch) if output else None
+            if held is None:
+                batches = itertools.chain([batch], batches)
+                break
+            yield batch, None, held
+            start += 1
+        group.set("start", str(start))
+    else:
+        start = int(group.wait("start"))
+        batches = itertools.islice(batches, start, None)
+    for batch, results in shared(group, batches, lambda batch: kind.score(runner, batch, token_logprobs),
+                                 kind.publish, kind.receive, lambda batch, results: kind.tally(runner, batch, results),
+                                 start):
+        yield batch, results, None
 
 
 def corpus_settings(args):
@@ -430,22 +479,23 @@ def serve(args, protocol, group=None):
     if records is None:
         records = [Record(text) for text in parse_request(line)]
         total = len(records)
-    if pairs:
-        batches = runner.batches(records, pair=lambda record: (record.context, record.continuation))
-    else:
-        batches = runner.batches(records, text=lambda record: record.text)
+    kind = CONTINUATIONS if pairs else TEXTS
+    output = CorpusOutput(args.output, args.resume, settings, kind) if args.output and writer else None
+    batches = kind.batches(runner, records)
+    results = claimed_batches(group, runner, kind, batches, output, args.token_logprobs) if group else \
+        scored_batches(runner, kind, batches, output, args.token_logprobs)
     if not writer:  # computes and publishes; rank 0 writes, prints and logs
-        score_claimed(group, runner, batches, args.token_logprobs)
+        for _ in results:
+            pass
+        group.set(f"done/{group.rank}")
         return 0
     t_start, start_unix_s = time.perf_counter(), time.time()  # wall clock: bench times a corpus run's ready
-    output = CorpusOutput(args.output, args.resume, settings) if args.output else None
     announce = output is not None and args.resume  # where a resumed run picks up, once it is known
     scores, resumed = [], {"texts": 0, "tokens": 0, "predicted_tokens": 0, "nll_sum": 0.0}
-    progress = Progress(total.result() if hasattr(total, "result") else total, "request" if pairs else "text")
+    progress = Progress(total.result() if hasattr(total, "result") else total, kind.unit)
     runner.stats = {}
     try:
-        for batch, batch_scores, held in (claimed_in_order(group, runner, batches, output, args.token_logprobs)
-                                          if group else scored_batches(runner, batches, output, args.token_logprobs)):
+        for batch, batch_scores, held in results:
             if held is not None:  # --resume: already in OUT, checked against the input
                 for r in held:
                     resumed.update(texts=resumed["texts"] + 1, tokens=resumed["tokens"] + r["tokens"],

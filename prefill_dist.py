@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from prefill import Loglikelihood, PeerFailed, Picks, Request, UserError, gpu_vendor_here, scores_of
+from prefill import Loglikelihood, PeerFailed, Picks, UserError, gpu_vendor_here, scores_of
 
 POLL_S = 0.05         # how often a waiting rank looks at the store (TCPStore.wait's timeout logs a C++ warning)
 BEAT_S = 1.0
@@ -197,63 +197,55 @@ def all_ready(group):
         group.wait(f"ready/{rank}")
 
 
-def published(results):
-    # a batch's numbers for rank 0: a text's NLL sum (float64 bytes); a continuation's log-prob, greedy and token
-    # log-probs (JSON: floats as repr, the same bits back)
-    if results and isinstance(results[0], Loglikelihood):
-        return json.dumps([[r.logprob, r.greedy, r.token_logprobs] for r in results])
-    return array.array("d", (s.nll_sum for s in results)).tobytes()
+# What crosses between ranks for a batch: a text's NLL sum (float64 bytes); a continuation's log-prob, greedy and
+# token log-probs (JSON: floats as repr, the same bits back)
+
+def publish_scores(scores):
+    return array.array("d", (s.nll_sum for s in scores)).tobytes()
 
 
-def received(batch, data):
-    # published()'s numbers back into the batch's Scores or Loglikelihoods
-    if batch and isinstance(batch[0][1], Request):
-        return [Loglikelihood(index, logprob, len(request.continuation), greedy, token_logprobs)
-                for (index, request, _), (logprob, greedy, token_logprobs) in zip(batch, json.loads(data))]
+def receive_scores(batch, data):
     return scores_of(batch, array.array("d", data).tolist())
 
 
-def claimed_in_order(group, runner, batches, output, token_logprobs=False):
-    """Rank 0: scored_batches over every rank. It checks what OUT holds (--resume), tells the ranks where scoring
-    starts, then claims and scores batches like every rank, and yields each batch in order once its scores are here."""
-    pending, start, mine, k = collections.deque(), None, None, -1  # pending: [k, batch, Scores or None], in order
+def publish_loglikelihoods(results):
+    return json.dumps([[r.logprob, r.greedy, r.token_logprobs] for r in results])
 
-    def ready(k, batch, scores):
-        if scores is None:  # another rank's: its numbers, and this rank's tally of what was scored
-            scores = received(batch, group.wait(f"sums/{k}"))
-            group.store.delete_key(f"sums/{k}")
-            runner.tally(batch, scores)
-        return batch, scores, None
 
-    for k, batch in enumerate(batches):
-        if start is None:
-            held = output.holds(batch) if output else None
-            if held is not None:
-                yield batch, None, held
-                continue
-            start = k
-            group.set("start", str(start))
-            mine = start + group.claim()
-        scores = None
+def receive_loglikelihoods(batch, data):
+    return [Loglikelihood(index, logprob, len(request.continuation), greedy, token_logprobs)
+            for (index, request, _), (logprob, greedy, token_logprobs) in zip(batch, json.loads(data))]
+
+
+def shared(group, batches, score, publish, receive, tally=None, start=0, tag=""):
+    """The ranks' one way of sharing work, for the corpus and the protocol (prefill_corpus) and lm-eval
+    (prefill_eval): every rank reads the same batches, numbered from `start` (cut from token counts alone, they are
+    the same on every rank); each is claimed from the store's counter by the first rank free, scored there (`score`)
+    and published (`publish`: bytes); every rank yields every batch's (batch, results) in order, another rank's read
+    back (`receive`) and counted in this rank's stats (`tally`). tag: a prefix for one round's keys (lm-eval calls
+    again with new requests)."""
+    def claim():
+        return start + group.store.add(f"{tag}claimed", 1) - 1
+
+    def ready(k, batch, results):
+        if results is None:  # another rank's
+            results = receive(batch, group.wait(f"{tag}sums/{k}"))
+            if tally is not None:
+                tally(batch, results)
+            if group.store.add(f"{tag}read/{k}", 1) == group.world - 1:  # the last rank to read it frees it
+                group.store.delete_key(f"{tag}sums/{k}")
+        return batch, results
+
+    pending, mine = collections.deque(), claim()  # pending: [k, batch, results or None], in order
+    for k, batch in enumerate(batches, start):
+        results = None
         if k == mine:
-            scores = runner.score_any(batch, token_logprobs)
-            mine = start + group.claim()
-        pending.append((k, batch, scores))
-        while pending and (pending[0][2] is not None or group.has(f"sums/{pending[0][0]}")):
+            results = score(batch)
+            group.set(f"{tag}sums/{k}", publish(results))
+            mine = claim()
+        pending.append((k, batch, results))
+        while pending and (pending[0][2] is not None or group.has(f"{tag}sums/{pending[0][0]}")):
             yield ready(*pending.popleft())
-    if start is None:  # OUT held every batch (or there were none)
-        group.set("start", str(k + 1))
+        group.check_peers()  # a rank gone on another node: stop rather than score for nobody
     while pending:
         yield ready(*pending.popleft())
-
-
-def score_claimed(group, runner, batches, token_logprobs=False):
-    """Ranks > 0: the batches this rank claims, scored, their numbers published for rank 0."""
-    start = int(group.wait("start"))
-    mine = start + group.claim()
-    for k, batch in enumerate(batches):
-        if k == mine:
-            group.set(f"sums/{k}", published(runner.score_any(batch, token_logprobs)))
-            mine = start + group.claim()
-        group.check_peers()  # rank 0 gone on another node: stop rather than score for nobody
-    group.set(f"done/{group.rank}")

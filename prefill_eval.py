@@ -10,6 +10,7 @@ tokenizes them, cut to max_length from the left as it cuts them, and handed to p
 scores every request of a call as one corpus of prefix-tree waves. No scoring happens here. generate_until tasks are
 refused before any model loads: prefill does not generate.
 """
+import atexit
 import os
 import sys
 
@@ -61,13 +62,15 @@ class PrefillLM(TemplateLM):
                             host_memory_gib=None if host_memory is None else float(host_memory),
                             wave_tokens=int(wave_tokens), chunk_tokens=int(chunk_tokens), attention=str(attention),
                             kernels=str(kernels), picks=picks)
-        self.runner = None
+        self.runner, self.calls = None, 0
         self._world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if self._world_size > 1:  # lm-eval's data parallel: torchrun's ranks, one GPU each
             self._rank = int(os.environ["RANK"])
-            if self.options["device"] != "cpu":  # before the runtime starts: the rank's GPU alone is visible
-                prefill_dist.only_rank_gpu(os.environ, int(os.environ["LOCAL_RANK"]), hip=torch.version.hip is not None)
-            if not torch.distributed.is_initialized():
+            # before the runtime starts, the rank's GPU alone made visible; torchrun's store, through which the ranks
+            # share the batches of every call (prefill_dist.shared, as prefill.py's corpus does)
+            self.group = prefill_dist.Group.from_env(self.options["device"])
+            atexit.register(self.group.close)  # its heartbeat ends before the interpreter does
+            if not torch.distributed.is_initialized():  # lm-eval's own gathers
                 torch.distributed.init_process_group("gloo")  # CPU tensors and objects: works beside any GPU
 
     @property
@@ -120,24 +123,25 @@ class PrefillLM(TemplateLM):
         return answers
 
     def _scored(self, pairs, disable_tqdm):
-        # every rank's requests are scored as one corpus, each rank taking every world-th batch of it, so that
-        # every batch, and with it every number, is the one process's (lm-eval shards the documents per rank)
+        # every rank's requests are scored as one corpus, its batches shared among the ranks (prefill_dist.shared),
+        # so that every batch, and with it every number, is the one process's (lm-eval shards the documents per rank)
         runner = self._runner()
-        everyone = [pairs]
+        everyone, scored = [pairs], None
         if self.world_size > 1:
             everyone = [None] * self.world_size
             torch.distributed.all_gather_object(everyone, pairs)
+            self.calls += 1
+            tag = f"eval/{self.calls}/"  # each call's own keys in the store
+            scored = lambda batches: prefill_dist.shared(  # noqa: E731
+                self.group, batches, runner.score_requests, prefill_dist.publish_loglikelihoods,
+                prefill_dist.receive_loglikelihoods, tag=tag)
         flat = [pair for part in everyone for pair in part]
         progress = prefill.Progress(len(flat), unit="request") if self.rank == 0 and not disable_tqdm else None
         try:
-            results = runner.loglikelihoods(flat, share=(self.rank, self.world_size), progress=progress)
+            results = runner.loglikelihoods(flat, progress=progress, scored=scored)
         finally:
             if progress is not None:
                 progress.close()
-        if self.world_size > 1:
-            shares = [None] * self.world_size
-            torch.distributed.all_gather_object(shares, results)
-            results = [next(r for r in scored if r is not None) for scored in zip(*shares)]
         start = sum(len(part) for part in everyone[:self.rank])
         return results[start:start + len(pairs)]
 
