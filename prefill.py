@@ -4,13 +4,38 @@ whose weights need not fit in GPU memory.
 
     python prefill.py --model DIR      prints `ready`, reads one JSON array of texts from stdin,
                                        prints one loss per text (in order) and exits.
-    python prefill.py --model DIR --input corpus.jsonl --output scores.jsonl [--resume]
-                                       scores a corpus, one JSON line per text (README: Score a corpus).
+    from prefill import Runner         Runner(DIR).score(texts), Runner(DIR).loglikelihoods(pairs of token lists)
 
 The decoder runs layer by layer over every token of the request at once (texts packed without padding): the layers
 that fit stay on the GPU, the rest stream from pinned host memory through two device slots on a copy stream while
 the compute stream runs the layer before. Each streamed layer crosses PCIe once per request (once per wave when a
 huge request is split into waves).
+
+This file alone is the engine: the protocol and the Python API need nothing beside it. Its sections, in reading
+order, with their main definitions (no definition reads a name defined further down; tests/test_layout.py checks
+both):
+  config: Rope, AttentionSettings, Family, FAMILIES, ConfigFields, ModelConfig
+  checkpoint loading: header_tensors, Workers, pinned_empty, Checkpoint, LayerWeights, layer_views, Stager
+  memory plan: MemoryPlan, plan_memory, layer_flops, plan_wave, HostPlan, plan_host
+  weight streaming: HeldLayers, StorageRing, WeightStreamer
+  model math: rms_norm, rope_tables, apply_rope, gated_act, token_nll, combine, Kernels, TORCH_KERNELS, Chunk,
+      attention_block, mlp_block
+  fused kernels (Triton, optional): rms_norm_triton, head_norm_rope_triton, token_nll_triton, TRITON_KERNELS
+  attention backends: attention_sdpa, attention_triton, make_attention, ATTENTION_TILES, gpu_family,
+      attention_candidates
+  mixture of experts: route, expert_rows, moe_ffn, moe_block, grouped_loop, grouped_triton, expert_candidates
+  start-up checks and picks: check_attention, pick_attention, check_experts, pick_experts, check_kernels,
+      pick_kernels, pick_blas, Picks
+  packing and loss: Wave, batches, wave_of, Score, sequence_nll
+  evaluation: the prefix tree: Request, Loglikelihood, PrefixTrie, request_batches, tree_wave, pick_tree_attention,
+      continuation_logprobs
+  tokenizer: plain_tokenizer, load_tokenizer
+  the runner: Runner (loading in __init__; texts: score, score_batch, score_wave; continuations: loglikelihoods,
+      score_requests; warm_up)
+  the protocol and the command line: Progress, parse_request, parse_args, runner_of, serve_protocol, report, main
+Beside it, imported only when an option asks: prefill_corpus.py (--input, --output, --resume), prefill_dist.py
+(torchrun), prefill_doctor.py (--doctor); prefill_eval.py is the lm-eval backend. They import this file; it never
+imports them at module level.
 """
 import argparse
 import array
@@ -638,6 +663,82 @@ def resident(addr, nbytes):
     return b"\0" not in bytes(vec).translate(LOW_BIT)
 
 
+def host_empty(numel):
+    # Anonymous memory advised onto transparent huge pages: filling fresh memory is bound by its first-touch page
+    # faults, and 2 MiB pages made that 1.5x faster from 8 threads on the H200 machine (bench/primitives.py).
+    buf = mmap.mmap(-1, numel * DTYPE.itemsize)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=DTYPE)  # the tensor keeps the mapping alive
+
+
+# Every cudaHostRegister/Unregister runs on this one thread, which launches nothing: a refused call also leaves its
+# error as the calling thread's CUDA "last error", and torch's next launch check on that thread raises it (seen on
+# the H200: a refusal failed the next kernel, or the next copy, of the thread that asked).
+REGISTRAR = ThreadPoolExecutor(1, thread_name_prefix="prefill-registrar")
+
+
+def on_registrar(fn):
+    if threading.current_thread().name.startswith("prefill-registrar"):
+        return fn()
+    return REGISTRAR.submit(fn).result()
+
+
+def host_register(t, flags=0):
+    # page-locks t's memory in place; False where the runtime refuses
+    return on_registrar(lambda: int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, flags)) == 0)
+
+
+def pin(t):
+    """Page-locks t in place at its exact size. torch's pinned allocator would round 1 GB up to 2 GB (and 20 GB of
+    layers to 32 GB); registering plain memory keeps host use exact, and costs ~0.04 s/GiB once the pages exist
+    (0.4 s/GiB when registering has to fault them in). Falls back to a pinned copy if refused."""
+    return t if host_register(t) else t.pin_memory()
+
+
+# How host buffers are page-locked, chosen once per process (pin_method):
+# "register": plain memory, filled, then registered in place at its exact size (CUDA; measured above).
+# "alloc": torch's pinned allocator (hipHostMalloc on ROCm), then filled. On ROCm every hipHostRegister goes through
+#   amdkfd's SVM path: AMD itself avoids multi-GB registrations for performance and kernel stability (ROCm/
+#   rocm-systems PR #11670), ROCm issue #2433 reports slow SVM registration, and amdkfd may evict registered pages
+#   and stop the process's queues while it re-maps them. hipHostMalloc is ROCm's ordinary pinned path. The
+#   allocator rounds up to a power of two (a 0.98 GB layer takes 1 GiB), which pinned_bytes() counts.
+PIN_METHODS = ("register", "alloc")
+
+
+def pin_method(requested="auto"):
+    if requested != "auto":
+        return requested
+    return "alloc" if torch.version.hip else "register"
+
+
+def pinned_bytes(nbytes, method):
+    # host memory that page-locking nbytes takes
+    return nbytes if method == "register" else 1 << max(0, nbytes - 1).bit_length()
+
+
+def pinned_empty(numel, method, fill):
+    """A page-locked bf16 host buffer of numel elements, filled by fill(buffer); returns (buffer, registered): the
+    caller unregisters registered buffers before it frees them."""
+    if method == "alloc":
+        buf = torch.empty(numel, dtype=DTYPE, pin_memory=True)
+        fill(buf)
+        return buf, False
+    buf = host_empty(numel)
+    fill(buf)
+    pinned = pin(buf)
+    return pinned, pinned is buf
+
+
+def unpin(t):
+    on_registrar(lambda: torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())))
+
+
+def unpin_all(tensors):
+    for t in tensors:
+        unpin(t)
+
+
 HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (hipHostRegisterReadOnly): the device only reads the pages
 
 
@@ -870,82 +971,6 @@ def layer_views(flat, cfg, kind=None):
     )
 
 
-def host_empty(numel):
-    # Anonymous memory advised onto transparent huge pages: filling fresh memory is bound by its first-touch page
-    # faults, and 2 MiB pages made that 1.5x faster from 8 threads on the H200 machine (bench/primitives.py).
-    buf = mmap.mmap(-1, numel * DTYPE.itemsize)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=DTYPE)  # the tensor keeps the mapping alive
-
-
-# Every cudaHostRegister/Unregister runs on this one thread, which launches nothing: a refused call also leaves its
-# error as the calling thread's CUDA "last error", and torch's next launch check on that thread raises it (seen on
-# the H200: a refusal failed the next kernel, or the next copy, of the thread that asked).
-REGISTRAR = ThreadPoolExecutor(1, thread_name_prefix="prefill-registrar")
-
-
-def on_registrar(fn):
-    if threading.current_thread().name.startswith("prefill-registrar"):
-        return fn()
-    return REGISTRAR.submit(fn).result()
-
-
-def host_register(t, flags=0):
-    # page-locks t's memory in place; False where the runtime refuses
-    return on_registrar(lambda: int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, flags)) == 0)
-
-
-def pin(t):
-    """Page-locks t in place at its exact size. torch's pinned allocator would round 1 GB up to 2 GB (and 20 GB of
-    layers to 32 GB); registering plain memory keeps host use exact, and costs ~0.04 s/GiB once the pages exist
-    (0.4 s/GiB when registering has to fault them in). Falls back to a pinned copy if refused."""
-    return t if host_register(t) else t.pin_memory()
-
-
-# How host buffers are page-locked, chosen once per process (pin_method):
-# "register": plain memory, filled, then registered in place at its exact size (CUDA; measured above).
-# "alloc": torch's pinned allocator (hipHostMalloc on ROCm), then filled. On ROCm every hipHostRegister goes through
-#   amdkfd's SVM path: AMD itself avoids multi-GB registrations for performance and kernel stability (ROCm/
-#   rocm-systems PR #11670), ROCm issue #2433 reports slow SVM registration, and amdkfd may evict registered pages
-#   and stop the process's queues while it re-maps them. hipHostMalloc is ROCm's ordinary pinned path. The
-#   allocator rounds up to a power of two (a 0.98 GB layer takes 1 GiB), which pinned_bytes() counts.
-PIN_METHODS = ("register", "alloc")
-
-
-def pin_method(requested="auto"):
-    if requested != "auto":
-        return requested
-    return "alloc" if torch.version.hip else "register"
-
-
-def pinned_bytes(nbytes, method):
-    # host memory that page-locking nbytes takes
-    return nbytes if method == "register" else 1 << max(0, nbytes - 1).bit_length()
-
-
-def pinned_empty(numel, method, fill):
-    """A page-locked bf16 host buffer of numel elements, filled by fill(buffer); returns (buffer, registered): the
-    caller unregisters registered buffers before it frees them."""
-    if method == "alloc":
-        buf = torch.empty(numel, dtype=DTYPE, pin_memory=True)
-        fill(buf)
-        return buf, False
-    buf = host_empty(numel)
-    fill(buf)
-    pinned = pin(buf)
-    return pinned, pinned is buf
-
-
-def unpin(t):
-    on_registrar(lambda: torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())))
-
-
-def unpin_all(tensors):
-    for t in tensors:
-        unpin(t)
-
-
 STAGING_BYTES = 32 * 2**20  # each of a loading thread's two staging buffers
 
 
@@ -1039,6 +1064,30 @@ class MemoryPlan:
 MOE_CHUNK_FACTOR = 4
 
 
+def held_first(sizes, room):
+    """The layers of sizes ({layer: bytes}) that room bytes do not hold, in order: as many as fit are held, the largest
+    first (fewer bytes left to copy every wave); those left of each size are spread evenly among that size's layers,
+    each preceded by its share of held ones (whose compute hides its copy). Consecutive ones of a size are >=
+    floor(layers of the size / those left) >= 1 apart, so distinct. A model of one layer size: n layers held, the
+    others (j + 1) * L // (L - n) - 1 for j < L - n."""
+    left = []
+    for size in sorted(set(sizes.values()), reverse=True):
+        same = [i for i in sizes if sizes[i] == size]
+        held = min(len(same), max(0, int(room // size)))
+        room -= held * size
+        left += [same[(j + 1) * len(same) // (len(same) - held) - 1] for j in range(len(same) - held)]
+    return tuple(sorted(left))
+
+
+def moe_scratch_per_token(cfg):
+    # device bytes moe_block holds at most per token of a chunk besides the wave's hidden states (an upper bound: all
+    # of it alive at once): the norm's output and its float32 temporaries, the router's bf16 logits and float32
+    # probabilities, the int64 routing indices, k rows of input, gate_up, activation and output (bf16), the output
+    # rows gathered per token (bf16) and their weighted sum
+    H, J, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    return 2 * H + 12 * H + 6 * E + 8 * 8 * k + 2 * k * (2 * H + 3 * J) + 2 * k * H + 2 * H
+
+
 def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_tokens=None):
     H, D, V, L = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.num_hidden_layers
     loss_chunk_tokens = max(16, min(chunk_tokens, LOGITS_CHUNK_BYTES // (4 * V)))
@@ -1074,30 +1123,6 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_t
         fixed_bytes=fixed, working_bytes=working, slot_bytes=slots,
         layer_bytes=cfg.layer_bytes, resident_bytes=sum(sizes[i] for i in resident),
     )
-
-
-def held_first(sizes, room):
-    """The layers of sizes ({layer: bytes}) that room bytes do not hold, in order: as many as fit are held, the largest
-    first (fewer bytes left to copy every wave); those left of each size are spread evenly among that size's layers,
-    each preceded by its share of held ones (whose compute hides its copy). Consecutive ones of a size are >=
-    floor(layers of the size / those left) >= 1 apart, so distinct. A model of one layer size: n layers held, the
-    others (j + 1) * L // (L - n) - 1 for j < L - n."""
-    left = []
-    for size in sorted(set(sizes.values()), reverse=True):
-        same = [i for i in sizes if sizes[i] == size]
-        held = min(len(same), max(0, int(room // size)))
-        room -= held * size
-        left += [same[(j + 1) * len(same) // (len(same) - held) - 1] for j in range(len(same) - held)]
-    return tuple(sorted(left))
-
-
-def moe_scratch_per_token(cfg):
-    # device bytes moe_block holds at most per token of a chunk besides the wave's hidden states (an upper bound: all
-    # of it alive at once): the norm's output and its float32 temporaries, the router's bf16 logits and float32
-    # probabilities, the int64 routing indices, k rows of input, gate_up, activation and output (bf16), the output
-    # rows gathered per token (bf16) and their weighted sum
-    H, J, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
-    return 2 * H + 12 * H + 6 * E + 8 * 8 * k + 2 * k * (2 * H + 3 * J) + 2 * k * H + 2 * H
 
 
 # --- how large a wave hides the copies: a streamed layer's bytes cross PCIe once a wave, its FLOPs grow with the wave
@@ -1519,6 +1544,15 @@ def lm_logits(h, lm_head, final_norm, cfg, kernels):
     if cfg.final_softcap is not None:
         logits.div_(cfg.final_softcap).tanh_().mul_(cfg.final_softcap)
     return logits
+
+
+def combine(x, out, row_of, weights):
+    # x: [tokens, hidden] += out: [tokens * k, hidden], the experts' output rows by expert, weighted: weights [tokens,
+    # k], token t's slot j at row row_of[t k + j]. Each token's sum is one batched GEMM ([1, k] @ [k, hidden] a token):
+    # float32 products and sums of bf16, one rounding. A loop of k gathers and float32 adds took 0.74 ms a
+    # 4096-token chunk on the H200, beside 0.70 ms for both grouped GEMMs (bench/results/…-h200-moe-experts.json)
+    per_token = out[row_of].view(weights.shape[0], weights.shape[1], out.shape[1])  # slots in expert order
+    x += torch.bmm(weights.unsqueeze(1), per_token).squeeze(1)
 
 
 @dataclass
@@ -1998,6 +2032,31 @@ def attention_needs(cfg):
         ({"softcap"} if any(how.softcap for how in cfg.attention) else set())
 
 
+def attention_triton(q, k, v, chunk, how, tile):
+    # q: [tokens, heads, D], k/v: [tokens, kv_heads, D]; one launch per chunk, no per-sequence Python loop. The
+    # grid covers the longest sequence; shorter ones' surplus programs exit at once. No recompilation per max_len.
+    # A window and a softcap are compile-time variants: a model without them runs the kernel it ran before.
+    T, heads, D = q.shape
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    block_m, block_n, warps, stages = tile
+    assert block_m % block_n == 0  # the unmasked tiles must end exactly where the diagonal ones start
+    out = torch.empty_like(q)
+    grid = (triton.cdiv(chunk.max_len, block_m), len(chunk.seq_bounds) - 1, heads)
+    scale_log2, cap_log2 = math.log2(math.e) * how.scale, math.log2(math.e) * (how.softcap or 1.0)
+    variant = dict(WINDOW=how.window is not None, SOFTCAP=how.softcap is not None)
+    if chunk.ancestors is not None:  # a prefix tree's chunk: k/v are the wave's; a program per KV head's group
+        grid = (triton.cdiv(chunk.max_len * (heads // k.shape[1]), block_m), len(chunk.seq_bounds) - 1, k.shape[1])
+        _tree_attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, chunk.start, chunk.ancestor_bounds,
+                                     chunk.ancestor_ranges, chunk.depths, scale_log2, how.window or 0, cap_log2,
+                                     HEADS=heads, KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n,
+                                     **variant, num_warps=warps, num_stages=stages)
+        return out
+    _attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, scale_log2, how.window or 0, cap_log2, HEADS=heads,
+                            KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n, **variant, num_warps=warps,
+                            num_stages=stages)
+    return out
+
+
 def make_attention(kind, tile=None):
     """An attention function (q, k, v, chunk, how) -> [tokens, heads, D] for the named backend."""
     if kind == "sdpa":
@@ -2055,28 +2114,6 @@ def attention_inputs(device, cfg, lens, seed):
     return q, k, v, Chunk(0, T, bounds, torch.tensor(bounds, dtype=torch.int32, device=device), max(lens))
 
 
-def attention_candidates(requested, family, cfg=None, tiles=None):
-    # (name, kind, tile) of each backend and Triton tile (those offered for this GPU family and model, cfg: None for
-    # plain causal attention; tiles(family, cfg): the Triton kernel's, attention_tiles unless given) that `requested`
-    # names: "auto", a kind, or a name that pick_attention returned (so that a second Runner can use exactly that
-    # kernel)
-    needs = attention_needs(cfg) if cfg is not None else set()
-    named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}", kind, tile)
-             for kind in ATTENTION_KINDS if family in ATTENTION_FAMILIES.get(kind, (family,))
-             and needs <= ATTENTION_FEATURES[kind]
-             for tile in ((tiles or attention_tiles)(family, cfg) if kind == "triton" else [None])]
-    chosen = [c for c in named if requested in ("auto", c[0], c[1])]
-    if not chosen and requested in ATTENTION_KINDS and not needs <= ATTENTION_FEATURES[requested]:
-        missing = " or ".join(sorted(needs - ATTENTION_FEATURES[requested]))
-        raise UserError(f"attention backend {requested!r} has no {missing}, which this model needs")
-    if not chosen and requested in ATTENTION_KINDS:
-        raise UserError(f"attention backend {requested!r} is not offered on this GPU family ({family})"
-                        + (f" for head_dim {cfg.head_dim}" if cfg is not None and requested == "triton" else ""))
-    if not chosen:
-        raise UserError(f"unknown attention backend {requested!r}")
-    return chosen
-
-
 # (BLOCK_M, BLOCK_N, warps, stages) offered for the attention kernel, per GPU family (gpu_family below).
 # NVIDIA: on the H200 the first was the fastest of ten (bench/results/primitives/…-attention*.json; 128-row tiles were
 # 13-120% slower), the second within 1% of it.
@@ -2091,11 +2128,17 @@ ATTENTION_TILES = {
     "rdna3": [(64, 32, 8, 1), (64, 16, 8, 1)],
     "cpu": [(64, 64, 4, 2), (64, 32, 4, 2)],  # Triton's interpreter (tests): the NVIDIA tiles
 }
+
+
 ATTENTION_TILES["amd"] = ATTENTION_TILES["rdna3"]
+
+
 # RDNA3's tiles for the window and softcap variants: in 64-row tiles those spill under Triton 3.9 (window: 5-49 VGPRs,
 # window and softcap: 5-48, Gemma 3 and Gemma 2 27B), these two do not (221-253 VGPRs). A head_dim over 128 (Gemma 3
 # 4B-12B, Gemma 2 9B: 256) spills 190-560 VGPRs in every tile tried (16-64 rows): the kernel is not offered there.
 RDNA3_VARIANT_TILES = [(32, 16, 8, 1), (16, 16, 4, 1)]
+
+
 RDNA3_MAX_HEAD_DIM = 128
 
 
@@ -2120,6 +2163,14 @@ def tree_attention_tiles(family, cfg=None):
     return attention_tiles(family, cfg)
 
 
+def gpu_arch(props):
+    # "gfx1100" (ROCm: gcnArchName, e.g. "gfx1100:sramecc-:xnack-", torch/csrc/cuda/Module.cpp) or "sm_90" (CUDA,
+    # where gcnArchName holds the device's name: seen on the H200)
+    if torch.version.hip:
+        return props.gcnArchName.split(":")[0]
+    return f"sm_{props.major}{props.minor}"
+
+
 def gpu_family(device):
     """'nvidia', 'rdna3', 'amd' (another AMD GPU) or 'cpu': which kernel configurations suit this device."""
     if device.type != "cuda":
@@ -2129,37 +2180,26 @@ def gpu_family(device):
     return "rdna3" if gpu_arch(torch.cuda.get_device_properties(device)).startswith("gfx11") else "amd"
 
 
-def gpu_arch(props):
-    # "gfx1100" (ROCm: gcnArchName, e.g. "gfx1100:sramecc-:xnack-", torch/csrc/cuda/Module.cpp) or "sm_90" (CUDA,
-    # where gcnArchName holds the device's name: seen on the H200)
-    if torch.version.hip:
-        return props.gcnArchName.split(":")[0]
-    return f"sm_{props.major}{props.minor}"
-
-
-def attention_triton(q, k, v, chunk, how, tile):
-    # q: [tokens, heads, D], k/v: [tokens, kv_heads, D]; one launch per chunk, no per-sequence Python loop. The
-    # grid covers the longest sequence; shorter ones' surplus programs exit at once. No recompilation per max_len.
-    # A window and a softcap are compile-time variants: a model without them runs the kernel it ran before.
-    T, heads, D = q.shape
-    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
-    block_m, block_n, warps, stages = tile
-    assert block_m % block_n == 0  # the unmasked tiles must end exactly where the diagonal ones start
-    out = torch.empty_like(q)
-    grid = (triton.cdiv(chunk.max_len, block_m), len(chunk.seq_bounds) - 1, heads)
-    scale_log2, cap_log2 = math.log2(math.e) * how.scale, math.log2(math.e) * (how.softcap or 1.0)
-    variant = dict(WINDOW=how.window is not None, SOFTCAP=how.softcap is not None)
-    if chunk.ancestors is not None:  # a prefix tree's chunk: k/v are the wave's; a program per KV head's group
-        grid = (triton.cdiv(chunk.max_len * (heads // k.shape[1]), block_m), len(chunk.seq_bounds) - 1, k.shape[1])
-        _tree_attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, chunk.start, chunk.ancestor_bounds,
-                                     chunk.ancestor_ranges, chunk.depths, scale_log2, how.window or 0, cap_log2,
-                                     HEADS=heads, KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n,
-                                     **variant, num_warps=warps, num_stages=stages)
-        return out
-    _attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, scale_log2, how.window or 0, cap_log2, HEADS=heads,
-                            KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n, **variant, num_warps=warps,
-                            num_stages=stages)
-    return out
+def attention_candidates(requested, family, cfg=None, tiles=None):
+    # (name, kind, tile) of each backend and Triton tile (those offered for this GPU family and model, cfg: None for
+    # plain causal attention; tiles(family, cfg): the Triton kernel's, attention_tiles unless given) that `requested`
+    # names: "auto", a kind, or a name that pick_attention returned (so that a second Runner can use exactly that
+    # kernel)
+    needs = attention_needs(cfg) if cfg is not None else set()
+    named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}", kind, tile)
+             for kind in ATTENTION_KINDS if family in ATTENTION_FAMILIES.get(kind, (family,))
+             and needs <= ATTENTION_FEATURES[kind]
+             for tile in ((tiles or attention_tiles)(family, cfg) if kind == "triton" else [None])]
+    chosen = [c for c in named if requested in ("auto", c[0], c[1])]
+    if not chosen and requested in ATTENTION_KINDS and not needs <= ATTENTION_FEATURES[requested]:
+        missing = " or ".join(sorted(needs - ATTENTION_FEATURES[requested]))
+        raise UserError(f"attention backend {requested!r} has no {missing}, which this model needs")
+    if not chosen and requested in ATTENTION_KINDS:
+        raise UserError(f"attention backend {requested!r} is not offered on this GPU family ({family})"
+                        + (f" for head_dim {cfg.head_dim}" if cfg is not None and requested == "triton" else ""))
+    if not chosen:
+        raise UserError(f"unknown attention backend {requested!r}")
+    return chosen
 
 
 # ----------------------------------------------------------------------------- mixture of experts
@@ -2202,6 +2242,12 @@ def expert_rows(chosen, num_experts):
     return pairs, torch.searchsorted(flat[pairs], experts)
 
 
+def pair_rows(pairs):
+    # pairs: [tokens * k], a permutation -> its inverse: the row each (token, slot) pair's output went to. A scatter
+    # of unique indices: no sort, and no two writes to one place
+    return torch.empty_like(pairs).scatter_(0, pairs, torch.arange(pairs.numel(), device=pairs.device))
+
+
 def moe_ffn(x, h, w, k, renormalize, grouped, kernels):
     # x: [tokens, hidden] += the experts' weighted sum over h: [tokens, hidden], the post-attention norm's output;
     # returns x. grouped(a [rows, K] grouped by expert, weights [experts, N, K], bounds) -> [rows, N] is the expert
@@ -2211,21 +2257,6 @@ def moe_ffn(x, h, w, k, renormalize, grouped, kernels):
     act = kernels.gated_act(grouped(h[pairs // k], w.gate_up, bounds), "silu")  # [tokens * k, moe_intermediate]
     kernels.combine(x, grouped(act, w.down, bounds), pair_rows(pairs), weights)
     return x
-
-
-def pair_rows(pairs):
-    # pairs: [tokens * k], a permutation -> its inverse: the row each (token, slot) pair's output went to. A scatter
-    # of unique indices: no sort, and no two writes to one place
-    return torch.empty_like(pairs).scatter_(0, pairs, torch.arange(pairs.numel(), device=pairs.device))
-
-
-def combine(x, out, row_of, weights):
-    # x: [tokens, hidden] += out: [tokens * k, hidden], the experts' output rows by expert, weighted: weights [tokens,
-    # k], token t's slot j at row row_of[t k + j]. Each token's sum is one batched GEMM ([1, k] @ [k, hidden] a token):
-    # float32 products and sums of bf16, one rounding. A loop of k gathers and float32 adds took 0.74 ms a
-    # 4096-token chunk on the H200, beside 0.70 ms for both grouped GEMMs (bench/results/…-h200-moe-experts.json)
-    per_token = out[row_of].view(weights.shape[0], weights.shape[1], out.shape[1])  # slots in expert order
-    x += torch.bmm(weights.unsqueeze(1), per_token).squeeze(1)
 
 
 def moe_block(x, w, cfg, max_tokens, kernels, grouped):
@@ -2364,106 +2395,6 @@ def expert_candidates(requested, device):
     if not chosen:
         raise UserError(f"unknown expert kernel {requested!r}")
     return chosen
-
-
-def moe_reference(h, logits, gate_up, down, k, renormalize):
-    # float32 math written out: softmax, top-k, renormalisation, each expert's SwiGLU on its tokens, weighted sum.
-    # logits are the router's own bf16 output, and the k are torch.topk's, as transformers': bf16 logits tie often (in
-    # the check's 600 tokens a few ties sit between the k-th and the (k+1)-th expert), and which of two equal
-    # probabilities topk keeps is its own rule (not the lower index); a logit rounded otherwise would swap experts too.
-    top, chosen = logits.float().softmax(-1).topk(k, dim=-1)
-    if renormalize:
-        top = top / top.sum(-1, keepdim=True)
-    out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-    for e in range(gate_up.shape[0]):
-        tokens, slots = (chosen == e).nonzero(as_tuple=True)
-        if len(tokens):
-            gate, up = (h[tokens].float() @ gate_up[e].float().T).chunk(2, dim=-1)
-            y = (F.silu(gate) * up) @ down[e].float().T
-            out[tokens] += top[tokens, slots, None] * y  # a token meets expert e at most once
-    return out
-
-
-def expert_inputs(device, cfg, seed, tokens, experts):
-    """(h, LayerWeights of the feed-forward alone) with cfg's hidden and moe_intermediate sizes, `experts` experts and
-    `tokens` tokens routed by a random router so that their rows are uneven: expert 0 takes half the tokens (several
-    tiles of rows, a partial last one), the last expert none."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    H, I = cfg.hidden_size, cfg.moe_intermediate_size
-
-    def randn(*shape, std=1.0):
-        return (torch.randn(shape, generator=gen, device=device) * std).to(DTYPE)
-    h = torch.randn(tokens, H, generator=gen, device=device)
-    router = torch.randn(experts, H, generator=gen, device=device) / math.sqrt(H)  # logits ~ N(0, 1)
-    common = torch.randn(H, generator=gen, device=device)
-    common /= common.norm()
-    h += 3 * common  # a direction every token shares and the last expert's router row opposes: logit ~ -12
-    router[-1] = -4 * common
-    h[:tokens // 2] += 6 * router[0] / router[0].norm()  # expert 0's logit +6 for half the tokens
-    w = LayerWeights(mlp_norm=torch.ones(H, device=device, dtype=DTYPE), router=router.to(DTYPE),
-                     gate_up=randn(experts, 2 * I, H, std=H ** -0.5), down=randn(experts, H, I, std=I ** -0.5))
-    return h.to(DTYPE), w
-
-
-def check_experts(candidates, device, cfg):
-    """Each (name, kind, tile) candidate, run twice through moe_ffn on uneven routing: a list of dicts with name,
-    grouped (None where refused), error and, where refused, reason."""
-    k = min(cfg.num_experts_per_tok, 2)
-    h, w = expert_inputs(device, cfg, seed=0, tokens=600, experts=min(cfg.num_experts, 8))
-    want = moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, cfg.norm_topk_prob)
-    return [checked({"name": name, "grouped": None, "error": None}, "grouped", lambda: make_experts(kind, tile),
-                    lambda grouped: moe_ffn(torch.zeros_like(h), h, w, k, cfg.norm_topk_prob, grouped,
-                                            TORCH_KERNELS), want, "experts")
-            for name, kind, tile in candidates]
-
-
-def experts_ms(grouped, inputs, repeats=5):
-    # mean ms of a chunk's two grouped GEMMs (gate_up, down) after one warm-up, on a stream of its own
-    rows, act, w, bounds = inputs
-    stream = torch.cuda.Stream(rows.device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        for i in range(repeats + 1):
-            if i == 1:
-                start.record()
-            grouped(rows, w.gate_up, bounds)
-            grouped(act, w.down, bounds)
-        end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
-
-
-def expert_timing_inputs(device, cfg, chunk_tokens, experts=8):
-    # one chunk's rows as a run sees them, for `experts` of the model's experts (their shapes decide the speed; all of
-    # them would be a layer's bytes of scratch): chunk_tokens * top-k / num_experts rows each on average, uneven
-    h, w = expert_inputs(device, cfg, seed=1, tokens=max(2, chunk_tokens * experts // cfg.num_experts), experts=experts)
-    _, chosen = route(h, w.router, min(cfg.num_experts_per_tok, experts), cfg.norm_topk_prob)
-    pairs, bounds = expert_rows(chosen, experts)
-    rows = h[pairs // chosen.shape[1]]
-    act = torch.randn(rows.shape[0], cfg.moe_intermediate_size, device=device).to(DTYPE)
-    return rows, act, w, bounds
-
-
-def pick_experts(requested, device, cfg, picks, chunk_tokens=4096):
-    """(name, grouped, report): of the candidates that pass the check, the one this machine's picks name; else, on a
-    GPU with a writable picks file, the fastest on a chunk's shapes (then kept); else the first in EXPERT_KINDS's
-    order. Where the kept one is known, only it is checked."""
-    candidates = expert_candidates(requested, device)
-    kept = picks.get(f"experts {requested}")
-    report = check_experts([c for c in candidates if c[0] == kept] or candidates, device, cfg)
-    if not any(e["grouped"] for e in report) and len(report) < len(candidates):  # the kept one failed
-        report += check_experts([c for c in candidates if c[0] != kept], device, cfg)
-    passed = [e for e in report if e["grouped"] is not None]
-    if not passed:
-        reasons = "; ".join(f"{e['name']}: {e['reason']}" for e in report)
-        raise UserError(f"expert kernel {requested!r} is unusable on {device}: {reasons}")
-    if len(passed) > 1 and device.type in TIMED_DEVICES and picks.writable():
-        inputs = expert_timing_inputs(device, cfg, chunk_tokens)
-        for entry in passed:
-            entry["time_ms"] = experts_ms(entry["grouped"], inputs)
-        passed.sort(key=lambda e: e["time_ms"])
-        picks.put(f"experts {requested}", passed[0]["name"])
-    return passed[0]["name"], passed[0]["grouped"], report
 
 
 # ----------------------------------------------------------------------------- start-up checks and picks
@@ -2628,6 +2559,11 @@ def text_check_cases(device, cfg):
         yield how, sharp, (q, k, v, chunk), attention_reference(q, k, v, chunk, how)
 
 
+def describe_attention(how):
+    return ", ".join(([f"window {how.window}"] if how.window else []) + ([f"softcap {how.softcap:g}"] if how.softcap
+                                                                          else [])) or "full attention"
+
+
 def check_attention(candidates, device, cfg, cases=None):
     """Each (name, kind, tile) candidate, run twice on texts of CHECK_LENGTHS with each of the model's attention
     settings (text_check_cases; or on `cases`, an iterable of the same tuples: a prefix tree's): a list of dicts with
@@ -2655,11 +2591,6 @@ def check_attention(candidates, device, cfg, cases=None):
             if "reason" in entry:
                 entry["attend"] = None
     return report
-
-
-def describe_attention(how):
-    return ", ".join(([f"window {how.window}"] if how.window else []) + ([f"softcap {how.softcap:g}"] if how.softcap
-                                                                          else [])) or "full attention"
 
 
 def passes_bucket(entry, label, device, cfg):
@@ -2773,78 +2704,106 @@ def pick_attention(requested, device, cfg, picks):
     return names, bucketed_attention(chosen), report
 
 
-# The backends that read a prefix tree's chunks (ancestor key ranges; the evaluation section): prefill's Triton kernel
-# and SDPA. The others (flash-attn, torch's flash and cuDNN kernels) run only the chunks whose sequences have no
-# ancestors, which every text of the whole-text path is.
-TREE_KINDS = ("triton", "sdpa")
-# The tree the check runs: a 300-token root whose children are 37 and 100 tokens, the 100's children 650 and 5, a
-# second root of 70 with children of 64 and 1; cut into chunks of 512, the 650 in two pieces, so that nodes read
-# ancestors in earlier chunks, two ranges apart, a range ending mid-tile, and no ancestors at all. A window that does
-# not end 100 tokens above its deepest (1050) adds a branch 300 deeper than the window under the 300 and the 100, so
-# that the window's edge falls inside the ancestors' keys and inside the node's own.
-TREE_CHECK = ([[300, 37], [300, 100, 650], [300, 100, 5], [70, 64], [70, 1]], 512)
+# --- the experts' kernels: checked against float32 experts, then timed
+
+def moe_reference(h, logits, gate_up, down, k, renormalize):
+    # float32 math written out: softmax, top-k, renormalisation, each expert's SwiGLU on its tokens, weighted sum.
+    # logits are the router's own bf16 output, and the k are torch.topk's, as transformers': bf16 logits tie often (in
+    # the check's 600 tokens a few ties sit between the k-th and the (k+1)-th expert), and which of two equal
+    # probabilities topk keeps is its own rule (not the lower index); a logit rounded otherwise would swap experts too.
+    top, chosen = logits.float().softmax(-1).topk(k, dim=-1)
+    if renormalize:
+        top = top / top.sum(-1, keepdim=True)
+    out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    for e in range(gate_up.shape[0]):
+        tokens, slots = (chosen == e).nonzero(as_tuple=True)
+        if len(tokens):
+            gate, up = (h[tokens].float() @ gate_up[e].float().T).chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ down[e].float().T
+            out[tokens] += top[tokens, slots, None] * y  # a token meets expert e at most once
+    return out
 
 
-def tree_visibility(parents, rows, window=None):
-    """[rows, tokens] bool: which of a prefix tree's tokens each of `rows` (wave indices) attends to, itself and its
-    ancestors (with a window: those less than `window` above it), from each token's parent alone (parents: [tokens]
-    int64, -1 at a root), so that it checks the tree's key ranges, chunks and depths rather than restate them. Token j
-    is row i's ancestor where i's ancestor at i's depth less j's depth is j (binary lifting over the distance's
-    bits)."""
-    tokens = parents.numel()
-    up = torch.where(parents < 0, torch.arange(tokens), parents)  # a root's parent: itself
-    depth = torch.zeros(tokens, dtype=torch.int64)
-    for i in range(tokens):  # parents come first in the wave
-        depth[i] = depth[up[i]] + 1 if parents[i] >= 0 else 0
-    distance = depth[rows][:, None] - depth[None, :]  # [rows, tokens]
-    at = rows[:, None].expand(-1, tokens).clone()
-    for bit in range(max(1, int(depth.max()) + 1).bit_length()):
-        at = torch.where((distance >> bit) & 1 == 1, up[at], at)
-        up = up[up]
-    seen = (distance >= 0) & (at == torch.arange(tokens)[None, :])
-    return seen if window is None else seen & (distance < window)
+def expert_inputs(device, cfg, seed, tokens, experts):
+    """(h, LayerWeights of the feed-forward alone) with cfg's hidden and moe_intermediate sizes, `experts` experts and
+    `tokens` tokens routed by a random router so that their rows are uneven: expert 0 takes half the tokens (several
+    tiles of rows, a partial last one), the last expert none."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+
+    def randn(*shape, std=1.0):
+        return (torch.randn(shape, generator=gen, device=device) * std).to(DTYPE)
+    h = torch.randn(tokens, H, generator=gen, device=device)
+    router = torch.randn(experts, H, generator=gen, device=device) / math.sqrt(H)  # logits ~ N(0, 1)
+    common = torch.randn(H, generator=gen, device=device)
+    common /= common.norm()
+    h += 3 * common  # a direction every token shares and the last expert's router row opposes: logit ~ -12
+    router[-1] = -4 * common
+    h[:tokens // 2] += 6 * router[0] / router[0].norm()  # expert 0's logit +6 for half the tokens
+    w = LayerWeights(mlp_norm=torch.ones(H, device=device, dtype=DTYPE), router=router.to(DTYPE),
+                     gate_up=randn(experts, 2 * I, H, std=H ** -0.5), down=randn(experts, H, I, std=I ** -0.5))
+    return h.to(DTYPE), w
 
 
-def tree_check_cases(device, cfg):
-    # (settings, sharp, (q, k, v, chunk), float32 reference) of each chunk of TREE_CHECK's wave that has ancestors,
-    # for each of the model's attention settings (sharp inputs too where a window or softcap is to show, as
-    # check_cases): q the chunk's, k/v the wave's; the reference's visibility from each token's parent, not from the
-    # chunks' key ranges or depths
-    branches, chunk_tokens = TREE_CHECK
-    for how in attention_settings(cfg):
-        deep = [[300, 100, how.window - 100]] if how.window and how.window + 100 > max(map(sum, branches)) else []
-        gen = torch.Generator().manual_seed(3)
-        requests, stems = [], {}
-        for branch in branches + deep:  # the same stem, the same tokens: requests that share a prefix
-            ids = [t for depth in range(len(branch)) for t in stems.setdefault(
-                tuple(branch[:depth + 1]), torch.randint(cfg.vocab_size, (branch[depth],), generator=gen).tolist())]
-            requests.append(Request(ids[:1], ids[1:] + [0]))
-        wave = tree_wave(requests, chunk_tokens, device)
-        q, k, v, _ = attention_inputs(device, cfg, [wave.ids.numel()], seed=4)
-        for sharp in (False, True) if how.window or how.softcap else (False,):
-            qs = sharpened(q, cfg, how) if sharp else q
-            for c in wave.chunks:
-                if c.ancestors is not None:
-                    seen = tree_visibility(wave.parents, torch.arange(c.start, c.end), how.window).to(device)
-                    yield how, sharp, (qs[c.start:c.end], k, v, c), tree_attention_reference(qs[c.start:c.end], k, v,
-                                                                                             seen, how)
+def check_experts(candidates, device, cfg):
+    """Each (name, kind, tile) candidate, run twice through moe_ffn on uneven routing: a list of dicts with name,
+    grouped (None where refused), error and, where refused, reason."""
+    k = min(cfg.num_experts_per_tok, 2)
+    h, w = expert_inputs(device, cfg, seed=0, tokens=600, experts=min(cfg.num_experts, 8))
+    want = moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, cfg.norm_topk_prob)
+    return [checked({"name": name, "grouped": None, "error": None}, "grouped", lambda: make_experts(kind, tile),
+                    lambda grouped: moe_ffn(torch.zeros_like(h), h, w, k, cfg.norm_topk_prob, grouped,
+                                            TORCH_KERNELS), want, "experts")
+            for name, kind, tile in candidates]
 
 
-def pick_tree_attention(requested, device, cfg):
-    """(name, attend, report) for a prefix tree's chunks: the first of the TREE_KINDS candidates (prefill's Triton
-    kernel in this GPU family's and model's tiles, then SDPA) that matches float32 attention on TREE_CHECK's chunks
-    with each of the model's attention settings (scale, window by depth, softcap), twice alike.
-    Nothing is timed: where Triton runs it is the one. --attention triton or sdpa (or one's name) asks for that one;
-    a backend without a tree variant asks for none in particular."""
-    named = requested if isinstance(requested, str) and requested.split()[0] in TREE_KINDS else "auto"
-    candidates = [c for c in attention_candidates(named, gpu_family(device), cfg, tree_attention_tiles)
-                  if c[1] in TREE_KINDS]
-    report = check_attention(candidates, device, cfg, tree_check_cases(device, cfg))
-    entry = next((e for e in report if e["attend"] is not None), None)
-    if entry is None:
-        raise UserError(f"no attention backend reads a prefix tree on {device}: "
-                        + "; ".join(f"{e['name']}: {e['reason']}" for e in report))
-    return entry["name"], entry["attend"], report
+def experts_ms(grouped, inputs, repeats=5):
+    # mean ms of a chunk's two grouped GEMMs (gate_up, down) after one warm-up, on a stream of its own
+    rows, act, w, bounds = inputs
+    stream = torch.cuda.Stream(rows.device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        for i in range(repeats + 1):
+            if i == 1:
+                start.record()
+            grouped(rows, w.gate_up, bounds)
+            grouped(act, w.down, bounds)
+        end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def expert_timing_inputs(device, cfg, chunk_tokens, experts=8):
+    # one chunk's rows as a run sees them, for `experts` of the model's experts (their shapes decide the speed; all of
+    # them would be a layer's bytes of scratch): chunk_tokens * top-k / num_experts rows each on average, uneven
+    h, w = expert_inputs(device, cfg, seed=1, tokens=max(2, chunk_tokens * experts // cfg.num_experts), experts=experts)
+    _, chosen = route(h, w.router, min(cfg.num_experts_per_tok, experts), cfg.norm_topk_prob)
+    pairs, bounds = expert_rows(chosen, experts)
+    rows = h[pairs // chosen.shape[1]]
+    act = torch.randn(rows.shape[0], cfg.moe_intermediate_size, device=device).to(DTYPE)
+    return rows, act, w, bounds
+
+
+def pick_experts(requested, device, cfg, picks, chunk_tokens=4096):
+    """(name, grouped, report): of the candidates that pass the check, the one this machine's picks name; else, on a
+    GPU with a writable picks file, the fastest on a chunk's shapes (then kept); else the first in EXPERT_KINDS's
+    order. Where the kept one is known, only it is checked."""
+    candidates = expert_candidates(requested, device)
+    kept = picks.get(f"experts {requested}")
+    report = check_experts([c for c in candidates if c[0] == kept] or candidates, device, cfg)
+    if not any(e["grouped"] for e in report) and len(report) < len(candidates):  # the kept one failed
+        report += check_experts([c for c in candidates if c[0] != kept], device, cfg)
+    passed = [e for e in report if e["grouped"] is not None]
+    if not passed:
+        reasons = "; ".join(f"{e['name']}: {e['reason']}" for e in report)
+        raise UserError(f"expert kernel {requested!r} is unusable on {device}: {reasons}")
+    if len(passed) > 1 and device.type in TIMED_DEVICES and picks.writable():
+        inputs = expert_timing_inputs(device, cfg, chunk_tokens)
+        for entry in passed:
+            entry["time_ms"] = experts_ms(entry["grouped"], inputs)
+        passed.sort(key=lambda e: e["time_ms"])
+        picks.put(f"experts {requested}", passed[0]["name"])
+    return passed[0]["name"], passed[0]["grouped"], report
 
 
 def rms_norm_f32(x, weight, eps, offset):
@@ -3008,6 +2967,13 @@ class Picks:
                 log(f"warning: cannot keep the start-up picks in {self.path}: {e.strerror}")
 
 
+def package_version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def machine_key(device, cfg):
     # the GPU, the versions of torch, its GPU runtime, Triton and flash-attn, the model's geometry and this very
     # file's contents: a change in any of them measures again
@@ -3025,13 +2991,6 @@ def machine_key(device, cfg):
     geometry += [cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size] if cfg.num_experts else []
     geometry += [cfg.model_type] + [[how.scale, how.window, how.softcap] for how in attention_settings(cfg)]
     return json.dumps([device.type, *gpu, *versions, *geometry, source])
-
-
-def package_version(name):
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def default_picks_path():
@@ -3311,6 +3270,84 @@ def tree_wave(requests, chunk_tokens, device):
                     [[renumber[p] for p in mine] for mine in pairs], sum(len(r.input) for r in requests))
 
 
+# --- the prefix tree's attention: which backends read it, checked at the first tree
+
+# The backends that read a prefix tree's chunks (ancestor key ranges; the evaluation section): prefill's Triton kernel
+# and SDPA. The others (flash-attn, torch's flash and cuDNN kernels) run only the chunks whose sequences have no
+# ancestors, which every text of the whole-text path is.
+TREE_KINDS = ("triton", "sdpa")
+
+
+# The tree the check runs: a 300-token root whose children are 37 and 100 tokens, the 100's children 650 and 5, a
+# second root of 70 with children of 64 and 1; cut into chunks of 512, the 650 in two pieces, so that nodes read
+# ancestors in earlier chunks, two ranges apart, a range ending mid-tile, and no ancestors at all. A window that does
+# not end 100 tokens above its deepest (1050) adds a branch 300 deeper than the window under the 300 and the 100, so
+# that the window's edge falls inside the ancestors' keys and inside the node's own.
+TREE_CHECK = ([[300, 37], [300, 100, 650], [300, 100, 5], [70, 64], [70, 1]], 512)
+
+
+def tree_visibility(parents, rows, window=None):
+    """[rows, tokens] bool: which of a prefix tree's tokens each of `rows` (wave indices) attends to, itself and its
+    ancestors (with a window: those less than `window` above it), from each token's parent alone (parents: [tokens]
+    int64, -1 at a root), so that it checks the tree's key ranges, chunks and depths rather than restate them. Token j
+    is row i's ancestor where i's ancestor at i's depth less j's depth is j (binary lifting over the distance's
+    bits)."""
+    tokens = parents.numel()
+    up = torch.where(parents < 0, torch.arange(tokens), parents)  # a root's parent: itself
+    depth = torch.zeros(tokens, dtype=torch.int64)
+    for i in range(tokens):  # parents come first in the wave
+        depth[i] = depth[up[i]] + 1 if parents[i] >= 0 else 0
+    distance = depth[rows][:, None] - depth[None, :]  # [rows, tokens]
+    at = rows[:, None].expand(-1, tokens).clone()
+    for bit in range(max(1, int(depth.max()) + 1).bit_length()):
+        at = torch.where((distance >> bit) & 1 == 1, up[at], at)
+        up = up[up]
+    seen = (distance >= 0) & (at == torch.arange(tokens)[None, :])
+    return seen if window is None else seen & (distance < window)
+
+
+def tree_check_cases(device, cfg):
+    # (settings, sharp, (q, k, v, chunk), float32 reference) of each chunk of TREE_CHECK's wave that has ancestors,
+    # for each of the model's attention settings (sharp inputs too where a window or softcap is to show, as
+    # check_cases): q the chunk's, k/v the wave's; the reference's visibility from each token's parent, not from the
+    # chunks' key ranges or depths
+    branches, chunk_tokens = TREE_CHECK
+    for how in attention_settings(cfg):
+        deep = [[300, 100, how.window - 100]] if how.window and how.window + 100 > max(map(sum, branches)) else []
+        gen = torch.Generator().manual_seed(3)
+        requests, stems = [], {}
+        for branch in branches + deep:  # the same stem, the same tokens: requests that share a prefix
+            ids = [t for depth in range(len(branch)) for t in stems.setdefault(
+                tuple(branch[:depth + 1]), torch.randint(cfg.vocab_size, (branch[depth],), generator=gen).tolist())]
+            requests.append(Request(ids[:1], ids[1:] + [0]))
+        wave = tree_wave(requests, chunk_tokens, device)
+        q, k, v, _ = attention_inputs(device, cfg, [wave.ids.numel()], seed=4)
+        for sharp in (False, True) if how.window or how.softcap else (False,):
+            qs = sharpened(q, cfg, how) if sharp else q
+            for c in wave.chunks:
+                if c.ancestors is not None:
+                    seen = tree_visibility(wave.parents, torch.arange(c.start, c.end), how.window).to(device)
+                    yield how, sharp, (qs[c.start:c.end], k, v, c), tree_attention_reference(qs[c.start:c.end], k, v,
+                                                                                             seen, how)
+
+
+def pick_tree_attention(requested, device, cfg):
+    """(name, attend, report) for a prefix tree's chunks: the first of the TREE_KINDS candidates (prefill's Triton
+    kernel in this GPU family's and model's tiles, then SDPA) that matches float32 attention on TREE_CHECK's chunks
+    with each of the model's attention settings (scale, window by depth, softcap), twice alike.
+    Nothing is timed: where Triton runs it is the one. --attention triton or sdpa (or one's name) asks for that one;
+    a backend without a tree variant asks for none in particular."""
+    named = requested if isinstance(requested, str) and requested.split()[0] in TREE_KINDS else "auto"
+    candidates = [c for c in attention_candidates(named, gpu_family(device), cfg, tree_attention_tiles)
+                  if c[1] in TREE_KINDS]
+    report = check_attention(candidates, device, cfg, tree_check_cases(device, cfg))
+    entry = next((e for e in report if e["attend"] is not None), None)
+    if entry is None:
+        raise UserError(f"no attention backend reads a prefix tree on {device}: "
+                        + "; ".join(f"{e['name']}: {e['reason']}" for e in report))
+    return entry["name"], entry["attend"], report
+
+
 def continuation_logprobs(h, rows, targets, lm_head, final_norm, cfg, chunk_tokens, kernels):
     """h: [tokens, hidden]; rows, targets: [pairs] int64 on the host, rows ascending. The float32 log-prob of each
     target at its row, and whether it is the row's argmax: the final norm, lm_head (tied or not) and final softcap
@@ -3329,6 +3366,89 @@ def continuation_logprobs(h, rows, targets, lm_head, final_norm, cfg, chunk_toke
         logprob[s:s + t.numel()] = -kernels.token_nll(logits, t)
     return logprob.cpu(), greedy.cpu()
 
+
+# ----------------------------------------------------------------------------- tokenizer
+
+# Tokenizer classes whose tokenizer.json holds the whole tokenizer: transformers' fast class runs that file's
+# pipeline (encode_batch with add_special_tokens) and adds nothing of its own. For these, the `tokenizers` library
+# (Rust, a transformers dependency) loads it in 0.3 s, where importing transformers takes 5-10 s on the H200 machine
+# and holds the GIL against the loading threads meanwhile (bench/results/primitives/…-threads-tokenizer.json).
+# tests/test_prefill.py checks the ids against transformers' on texts with special tokens, unicode, empty strings.
+PLAIN_TOKENIZERS = ("Qwen2Tokenizer", "Qwen2TokenizerFast")
+
+
+# added-token fields that change how text is split; transformers adds a token the file lacks, or re-flags it
+ADDED_TOKEN_FIELDS = ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
+
+
+def plain_tokenizer(model_dir):
+    """`tokenizers.Tokenizer` of model_dir's tokenizer.json where it gives exactly transformers' ids; None where
+    anything in tokenizer_config.json would make transformers differ (or where either file is missing or odd):
+    then transformers loads it."""
+    model_dir = Path(model_dir)
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        spec = json.loads((model_dir / "tokenizer.json").read_text())
+        import tokenizers
+    except (OSError, ValueError, ImportError):
+        return None
+    if not isinstance(config, dict) or not isinstance(spec, dict) or not isinstance(spec.get("added_tokens"), list):
+        return None
+    added = {t.get("id"): t for t in spec["added_tokens"] if isinstance(t, dict)}
+    contents = {t.get("content") for t in added.values()}
+    declared = config.get("added_tokens_decoder") or {}
+    specials = [config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                                        "mask_token")] + list(config.get("additional_special_tokens") or [])
+    if (config.get("tokenizer_class") not in PLAIN_TOKENIZERS
+            or any(config.get(k) for k in ("add_bos_token", "add_eos_token", "add_prefix_space", "split_special_tokens",
+                                           "do_lower_case", "tokenizer_file"))
+            or spec.get("truncation") is not None or spec.get("padding") is not None
+            or not isinstance(declared, dict)
+            or not all(isinstance(t, dict) and str(i).isdigit() and int(i) in added
+                       and all(t.get(f) == added[int(i)].get(f) for f in ADDED_TOKEN_FIELDS)
+                       for i, t in declared.items())
+            or not all(s is None or isinstance(s, str) and s in contents
+                       for s in (s.get("content") if isinstance(s, dict) else s for s in specials))):
+        return None
+    try:
+        return tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    except Exception:  # noqa: BLE001 (a file tokenizers cannot read: transformers reports what is wrong with it)
+        return None
+
+
+def transformers_tokenizer(model_dir):
+    # The class AutoTokenizer would pick (tokenizer_config.json's tokenizer_class, its fast variant first), named
+    # directly: AutoTokenizer's own import pulls in transformers' model-loading machinery (generation, sklearn,
+    # torch.distributed.tensor), 4.8 s of imports on the H200 machine. AutoTokenizer where the name is unknown.
+    import transformers
+    transformers.logging.set_verbosity_error()  # no "sequence longer than model_max_length" chatter on stderr
+    try:
+        name = json.loads((Path(model_dir) / "tokenizer_config.json").read_text()).get("tokenizer_class") or ""
+    except (OSError, ValueError, AttributeError):
+        name = ""
+    named = [getattr(transformers, n, None) for n in (name + "Fast", name) if n.isidentifier()]
+    cls = next((c for c in named if c is not None), None) or transformers.AutoTokenizer  # touched only if needed
+    try:
+        tokenizer = cls.from_pretrained(str(model_dir), trust_remote_code=False)
+        tokenizer("Hello, world.")
+    except Exception as e:
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"cannot load the tokenizer from {model_dir}: {first_line[:300]}") from None
+    return lambda texts: tokenizer(texts)["input_ids"]
+
+
+def load_tokenizer(model_dir):
+    """encode(texts) -> one list of token ids per text, as transformers' tokenizer(texts)["input_ids"] gives them
+    (SPEC §1): from tokenizer.json alone where that is the same (plain_tokenizer), else through transformers."""
+    plain = plain_tokenizer(model_dir)
+    if plain is not None:
+        def encode(texts):
+            return [e.ids for e in plain.encode_batch(texts, add_special_tokens=True)]
+    else:
+        encode = transformers_tokenizer(model_dir)
+    if not encode(["Hello, world."])[0]:  # a folder without tokenizer files gets an empty tokenizer: nan for every text
+        raise UserError(f"no usable tokenizer in {model_dir} (tokenizer.json, or vocab.json and merges.txt)")
+    return encode
 
 
 # ----------------------------------------------------------------------------- the runner
@@ -3990,88 +4110,6 @@ class Runner:
             torch.cuda.reset_peak_memory_stats(self.device)
 
 
-# Tokenizer classes whose tokenizer.json holds the whole tokenizer: transformers' fast class runs that file's
-# pipeline (encode_batch with add_special_tokens) and adds nothing of its own. For these, the `tokenizers` library
-# (Rust, a transformers dependency) loads it in 0.3 s, where importing transformers takes 5-10 s on the H200 machine
-# and holds the GIL against the loading threads meanwhile (bench/results/primitives/…-threads-tokenizer.json).
-# tests/test_prefill.py checks the ids against transformers' on texts with special tokens, unicode, empty strings.
-PLAIN_TOKENIZERS = ("Qwen2Tokenizer", "Qwen2TokenizerFast")
-# added-token fields that change how text is split; transformers adds a token the file lacks, or re-flags it
-ADDED_TOKEN_FIELDS = ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
-
-
-def plain_tokenizer(model_dir):
-    """`tokenizers.Tokenizer` of model_dir's tokenizer.json where it gives exactly transformers' ids; None where
-    anything in tokenizer_config.json would make transformers differ (or where either file is missing or odd):
-    then transformers loads it."""
-    model_dir = Path(model_dir)
-    try:
-        config = json.loads((model_dir / "tokenizer_config.json").read_text())
-        spec = json.loads((model_dir / "tokenizer.json").read_text())
-        import tokenizers
-    except (OSError, ValueError, ImportError):
-        return None
-    if not isinstance(config, dict) or not isinstance(spec, dict) or not isinstance(spec.get("added_tokens"), list):
-        return None
-    added = {t.get("id"): t for t in spec["added_tokens"] if isinstance(t, dict)}
-    contents = {t.get("content") for t in added.values()}
-    declared = config.get("added_tokens_decoder") or {}
-    specials = [config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
-                                        "mask_token")] + list(config.get("additional_special_tokens") or [])
-    if (config.get("tokenizer_class") not in PLAIN_TOKENIZERS
-            or any(config.get(k) for k in ("add_bos_token", "add_eos_token", "add_prefix_space", "split_special_tokens",
-                                           "do_lower_case", "tokenizer_file"))
-            or spec.get("truncation") is not None or spec.get("padding") is not None
-            or not isinstance(declared, dict)
-            or not all(isinstance(t, dict) and str(i).isdigit() and int(i) in added
-                       and all(t.get(f) == added[int(i)].get(f) for f in ADDED_TOKEN_FIELDS)
-                       for i, t in declared.items())
-            or not all(s is None or isinstance(s, str) and s in contents
-                       for s in (s.get("content") if isinstance(s, dict) else s for s in specials))):
-        return None
-    try:
-        return tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    except Exception:  # noqa: BLE001 (a file tokenizers cannot read: transformers reports what is wrong with it)
-        return None
-
-
-def load_tokenizer(model_dir):
-    """encode(texts) -> one list of token ids per text, as transformers' tokenizer(texts)["input_ids"] gives them
-    (SPEC §1): from tokenizer.json alone where that is the same (plain_tokenizer), else through transformers."""
-    plain = plain_tokenizer(model_dir)
-    if plain is not None:
-        def encode(texts):
-            return [e.ids for e in plain.encode_batch(texts, add_special_tokens=True)]
-    else:
-        encode = transformers_tokenizer(model_dir)
-    if not encode(["Hello, world."])[0]:  # a folder without tokenizer files gets an empty tokenizer: nan for every text
-        raise UserError(f"no usable tokenizer in {model_dir} (tokenizer.json, or vocab.json and merges.txt)")
-    return encode
-
-
-def transformers_tokenizer(model_dir):
-    # The class AutoTokenizer would pick (tokenizer_config.json's tokenizer_class, its fast variant first), named
-    # directly: AutoTokenizer's own import pulls in transformers' model-loading machinery (generation, sklearn,
-    # torch.distributed.tensor), 4.8 s of imports on the H200 machine. AutoTokenizer where the name is unknown.
-    import transformers
-    transformers.logging.set_verbosity_error()  # no "sequence longer than model_max_length" chatter on stderr
-    try:
-        name = json.loads((Path(model_dir) / "tokenizer_config.json").read_text()).get("tokenizer_class") or ""
-    except (OSError, ValueError, AttributeError):
-        name = ""
-    named = [getattr(transformers, n, None) for n in (name + "Fast", name) if n.isidentifier()]
-    cls = next((c for c in named if c is not None), None) or transformers.AutoTokenizer  # touched only if needed
-    try:
-        tokenizer = cls.from_pretrained(str(model_dir), trust_remote_code=False)
-        tokenizer("Hello, world.")
-    except Exception as e:
-        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"cannot load the tokenizer from {model_dir}: {first_line[:300]}") from None
-    return lambda texts: tokenizer(texts)["input_ids"]
-
-
-
-
 # ----------------------------------------------------------------------------- the protocol and the command line
 # `python prefill.py --model DIR`: load, warm up, print `ready`, read one JSON array of texts on stdin, print one loss
 # per text. What the protocol does not need lives beside this file and is imported only when asked: --input/--output
@@ -4117,6 +4155,17 @@ class Progress:
             self.bar.close()
 
 
+def ends_short(text):
+    # JSON that stops before it is whole (the parser wants more at the end), rather than JSON that is wrong
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        return e.pos >= len(text.rstrip(JSON_SPACE))
+    except (ValueError, RecursionError):
+        return False
+    return False
+
+
 def parse_request(data, source="stdin"):
     """The protocol's request: one JSON array of strings (bytes or str), on one line."""
     try:
@@ -4127,17 +4176,6 @@ def parse_request(data, source="stdin"):
                             "takes the whole request on one line (--input FILE reads texts in any layout)") from None
         raise
     return [text_of(t, f"{source}: element {i}") for i, t in enumerate(values)]
-
-
-def ends_short(text):
-    # JSON that stops before it is whole (the parser wants more at the end), rather than JSON that is wrong
-    try:
-        json.loads(text)
-    except json.JSONDecodeError as e:
-        return e.pos >= len(text.rstrip(JSON_SPACE))
-    except (ValueError, RecursionError):
-        return False
-    return False
 
 
 def take_stdout():
@@ -4295,8 +4333,6 @@ def check_writable(path, option="--stats"):
         raise UserError(f"{option} {path} cannot be written: {e.strerror}") from None
     if not existed:
         os.unlink(path)
-
-
 
 
 def runner_of(args, wave_tokens, picks=None):

@@ -66,22 +66,6 @@ def record_of(value, where, text_field, id_field, pair_fields=PAIR_FIELDS):
                   where=where)
 
 
-def read_records(path, text_field="text", id_field="id", pair_fields=PAIR_FIELDS):
-    """--input FILE ('-': stdin), one Record at a time: a JSON array, read whole, or JSON lines, read line by line
-    (blank lines skipped; the format for big corpora). An element or line is a string, or an object whose
-    text_field is a string, or one whose context and continuation fields (pair_fields) are (its id_field, any JSON
-    value, is kept; other fields are ignored). Every record of a file is of the first one's kind. A problem names
-    the element, or the line (1-based, as editors count)."""
-    kind = None
-    for where, record in read_located(path, text_field, id_field, pair_fields):
-        if kind is None:
-            kind = record.text is None
-        elif kind != (record.text is None):
-            raise UserError(f"{where} is a {'text' if kind else 'continuation'} where the records before it are "
-                            f"{'continuations' if kind else 'texts'}: a corpus holds one kind")
-        yield record
-
-
 def read_located(path, text_field, id_field, pair_fields):
     # read_records' (where, Record) pairs
     space = JSON_SPACE.encode()
@@ -100,6 +84,22 @@ def read_located(path, text_field, id_field, pair_fields):
                 yield where, record_of(parse_json(decoded(line), where), where, text_field, id_field, pair_fields)
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror}") from None
+
+
+def read_records(path, text_field="text", id_field="id", pair_fields=PAIR_FIELDS):
+    """--input FILE ('-': stdin), one Record at a time: a JSON array, read whole, or JSON lines, read line by line
+    (blank lines skipped; the format for big corpora). An element or line is a string, or an object whose
+    text_field is a string, or one whose context and continuation fields (pair_fields) are (its id_field, any JSON
+    value, is kept; other fields are ignored). Every record of a file is of the first one's kind. A problem names
+    the element, or the line (1-based, as editors count)."""
+    kind = None
+    for where, record in read_located(path, text_field, id_field, pair_fields):
+        if kind is None:
+            kind = record.text is None
+        elif kind != (record.text is None):
+            raise UserError(f"{where} is a {'text' if kind else 'continuation'} where the records before it are "
+                            f"{'continuations' if kind else 'texts'}: a corpus holds one kind")
+        yield record
 
 
 def count_records(path):
@@ -201,15 +201,15 @@ CONTINUATIONS = Kind("request", lambda runner, records: runner.pair_batches(
                                   "continuation_tokens": len(ids.continuation)}, continuation_fields)
 
 
+def record_digest(kind, ids, settings_key):
+    return numbers_digest(settings_key, *kind.token_lists(ids))
+
+
 def record_key(kind, index, ids, record, settings_key):
     """What a record of OUT must hold for --resume to take it as the input's: its index, token counts, id, and the
     digest of the token ids (a continuation's context and continuation, each) and settings its numbers came from."""
     return ({"index": index} | kind.counts(ids) | ({} if record.id is NO_ID else {"id": record.id})
             | {"digest": record_digest(kind, ids, settings_key)})
-
-
-def record_digest(kind, ids, settings_key):
-    return numbers_digest(settings_key, *kind.token_lists(ids))
 
 
 def output_line(kind, result, ids, record, digest):

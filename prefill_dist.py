@@ -54,6 +54,13 @@ def only_rank_gpu(env, local_rank, hip):
     return name
 
 
+def process_alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except (OSError, IndexError):
+        return False
+
+
 class Group:
     """This process's rank among torchrun's, and the store the ranks share."""
 
@@ -165,13 +172,6 @@ class Group:
     def relaunch(self):  # how this run was started, for the resume line: torchrun's module, whatever its spelling was
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.world // self.nodes}"] + (
             [f"--nnodes={self.nodes}", "<the same rendezvous options>"] if self.nodes > 1 else ["--standalone"])
-
-
-def process_alive(pid):
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except (OSError, IndexError):
-        return False
 
 
 class RankZeroPicks(Picks):
