@@ -4218,7 +4218,7 @@ def parse_args(argv):
                     "prints one loss per text (nan for texts of < 2 tokens) and exits. With --input FILE: the same "
                     "losses for FILE's texts, without the handshake. With --input FILE --output OUT.jsonl: scores a "
                     "corpus of any size into OUT, one JSON line per text, resumable with --resume. Started by "
-                    "torchrun: one process per GPU, rank 0 speaking for all (README: Several GPUs).",
+                    "torchrun: one process per GPU, rank 0 speaking for all (docs/distributed.md).",
         epilog="Exit codes: 0 done; 1 stdin closed before the request, stdout closed before the last loss, another "
                "torchrun rank failed, or an unexpected error; 2 a bad option, input, request, output or checkpoint "
                "(one line on stderr names it); 130 SIGINT; 143 SIGTERM (with --output: after the batch being written, "

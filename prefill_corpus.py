@@ -49,7 +49,7 @@ def record_of(value, where, text_field, id_field, pair_fields=PAIR_FIELDS):
     if not isinstance(value, dict):
         return Record(text_of(value, where), NO_ID, where=where)
     context_field, continuation_field = pair_fields
-    if context_field in value:  # a continuation to score given its context (README: Score a corpus)
+    if context_field in value:  # a continuation to score given its context (docs/corpus.md)
         if continuation_field not in value:
             raise UserError(f"{where} has the context field {shown(context_field)} but not the continuation field "
                             f"{shown(continuation_field)} (--continuation-field)")

@@ -1,7 +1,7 @@
 """prefill under torchrun: one process per GPU, rank 0 speaking for all. Imported by prefill.py's command line when
 WORLD_SIZE > 1, and by prefill_eval.py under torchrun.
 
-Under torchrun (WORLD_SIZE > 1; README: Several GPUs) every rank loads the model on its own GPU (LOCAL_RANK) with its
+Under torchrun (WORLD_SIZE > 1; docs/distributed.md) every rank loads the model on its own GPU (LOCAL_RANK) with its
 own memory plan, reads and tokenizes the same input, and so cuts the same batches (batches() looks at token counts
 alone). The ranks claim whole batches from a shared counter as they become free. A batch runs whole on one rank, so
 its numbers are those of a 1-process run on the same GPU model, bit for bit (the same GEMM shapes), whichever rank

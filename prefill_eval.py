@@ -5,7 +5,7 @@
         --tasks mmlu,hellaswag [any other lm_eval option]
     import prefill_eval; lm_eval.simple_evaluate(model="prefill", model_args="pretrained=DIR", tasks=[...])
 
-A thin adapter (README: Evaluate with lm-evaluation-harness): requests are tokenized exactly as lm-eval's HF backend
+A thin adapter (docs/eval.md): requests are tokenized exactly as lm-eval's HF backend
 tokenizes them, cut to max_length from the left as it cuts them, and handed to prefill.Runner.loglikelihoods, which
 scores every request of a call as one corpus of prefix-tree waves. No scoring happens here. generate_until tasks are
 refused before any model loads: prefill does not generate.
