@@ -9,9 +9,9 @@ set -u
 NEW=${NEW:-69590ee}; OLD=${OLD:-218bc62}
 P=$PWD/.venv/startup-probe; TOK=$P/tok; R=/tmp/res; CK=/dev/shm/prefill-bench/qwen3-32b-L64-s0
 git log --oneline -1 || { echo "NO .git"; exit 3; }
-git cat-file -e $NEW^{commit} && git cat-file -e $OLD^{commit} || { echo "commits missing"; exit 3; }
+git cat-file -e $OLD^{commit} || { echo "old commit missing"; exit 3; }
 mkdir -p $R; rm -rf /tmp/new /tmp/old
-git archive --prefix=new/ $NEW | tar -x -C /tmp && git archive --prefix=old/ $OLD | tar -x -C /tmp || exit 3
+tar -xzf $P/new.tgz -C /tmp && git archive --prefix=old/ $OLD | tar -x -C /tmp || exit 3
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv > $R/nvidia-smi.txt 2>&1
 python3 -c "import json,platform,torch,triton,tokenizers,transformers,os;print(json.dumps(dict(python=platform.python_version(),torch=torch.__version__,cuda=torch.version.cuda,triton=triton.__version__,tokenizers=tokenizers.__version__,transformers=transformers.__version__,cpus=os.cpu_count())))" > $R/versions.json 2>$R/versions.err
