@@ -30,7 +30,8 @@ both):
   evaluation: the prefix tree: Request, Loglikelihood, PrefixTrie, request_batches, tree_wave, pick_tree_attention,
       continuation_logprobs
   tokenizer: plain_tokenizer, load_tokenizer
-  the runner: Runner (loading in __init__; texts: score, score_batch, score_wave; continuations: loglikelihoods,
+  loading: Loaded, load_jobs, load_weights
+  the runner: Runner (start-up in __init__; texts: score, score_batch, score_wave; continuations: loglikelihoods,
       score_requests; warm_up)
   the protocol and the command line: Progress, parse_request, parse_args, runner_of, serve_protocol, report, main
 Beside it, imported only when an option asks: prefill_corpus.py (--input, --output, --resume), prefill_dist.py
@@ -3451,6 +3452,159 @@ def load_tokenizer(model_dir):
     return encode
 
 
+# ----------------------------------------------------------------------------- loading
+# The weights where the plans put them: the resident ones onto the GPU through each loading thread's small pinned
+# staging buffers, the streamed ones page-locked in host memory (the checkpoint's page cache in place, or pinned
+# copies) or left in storage, read every wave.
+
+@dataclass
+class Loaded:
+    """What load_weights put where, and how it went (the log line, --stats, the doctor)."""
+    on_device: dict         # name or layer -> its device buffer: the resident weights
+    host: object            # HeldLayers or StorageRing: the streamed layers
+    host_plan: object       # the HostPlan it followed (after a refused lock in place, the "copy" one)
+    load_mode: str          # "mapped" or "copied"
+    load_seconds: str       # the loading threads' phases
+    lock_s: float           # seconds spent page-locking
+    pinned_host_bytes: int  # page-locked for the run
+    host_spare_bytes: int   # what host memory could give, before the load
+
+
+def load_jobs(ckpt, jobs, workers, spans, streamed, plan, device, method, locked):
+    """Loads jobs as the host plan says; returns (device buffers of the resident ones, streamed layer -> [(host
+    bytes, offset)], whether the pages could be locked in place, the seconds page-locking took, the threads'
+    phases as a line). Resident weights go through each loading thread's Stager: no page-locked host copy of them.
+    Streamed layers are held as "map": the checkpoint's page cache locked in place (spans), on a thread of its own
+    while the loading threads stage, as the two overlap (rates in bench/NOTES.md); or as "copy": exact-size host
+    buffers filled straight from the checkpoint, then pinned (cheap once the pages exist); or, the plan's storage
+    layers, not now: read every wave."""
+    dev, cuda, mapped, streamed = device, device.type == "cuda", plan.load == "map", set(streamed)
+    todo = [key for key in jobs if key not in streamed or not mapped and key not in plan.storage_layers]
+    local, stagers, lock = threading.local(), queue.SimpleQueue(), threading.Lock()
+    seconds = {"stage": 0.0} if mapped else {"fill": 0.0, "pin": 0.0, "stage": 0.0}  # thread-seconds
+
+    def add(phase, s):
+        with lock:
+            seconds[phase] += s
+
+    def stage(tensors, shape):
+        if not hasattr(local, "stager"):
+            local.stager = stagers.get()
+        out = torch.empty(shape, dtype=DTYPE, device=dev)
+        flat = out.view(-1)
+        for name, offset, count in tensors:
+            local.stager.put(ckpt, name, flat[offset:offset + count])
+        return out
+
+    def fill(tensors, flat):
+        t = time.perf_counter()
+        for name, offset, count in tensors:
+            ckpt.read(name, flat[offset:offset + count])
+        add("fill", time.perf_counter() - t)
+
+    def load(key):
+        tensors, shape = jobs[key]
+        t = time.perf_counter()
+        if key not in streamed:
+            out = stage(tensors, shape)
+            add("stage", time.perf_counter() - t)
+            return out
+        if not cuda:
+            flat = host_empty(math.prod(shape))
+            fill(tensors, flat)
+            return flat
+        flat, registered = pinned_empty(math.prod(shape), method, lambda buf: fill(tensors, buf))
+        add("pin", time.perf_counter() - t)  # less the fill, below
+        if registered:
+            with lock:
+                locked.append(flat)
+        return flat
+
+    threads, made = torch.get_num_threads(), []
+    torch.set_num_threads(1)  # the loading threads' own copies: torch's intra-op threads would oversubscribe
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            # every Stager's buffers are pinned before the lock's long registrations take the registrar thread
+            if any(key not in streamed for key in todo):
+                made = list(pool.map(lambda _: Stager(dev, method), range(workers)))
+            for stager in made:
+                stagers.put(stager)
+            locking = None
+            if mapped and cuda:
+                locker = Workers(1, "prefill-locker")
+                locking = locker.submit(ckpt.lock, spans, workers)
+                locker.close()
+            try:
+                loaded = dict(zip(todo, pool.map(load, todo)))
+                locked_in_place = locking is None or locking.result()
+            except BaseException:
+                if locking is not None:  # nothing stays locked, or goes on locking, behind the error
+                    wait([locking])
+                    ckpt.unlock()
+                raise
+    finally:
+        torch.set_num_threads(threads)
+        for stager in made:
+            stager.close()  # waits for its last copies
+    if mapped:
+        lock_s = ckpt.lock_seconds
+        phases = (f"{workers} threads: stage {seconds['stage']:.1f} s; in place: lock {ckpt.lock_seconds:.1f} s, "
+                  f"{ckpt.read_ahead_bytes / 1e9:.1f} GB read ahead")
+        host = {i: [(ckpt.raw(name), offset * DTYPE.itemsize) for name, offset, _ in jobs[i][0]] for i in streamed}
+    else:
+        seconds["pin"] -= seconds["fill"] if cuda else 0.0
+        lock_s = seconds["pin"]
+        phases = f"{workers} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + " s"
+        host = {i: [(byte_range(loaded[i], offset, count), offset * DTYPE.itemsize) for _, offset, count in
+                    jobs[i][0]] for i in streamed if i in loaded}
+    return {key: buf for key, buf in loaded.items() if key not in streamed}, host, locked_in_place, lock_s, phases
+
+
+def load_weights(ckpt, cfg, plan, device, method, fixed, workers, load, host_memory_gib, locked):
+    """The weights where `plan` puts them (fixed: the embedding, final norm and head, each (name, shape)): a Loaded.
+    Every host buffer page-locked on the way is added to `locked` as it is: the caller unlocks them when it goes,
+    whether this returns or raises."""
+    # jobs: the big fixed matrices first (each one thread's job of a layer's size), then the layers
+    cuda = device.type == "cuda"
+    jobs = {name: ([(name, 0, math.prod(shape))], shape) for name, shape in fixed}
+    jobs.update({i: (layer_tensors(cfg, i), (n // DTYPE.itemsize,)) for i, n in enumerate(cfg.layer_nbytes)})
+    t = time.perf_counter()
+    host_spare_bytes = host_memory_spare()
+    # the CPU locks nothing: no limit there unless --host-memory asks for one (the tests' storage runs)
+    budget = int(host_memory_gib * GiB) if host_memory_gib is not None else host_spare_bytes if cuda else None
+    bf16 = ckpt.is_bf16(name for tensors, _ in jobs.values() for name, _, _ in tensors)
+    staging = 2 * workers * pinned_bytes(STAGING_BYTES, method) if cuda else 0
+    streamed = plan.streamed_layers
+    spans = ckpt.spans(name for i in streamed for name, _, _ in jobs[i][0])  # what "map" locks
+
+    def host_plan(requested):
+        return plan_host(cfg, streamed, budget, requested, device, bf16, map_lock_bytes(ckpt, spans), method,
+                         staging)
+
+    hosted = host_plan(load)
+    on_device, pieces, in_place, lock_s, seconds = load_jobs(ckpt, jobs, workers, spans, streamed, hosted, device,
+                                                             method, locked)
+    if not in_place:  # the platform refused to lock the pages in place: pinned copies of the streamed layers
+        ckpt.unlock()
+        if load == "map":
+            raise UserError("--load map: this platform refused to page-lock the checkpoint's pages in place; "
+                            "--load copy works everywhere")
+        hosted = host_plan("copy")
+        _, pieces, _, lock_s, seconds = load_jobs(ckpt, {i: jobs[i] for i in streamed}, workers, spans, streamed,
+                                                  hosted, device, method, locked)
+    locked += ckpt.locked
+    host = HeldLayers(pieces)
+    if hosted.storage_layers:
+        host = StorageRing(ckpt, cfg, streamed, hosted.storage_layers, host, hosted.ring_slots, device, method,
+                           workers)
+        locked += host.registered
+    # page-locked for the run: the locked pages, or the pinned copies and the ring (the staging buffers are gone)
+    pinned = (0 if not cuda else hosted.pinned_bytes - staging if hosted.load == "copy" else
+              sum(t.nbytes for t in ckpt.locked))
+    return Loaded(on_device, host, hosted, "mapped" if hosted.load == "map" else "copied",
+                  seconds + f", total {time.perf_counter() - t:.1f} s", lock_s, pinned, host_spare_bytes)
+
+
 # ----------------------------------------------------------------------------- the runner
 
 TOKENIZE_GROUP = 256  # texts per tokenizer call: the fast tokenizer spreads a call's texts over the cores
@@ -3583,8 +3737,16 @@ class Runner:
                                       self.picks)
             picked_experts = side.submit(side_task, "experts", after, picked_blas, pick_experts, experts, self.device,
                                          cfg, self.picks, plan.moe_chunk_tokens) if cfg.num_experts else None
-            on_device, host = self._load_weights(ckpt, fixed, workers or min(16, os.cpu_count() or 1), load,
-                                                 host_memory_gib)
+            # Host memory page-locked in place, unlocked when this Runner goes and before it can be unmapped: freed
+            # while registered, its addresses keep a stale registration that the next mapping there inherits (seen
+            # on the H200: a later Runner's registrations and copies failed with "invalid argument").
+            self.locked_host = []
+            weakref.finalize(self, unpin_all, self.locked_host).atexit = False
+            loaded = load_weights(ckpt, cfg, plan, self.device, self.pin_method, fixed,
+                                  workers or min(16, os.cpu_count() or 1), load, host_memory_gib, self.locked_host)
+            on_device, host, self.host_plan = loaded.on_device, loaded.host, loaded.host_plan
+            self.load_mode, self.load_seconds, self.lock_s = loaded.load_mode, loaded.load_seconds, loaded.lock_s
+            self.pinned_host_bytes, self.host_spare_bytes = loaded.pinned_host_bytes, loaded.host_spare_bytes
             lap("weights")
             self.since_start_s["weights"] = since_process_start()
             self.tokenizer = tokenizer.result()
@@ -3629,142 +3791,6 @@ class Runner:
     def _model_bytes(self):
         return (sum(self.cfg.layer_nbytes) + self.embed.nbytes
                 + (0 if self.lm_head is self.embed else self.lm_head.nbytes))
-
-    def _load_weights(self, ckpt, fixed, workers, load, host_memory_gib):
-        # jobs: the big fixed matrices first (each one thread's job of a layer's size), then the layers
-        cfg, cuda = self.cfg, self.device.type == "cuda"
-        jobs = {name: ([(name, 0, math.prod(shape))], shape) for name, shape in fixed}
-        jobs.update({i: (layer_tensors(cfg, i), (n // DTYPE.itemsize,)) for i, n in enumerate(cfg.layer_nbytes)})
-        t = time.perf_counter()
-        # Host memory page-locked in place, unlocked when this Runner goes and before it can be unmapped: freed while
-        # registered, its addresses keep a stale registration that the next mapping there inherits (seen on the H200:
-        # a later Runner's registrations and copies failed with "invalid argument").
-        self.locked_host = []
-        weakref.finalize(self, unpin_all, self.locked_host).atexit = False
-        self.host_spare_bytes = host_memory_spare()
-        # the CPU locks nothing: no limit there unless --host-memory asks for one (the tests' storage runs)
-        budget = int(host_memory_gib * GiB) if host_memory_gib is not None else self.host_spare_bytes if cuda else None
-        bf16 = ckpt.is_bf16(name for tensors, _ in jobs.values() for name, _, _ in tensors)
-        staging = 2 * workers * pinned_bytes(STAGING_BYTES, self.pin_method) if cuda else 0
-        streamed = self.plan.streamed_layers
-        spans = ckpt.spans(name for i in streamed for name, _, _ in jobs[i][0])  # what "map" locks
-
-        def host_plan(requested):
-            return plan_host(cfg, streamed, budget, requested, self.device, bf16, map_lock_bytes(ckpt, spans),
-                             self.pin_method, staging)
-
-        self.host_plan = host_plan(load)
-        on_device, pieces, locked = self._load(ckpt, jobs, workers, spans)
-        if not locked:  # the platform refused to lock the pages in place: pinned copies of the streamed layers
-            ckpt.unlock()
-            if load == "map":
-                raise UserError("--load map: this platform refused to page-lock the checkpoint's pages in place; "
-                                "--load copy works everywhere")
-            self.host_plan = host_plan("copy")
-            _, pieces, _ = self._load(ckpt, {i: jobs[i] for i in streamed}, workers, spans)
-        plan = self.host_plan
-        self.load_mode = "mapped" if plan.load == "map" else "copied"
-        self.load_seconds += f", total {time.perf_counter() - t:.1f} s"
-        self.locked_host += ckpt.locked
-        host = HeldLayers(pieces)
-        if plan.storage_layers:
-            host = StorageRing(ckpt, cfg, streamed, plan.storage_layers, host, plan.ring_slots, self.device,
-                               self.pin_method, workers)
-            self.locked_host += host.registered
-        # page-locked for the run: the locked pages, or the pinned copies and the ring (the staging buffers are gone)
-        self.pinned_host_bytes = (0 if not cuda else plan.pinned_bytes - staging if plan.load == "copy" else
-                                  sum(t.nbytes for t in ckpt.locked))
-        return on_device, host
-
-    def _load(self, ckpt, jobs, workers, spans):
-        """Loads jobs as the host plan says; returns (device buffers of the resident ones, streamed layer -> [(host
-        bytes, offset)], whether the pages could be locked in place). Resident weights go through each loading
-        thread's Stager: no page-locked host copy of them. Streamed layers are held as "map": the checkpoint's page
-        cache locked in place (spans), on a thread of its own while the loading threads stage, as the two overlap
-        (rates in bench/NOTES.md); or as "copy": exact-size host buffers filled straight from the checkpoint, then
-        pinned (cheap once the pages exist); or, the plan's storage layers, not now: read every wave."""
-        dev, plan = self.device, self.host_plan
-        cuda, mapped = dev.type == "cuda", plan.load == "map"
-        streamed = set(self.plan.streamed_layers)
-        todo = [key for key in jobs if key not in streamed or not mapped and key not in plan.storage_layers]
-        local, stagers, lock = threading.local(), queue.SimpleQueue(), threading.Lock()
-        seconds = {"stage": 0.0} if mapped else {"fill": 0.0, "pin": 0.0, "stage": 0.0}  # thread-seconds
-
-        def add(phase, s):
-            with lock:
-                seconds[phase] += s
-
-        def stage(tensors, shape):
-            if not hasattr(local, "stager"):
-                local.stager = stagers.get()
-            out = torch.empty(shape, dtype=DTYPE, device=dev)
-            flat = out.view(-1)
-            for name, offset, count in tensors:
-                local.stager.put(ckpt, name, flat[offset:offset + count])
-            return out
-
-        def fill(tensors, flat):
-            t = time.perf_counter()
-            for name, offset, count in tensors:
-                ckpt.read(name, flat[offset:offset + count])
-            add("fill", time.perf_counter() - t)
-
-        def load(key):
-            tensors, shape = jobs[key]
-            t = time.perf_counter()
-            if key not in streamed:
-                out = stage(tensors, shape)
-                add("stage", time.perf_counter() - t)
-                return out
-            if not cuda:
-                flat = host_empty(math.prod(shape))
-                fill(tensors, flat)
-                return flat
-            flat, registered = pinned_empty(math.prod(shape), self.pin_method, lambda buf: fill(tensors, buf))
-            add("pin", time.perf_counter() - t)  # less the fill, below
-            if registered:
-                with lock:
-                    self.locked_host.append(flat)
-            return flat
-
-        threads, made = torch.get_num_threads(), []
-        torch.set_num_threads(1)  # the loading threads' own copies: torch's intra-op threads would oversubscribe
-        try:
-            with ThreadPoolExecutor(workers) as pool:
-                # every Stager's buffers are pinned before the lock's long registrations take the registrar thread
-                if any(key not in streamed for key in todo):
-                    made = list(pool.map(lambda _: Stager(dev, self.pin_method), range(workers)))
-                for stager in made:
-                    stagers.put(stager)
-                locking = None
-                if mapped and cuda:
-                    locker = Workers(1, "prefill-locker")
-                    locking = locker.submit(ckpt.lock, spans, workers)
-                    locker.close()
-                try:
-                    loaded = dict(zip(todo, pool.map(load, todo)))
-                    locked = locking is None or locking.result()
-                except BaseException:
-                    if locking is not None:  # nothing stays locked, or goes on locking, behind the error
-                        wait([locking])
-                        ckpt.unlock()
-                    raise
-        finally:
-            torch.set_num_threads(threads)
-            for stager in made:
-                stager.close()  # waits for its last copies
-        if mapped:
-            self.lock_s = ckpt.lock_seconds
-            self.load_seconds = (f"{workers} threads: stage {seconds['stage']:.1f} s; in place: lock "
-                                 f"{ckpt.lock_seconds:.1f} s, {ckpt.read_ahead_bytes / 1e9:.1f} GB read ahead")
-            host = {i: [(ckpt.raw(name), offset * DTYPE.itemsize) for name, offset, _ in jobs[i][0]] for i in streamed}
-        else:
-            seconds["pin"] -= seconds["fill"] if cuda else 0.0
-            self.lock_s = seconds["pin"]
-            self.load_seconds = f"{workers} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + " s"
-            host = {i: [(byte_range(loaded[i], offset, count), offset * DTYPE.itemsize) for _, offset, count in
-                        jobs[i][0]] for i in streamed if i in loaded}
-        return {key: buf for key, buf in loaded.items() if key not in streamed}, host, locked
 
     def tokenize(self, texts):
         return self.tokenizer(texts) if texts else []
