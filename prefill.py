@@ -2852,62 +2852,90 @@ def rms_norm_f32(x, weight, eps, offset):
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + offset)
 
 
-def check_kernels(device, cfg):
-    """{kernel: relative error} of each fused Triton kernel, in the variants this model runs (norm offset, q/k norm
-    or none, activation), against float32 math on random inputs."""
+def kernel_checks(device, cfg):
+    """[(kernel, launch, relative error)]: each fused Triton kernel in every launch configuration this model's run
+    makes, against float32 math on random inputs. A configuration is what Triton compiles a kernel for: its
+    constexprs and its integer arguments' specialisations (divisible by 16, equal to 1). head_norm_rope runs twice a
+    layer, on the query heads and on the key heads: another head count, so another lane layout (HEADS) and another
+    base pointer into the same qkv rows, each checked; gated_act at the dense MLP's width and at the experts';
+    rms_norm with the model's norm offset and, for the experts' input, without. Every input is laid out as in a run
+    (q and k views of one qkv tensor, its row stride) so that each launch matches a run's but for the token count,
+    which only the grid sees."""
     gen = torch.Generator().manual_seed(1)
     T, H, D, eps, offset = 67, cfg.hidden_size, cfg.head_dim, 1e-6, cfg.norm_offset
-    qkv = torch.randn(T, cfg.q_size + 2 * cfg.kv_size, generator=gen).to(device, DTYPE)
+    Q, KV = cfg.q_size, cfg.kv_size
+    qkv = torch.randn(T, Q + 2 * KV, generator=gen).to(device, DTYPE)
     x = torch.randn(T, H, generator=gen).to(device, DTYPE)
     w_h, w_d = (torch.rand(n, generator=gen).add(0.5).to(device, DTYPE) for n in (H, D))
     cos, sin = rope_tables(torch.arange(T, device=device), cfg.ropes[0], D)
-    gate_up = torch.randn(T, 2 * cfg.intermediate_size, generator=gen).to(device, DTYPE)
-    heads = qkv[:, :cfg.q_size].view(T, -1, D)
     w_qk = w_d if cfg.qk_norm else None
     logits = (torch.randn(T, cfg.vocab_size, generator=gen) * 4).to(device, DTYPE)
     targets = torch.randint(cfg.vocab_size, (T,), generator=gen).to(device)
     targets[::7] = -100
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    want = {
-        "rms_norm": rms_norm_f32(x, w_h, eps, offset),
-        "head_norm_rope": apply_rope(rms_norm_f32(heads, w_d, eps, offset) if cfg.qk_norm else heads.float(),
-                                     cos.float(), sin.float()),
-        "gated_act": (F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")) * up,
-        "token_nll": F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none"),
-    }
-    got = {"rms_norm": rms_norm_triton(x, w_h, eps, offset),
-           "head_norm_rope": head_norm_rope_triton(heads, w_qk, cos, sin, eps, offset),
-           "gated_act": gated_act_triton(gate_up, cfg.activation), "token_nll": token_nll_triton(logits, targets)}
+    results = []
+
+    def check(kernel, launch, got, want):
+        results.append((kernel, launch, check_error(got, want)))
+    for norm_offset in dict.fromkeys([offset] + ([False] if cfg.num_experts else [])):
+        check("rms_norm", f"{H} wide" + (", offset" if norm_offset else ""), rms_norm_triton(x, w_h, eps, norm_offset),
+              rms_norm_f32(x, w_h, eps, norm_offset))
+    for what, heads in (("query", qkv[:, :Q].view(T, -1, D)), ("key", qkv[:, Q:Q + KV].view(T, -1, D))):
+        want = apply_rope(rms_norm_f32(heads, w_d, eps, offset) if cfg.qk_norm else heads.float(), cos.float(),
+                          sin.float())
+        check("head_norm_rope", f"{heads.shape[1]} {what} heads",
+              head_norm_rope_triton(heads, w_qk, cos, sin, eps, offset), want)
+    widths = ([(cfg.intermediate_size, cfg.activation)] if "mlp" in cfg.layouts else []) + (
+        [(cfg.moe_intermediate_size, "silu")] if cfg.num_experts else [])
+    for width, activation in dict.fromkeys(widths):
+        gate_up = torch.randn(T, 2 * width, generator=gen).to(device, DTYPE)
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        check("gated_act", f"{width} wide, {activation}", gated_act_triton(gate_up, activation),
+              (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up)
+    check("token_nll", f"vocabulary {cfg.vocab_size}", token_nll_triton(logits, targets),
+          F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none"))
     if cfg.num_experts:  # each token's k rows of a shuffled out, weighted, onto x of the same scale as their sum
         k = cfg.num_experts_per_tok
         out = torch.randn(T * k, H, generator=gen).to(device, DTYPE)
         row_of = torch.randperm(T * k, generator=gen).to(device)
         weights = torch.rand(T, k, generator=gen).softmax(-1).to(device, DTYPE)
         x_moe = (torch.randn(T, H, generator=gen) / math.sqrt(k)).to(device, DTYPE)
-        want["combine"] = x_moe.float() + (weights.float()[..., None] * out.float()[row_of].view(T, k, H)).sum(1)
-        got["combine"] = x_moe.clone()
-        combine_triton(got["combine"], out, row_of, weights)
-    return {name: check_error(got[name], want[name]) for name in want}
+        got = x_moe.clone()
+        combine_triton(got, out, row_of, weights)
+        check("combine", f"{k} experts a token", got,
+              x_moe.float() + (weights.float()[..., None] * out.float()[row_of].view(T, k, H)).sum(1))
+    return results
+
+
+def worst_errors(results):
+    # kernel_checks' results -> {kernel: the worst relative error over its launch configurations}
+    return {kernel: max(e for k, _, e in results if k == kernel) for kernel, _, _ in results}
+
+
+def check_kernels(device, cfg):
+    return worst_errors(kernel_checks(device, cfg))
+
+
+FUSED_DEVICES = ("cuda",)  # where "auto" tries the fused kernels (tests: the CPU, with stand-ins or the interpreter)
 
 
 def pick_kernels(requested, device, cfg):
     """(kernels, {kernel: error}): Triton's fused kernels where Triton runs on this device and each matches float32
-    math, else PyTorch."""
-    if requested == "torch" or (requested == "auto" and device.type != "cuda"):
+    math in every launch configuration the model's run makes, else PyTorch (with the failing launches named)."""
+    if requested == "torch" or (requested == "auto" and device.type not in FUSED_DEVICES):
         return TORCH_KERNELS, {}
     try:
         if triton is None:
             raise RuntimeError("triton is not installed")
-        errors = check_kernels(device, cfg)
-        wrong = [name for name, err in errors.items() if not err <= CHECK_TOLERANCE]
+        results = kernel_checks(device, cfg)
+        wrong = [f"{kernel} ({launch}) by {error:.3g}" for kernel, launch, error in results
+                 if not error <= CHECK_TOLERANCE]
         if wrong:
-            raise RuntimeError(f"{', '.join(wrong)} differ from float32 math")
-        return TRITON_KERNELS, errors
+            raise RuntimeError(f"differ from float32 math: {'; '.join(wrong)}")
+        return TRITON_KERNELS, worst_errors(results)
     except Exception as e:
         if requested == "triton":
             raise UserError(f"--kernels triton is unusable on {device}: {e}") from None
-        log(f"fused Triton kernels unavailable ({failure(e)}); "
-            "using PyTorch")
+        log(f"fused Triton kernels unavailable ({failure(e)}); using PyTorch")
         return TORCH_KERNELS, {}
 
 

@@ -98,6 +98,52 @@ def test_a_kernel_that_returns_nan_or_inf_is_refused(cfg, monkeypatch):
         assert report[0]["attend"] is None and report[0]["error"] == float("inf")
 
 
+# ----------------------------------------------------------------------------- fused kernels checked per launch
+
+def fused_stand_ins(monkeypatch, head_norm_rope=None):
+    # the fused kernels as their PyTorch math (what a correct compile computes), head_norm_rope as given: the check's
+    # coverage is under test here, not Triton
+    for name, torch_fn in [("rms_norm", prefill.rms_norm), ("gated_act", prefill.gated_act),
+                           ("token_nll", prefill.token_nll), ("combine", prefill.combine)]:
+        monkeypatch.setattr(prefill, f"{name}_triton", torch_fn)
+    monkeypatch.setattr(prefill, "head_norm_rope_triton", head_norm_rope or prefill.head_norm_rope)
+    monkeypatch.setattr(prefill, "FUSED_DEVICES", ("cpu",))
+
+
+def test_a_miscompile_of_the_key_head_launch_alone_is_refused_at_start_up(cfg, monkeypatch, capsys):
+    # the key launch of head_norm_rope has the KV head count (another lane layout): a kernel that handles one head
+    # too few there, and only there, is caught, and "auto" falls back to PyTorch naming the launch
+    fused_stand_ins(monkeypatch)
+    assert prefill.pick_kernels("auto", CPU, cfg)[0].name == "triton"
+    launches = [(kernel, launch) for kernel, launch, _ in prefill.kernel_checks(CPU, cfg)]
+    assert ("head_norm_rope", "8 query heads") in launches and ("head_norm_rope", "2 key heads") in launches
+
+    def one_head_short_on_keys(x, w, cos, sin, eps, offset):
+        out = prefill.head_norm_rope(x, w, cos, sin, eps, offset)
+        if x.shape[1] == cfg.num_key_value_heads:
+            out[:, -1] = 0  # the last head never written
+        return out
+    fused_stand_ins(monkeypatch, one_head_short_on_keys)
+    errors = {(kernel, launch): error for kernel, launch, error in prefill.kernel_checks(CPU, cfg)}
+    assert errors[("head_norm_rope", "8 query heads")] <= prefill.CHECK_TOLERANCE < \
+        errors[("head_norm_rope", "2 key heads")]
+    kernels, errors = prefill.pick_kernels("auto", CPU, cfg)
+    assert kernels is prefill.TORCH_KERNELS and errors == {}
+    assert "head_norm_rope (2 key heads)" in capsys.readouterr().err
+    with pytest.raises(prefill.UserError, match=r"--kernels triton is unusable on cpu: .*head_norm_rope \(2 key"):
+        prefill.pick_kernels("triton", CPU, cfg)
+
+
+def test_the_kernel_check_covers_the_dense_and_the_expert_widths(monkeypatch):
+    fused_stand_ins(monkeypatch)
+    moe = prefill.ModelConfig.from_json(dict(TINY, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[0]))
+    launches = [(kernel, launch) for kernel, launch, _ in prefill.kernel_checks(CPU, moe)]
+    assert {launch for kernel, launch in launches if kernel == "gated_act"} == {"160 wide, silu", "48 wide, silu"}
+    assert ("combine", "2 experts a token") in launches
+    assert set(prefill.check_kernels(CPU, moe)) == {"rms_norm", "head_norm_rope", "gated_act", "token_nll", "combine"}
+
+
 # ----------------------------------------------------------------------------- picks kept per machine
 
 def test_picks_are_kept_per_machine_and_model(cfg, tmp_path):
