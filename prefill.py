@@ -2310,18 +2310,27 @@ def grouped_triton(a, w, bounds, tile):
 
 
 def grouped_mm_native(device):
-    # whether torch's grouped GEMM is one kernel here. aten/src/ATen/native/cuda/GroupedBlas.cpp (_grouped_mm_cuda,
-    # read at pytorch 00d4eaf): CUTLASS's bf16 kernel on sm90 and sm100 only; on ROCm, CK's on gfx942/gfx950 when torch
-    # was built with USE_ROCM_CK_GEMM; everywhere else _grouped_mm_fallback (GroupedMMUtils.h), a loop of mm per group
-    # after copying the offsets to the host: the loop candidate's work, not faster.
+    # whether torch's bf16 grouped GEMM is one kernel on this GPU, read in _grouped_mm_cuda
+    # (aten/src/ATen/native/cuda/GroupedBlas.cpp, pytorch 00d4eaf): on CUDA, CUTLASS's kernel where
+    # _scaled_mm_allowed_device(sm90_only, sm100_only) holds, compute capability 9.x or 10.x (not 8.x, not 12.x); on
+    # ROCm, CK's group_gemm_ck on gfx942 and gfx950 in a build with USE_ROCM_CK_GEMM, and in torch 2.10 only with
+    # ROCM_ALLOW_GROUP_GEMM_CK=1 (pytorch#171140, the release/2.10 cherry-pick of #170159: "not performant yet").
+    # Everywhere else, a gfx1100 included, it is _grouped_mm_fallback (ATen/native/GroupedMMUtils.h, ROCm's since
+    # pytorch#162419): the offsets copied to the host, then one mm per group, the loop candidate's work with a sync.
     if device.type != "cuda":
         return False
     props = torch.cuda.get_device_properties(device)
-    return gpu_arch(props) in ("gfx942", "gfx950") if torch.version.hip else props.major in (9, 10)
+    if torch.version.hip:
+        return gpu_arch(props) in ("gfx942", "gfx950") and os.environ.get("ROCM_ALLOW_GROUP_GEMM_CK") == "1"
+    return props.major in (9, 10)
 
 
 # The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, else prefill's Triton one;
-# the loop last. On the CPU "auto" offers no Triton: its interpreter (tests) multiplies bf16 tiles as raw integers.
+# the loop last. "auto" offers torch's grouped GEMM on a GPU only where it is native (grouped_mm_native): elsewhere it
+# is the loop with a host sync, and on an RDNA4 GPU (gfx1200, ROCm 7.2.1 on Windows) it crashed the process where no
+# check could catch it (ROCm/pytorch#3283). It stays on the CPU, where the tests run its call (torch's composite fallback there),
+# and --experts grouped_mm asks for it anywhere. On the CPU "auto" offers no Triton: its interpreter (tests)
+# multiplies bf16 tiles as raw integers.
 EXPERT_KINDS = ["grouped_mm", "triton", "loop"]
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the Triton grouped GEMM per GPU family. NVIDIA's: of ten tiles timed
 # on the H200 on a 16,384-token slice of Qwen3-30B-A3B (bench/results/…-moe-experts-tiles.json) the best three, 467,
@@ -2355,10 +2364,11 @@ def make_experts(kind, tile=None):
 
 def expert_candidates(requested, device):
     # (name, kind, tile) of each expert kernel that `requested` names: "auto", a kind, or a name pick_experts returned
-    family = gpu_family(device)
-    kinds = EXPERT_KINDS if grouped_mm_native(device) else ["triton", "grouped_mm", "loop"]
+    family, native = gpu_family(device), grouped_mm_native(device)
+    kinds = EXPERT_KINDS if native else ["triton", "grouped_mm", "loop"]
     named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}x{tile[2]}", kind, tile) for kind in kinds
              if not (kind == "triton" and requested == "auto" and device.type != "cuda")
+             and not (kind == "grouped_mm" and requested == "auto" and device.type == "cuda" and not native)
              for tile in (EXPERT_TILES[family] if kind == "triton" else [None])]
     chosen = [c for c in named if requested in ("auto", c[0], c[1])]
     if not chosen:
