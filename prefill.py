@@ -2427,20 +2427,22 @@ def check_experts(candidates, device, cfg):
             for name, kind, tile in candidates]
 
 
-def experts_ms(grouped, inputs, repeats=5):
-    # mean ms of a chunk's two grouped GEMMs (gate_up, down) after one warm-up, on a stream of its own
+def experts_ms(grouped, inputs):
+    # median ms of a chunk's two grouped GEMMs (gate_up, down) over TIMING_REPEATS after one warm-up, on a stream of
+    # its own
     rows, act, w, bounds = inputs
     stream = torch.cuda.Stream(rows.device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 1)]
     with torch.cuda.stream(stream):
-        for i in range(repeats + 1):
-            if i == 1:
-                start.record()
+        grouped(rows, w.gate_up, bounds)
+        grouped(act, w.down, bounds)
+        for event in events[:-1]:
+            event.record()
             grouped(rows, w.gate_up, bounds)
             grouped(act, w.down, bounds)
-        end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
+        events[-1].record()
+    events[-1].synchronize()
+    return median_ms(events)
 
 
 def expert_timing_inputs(device, cfg, chunk_tokens, experts=8):
@@ -2456,8 +2458,8 @@ def expert_timing_inputs(device, cfg, chunk_tokens, experts=8):
 
 def pick_experts(requested, device, cfg, picks, chunk_tokens=4096):
     """(name, grouped, report): of the candidates that pass the check, the one this machine's picks name; else, on a
-    GPU with a writable picks file, the fastest on a chunk's shapes (then kept); else the first in EXPERT_KINDS's
-    order. Where the kept one is known, only it is checked."""
+    GPU with a writable picks file, the one timing picks on a chunk's shapes by pick_order's margin (then kept); else
+    the first in expert_candidates' order. Where the kept one is known, only it is checked."""
     candidates = expert_candidates(requested, device)
     kept = picks.get(f"experts {requested}")
     report = check_experts([c for c in candidates if c[0] == kept] or candidates, device, cfg)
@@ -2467,11 +2469,13 @@ def pick_experts(requested, device, cfg, picks, chunk_tokens=4096):
     if not passed:
         reasons = "; ".join(f"{e['name']}: {e['reason']}" for e in report)
         raise UserError(f"expert kernel {requested!r} is unusable on {device}: {reasons}")
+    order = [c[0] for c in candidates]
+    passed.sort(key=lambda e: order.index(e["name"]))  # the family's order of preference, whatever was checked first
     if len(passed) > 1 and device.type in TIMED_DEVICES and picks.writable():
         inputs = expert_timing_inputs(device, cfg, chunk_tokens)
         for entry in passed:
             entry["time_ms"] = experts_ms(entry["grouped"], inputs)
-        passed.sort(key=lambda e: e["time_ms"])
+        passed = pick_order(passed, lambda e: e["time_ms"])
         picks.put(f"experts {requested}", passed[0]["name"])
     return passed[0]["name"], passed[0]["grouped"], report
 
@@ -2479,10 +2483,13 @@ def pick_experts(requested, device, cfg, picks, chunk_tokens=4096):
 # ----------------------------------------------------------------------------- start-up checks and picks
 # Every kernel prefill may run is checked at start-up against float32 math written out with plain matmuls: neither
 # the fused kernels nor SDPA (on ROCm the bf16 SDPA is AOTriton, the same code as the torch-flash candidate; SPEC §8)
-# are their own judge. Where several pass and only timing can tell them apart (attention backends, the BLAS library
-# on ROCm), the first run on a machine times them and keeps the winner in a small cache file: every later run computes
-# the same numbers bit for bit. Without a writable cache nothing is timed, and the first candidate in a fixed order
-# runs.
+# are their own judge. Where several pass and only timing can tell them apart (attention backends and tiles, the BLAS
+# library on ROCm, the expert kernels), the first run on a machine times them and keeps the choice in a small cache
+# file: every later run computes the same numbers bit for bit. Candidates sum in different orders, so a choice that
+# followed timing noise would give other last bits after a fresh start (a new container, an edited prefill.py): each
+# family has a fixed order of preference (the candidates' order), and timing overrides it only by a clear margin,
+# measured as a median of several repetitions (pick_order). Without a writable cache nothing is timed, and the first
+# candidate in that order runs.
 
 CHECK_LENGTHS = [37, 100, 650, 3000]  # one key tile; a few; the steady state of the key loop; partial tiles
 CHECK_TOLERANCE = 2**-5  # relative; a few bf16 ulps (the CPU interpreter truncates), where a bug is off by O(1)
@@ -2551,6 +2558,28 @@ ATTENTION_BUCKETS = [
 ]
 BUCKET_LABELS = [label for label, *_ in ATTENTION_BUCKETS]
 TIMED_DEVICES = ("cuda",)  # where kernels are timed (CUDA events; HIP's too)
+TIMING_REPEATS = 5  # timed calls of each candidate: their median is its time
+PICK_MARGIN = 0.10  # timing overrides the order of preference only where a candidate takes at most 90% of the time
+
+
+def median_ms(events):
+    # the median of the intervals between consecutive recorded (and completed) CUDA events, in ms
+    return sorted(a.elapsed_time(b) for a, b in zip(events[:-1], events[1:]))[(len(events) - 1) // 2]
+
+
+def pick_order(entries, cost):
+    """entries, in their family's order of preference, reordered for picking: first the first entry, replaced by any
+    later one whose cost is at most (1 - PICK_MARGIN) of the current choice's, in turn; then the same among the rest.
+    Timing noise within the margin cannot change the order unless two costs sit right at the margin's edge."""
+    rest, order = list(entries), []
+    while rest:
+        choice = rest[0]
+        for e in rest[1:]:
+            if cost(e) <= (1 - PICK_MARGIN) * cost(choice):
+                choice = e
+        order.append(choice)
+        rest.remove(choice)
+    return order
 
 
 def attention_bucket(max_len):
@@ -2686,20 +2715,19 @@ def passes_bucket(entry, label, device, cfg):
 
 
 def attention_ms(attend, inputs, how):
-    # (first call, mean of the next five) in ms, timed on a stream of its own: the weights are being copied on others
-    # while this runs. The first call of a new shape includes whatever the kernel plans per shape (cuDNN's graph).
+    # (first call, median of the next TIMING_REPEATS) in ms, timed on a stream of its own: the weights are being
+    # copied on others while this runs. The first call of a new shape includes whatever the kernel plans per shape
+    # (cuDNN's graph).
     q, k, v, chunk = inputs
     stream = torch.cuda.Stream(q.device)
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 2)]
     with torch.cuda.stream(stream):
-        events[0].record()
-        attend(q, k, v, chunk, how)
-        events[1].record()
-        for _ in range(5):
+        for event in events[:-1]:
+            event.record()
             attend(q, k, v, chunk, how)
-        events[2].record()
-    events[2].synchronize()
-    return events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2]) / 5
+        events[-1].record()
+    events[-1].synchronize()
+    return events[0].elapsed_time(events[1]), median_ms(events[1:])
 
 
 def time_attention(entries, label, device, cfg):
@@ -2738,7 +2766,8 @@ def attention_cost(entry, label, cfg):
 def pick_attention(requested, device, cfg, picks):
     """({bucket: name}, attend, report). Per length bucket, of the candidates that pass the check (on CHECK_LENGTHS,
     then on that bucket's texts through the dispatcher): the one this machine's picks name; else, on a GPU with a
-    writable cache, the fastest on the bucket's timing texts (then kept); else the first. `requested` is "auto", a
+    writable cache, the one timing picks on the bucket's timing texts by pick_order's margin (then kept); else the
+    first. `requested` is "auto", a
     kind, a name, or a {bucket: name} an earlier pick returned (a second Runner then runs exactly those kernels).
     Where every bucket's kept kernel is known, only those are checked (each check costs time to `ready`)."""
     family, exact = gpu_family(device), isinstance(requested, dict)
@@ -2769,7 +2798,7 @@ def pick_attention(requested, device, cfg, picks):
         timed = not exact and device.type in TIMED_DEVICES and len(pool) > 1 and picks.writable()
         if timed:
             time_attention(pool, label, device, cfg)
-            pool.sort(key=lambda e: attention_cost(e, label, cfg))
+            pool = pick_order(pool, lambda e: attention_cost(e, label, cfg))
         pool += fallback
         entry = next((e for e in pool if passes_bucket(e, label, device, cfg)), None)  # else the fixed order's first
         if entry is None:
@@ -2957,9 +2986,9 @@ def gemm_shapes(cfg, tokens=4096):
     return [("qkv", tokens, Q + 2 * KV, H), ("o_proj", tokens, H, Q), *mlp, ("lm_head", tokens, cfg.vocab_size, H)]
 
 
-def gemm_tflops(device, shapes, weights=None, repeats=5):
-    # {name: TFLOP/s} of bf16 x @ w.T for each (name, M, N, K), with whichever BLAS library torch prefers now; w is
-    # weights[name] where given (the model's own: no extra memory), else random
+def gemm_tflops(device, shapes, weights=None, repeats=TIMING_REPEATS):
+    # {name: TFLOP/s} of bf16 x @ w.T for each (name, M, N, K), the median of `repeats` calls after one, with whichever
+    # BLAS library torch prefers now; w is weights[name] where given (the model's own: no extra memory), else random
     gen = torch.Generator(device=device).manual_seed(0)
     rates = {}
     for name, M, N, K in shapes:
@@ -2967,13 +2996,13 @@ def gemm_tflops(device, shapes, weights=None, repeats=5):
         w = (weights or {}).get(name)
         w = torch.randn(N, K, generator=gen, device=device, dtype=DTYPE) if w is None else w
         F.linear(x, w)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+        for i in range(repeats):
+            events[i].record()
             F.linear(x, w)
-        end.record()
-        end.synchronize()
-        rates[name] = 2 * M * N * K * repeats / (start.elapsed_time(end) / 1e3) / 1e12
+        events[-1].record()
+        events[-1].synchronize()
+        rates[name] = 2 * M * N * K / (median_ms(events) / 1e3) / 1e12
         del x, w
     return rates
 
@@ -2987,8 +3016,9 @@ def blas_library():
 
 
 def pick_blas(device, cfg, picks):
-    """The BLAS library for bf16 GEMMs: on ROCm the faster of rocBLAS and hipBLASLt on one layer's GEMM shapes (~90% of
-    the W7800's time), measured once per machine and kept; TORCH_BLAS_PREFER_HIPBLASLT, where set, decides instead.
+    """The BLAS library for bf16 GEMMs: on ROCm rocBLAS (gfx1100's default), unless hipBLASLt takes at most
+    1 - PICK_MARGIN of its time on one layer's GEMM shapes (~90% of the W7800's time), measured once per machine and
+    kept; TORCH_BLAS_PREFER_HIPBLASLT, where set, decides instead.
     Elsewhere torch's default. Returns (library, {library: {shape: TFLOP/s}}) (empty where nothing was timed)."""
     if device.type != "cuda" or torch.version.hip is None or "TORCH_BLAS_PREFER_HIPBLASLT" in os.environ:
         return (blas_library() if device.type == "cuda" else None), {}
@@ -2999,7 +3029,7 @@ def pick_blas(device, cfg, picks):
             rates[library] = gemm_tflops(device, gemm_shapes(cfg)[:-1])
         seconds = {lib: sum(2 * M * N * K / (r[name] * 1e12) for name, M, N, K in gemm_shapes(cfg)[:-1])
                    for lib, r in rates.items()}
-        kept = min(seconds, key=seconds.get)
+        kept = pick_order(BLAS_LIBRARIES, seconds.get)[0]
         picks.put("blas", kept)
     if kept in BLAS_LIBRARIES:
         torch.backends.cuda.preferred_blas_library(kept)
@@ -4276,7 +4306,8 @@ def parse_args(argv):
                         "kernel, torch's cuDNN SDPA per text (NVIDIA only), or SDPA per text (default: of those that "
                         "run here and match float32 attention at start-up, per bucket of a chunk's longest text "
                         f"({', '.join(BUCKET_LABELS)} tokens) the one kept in --picks; the first run on a GPU times "
-                        "them per bucket and keeps the fastest). A backend without what the model's attention needs "
+                        "them per bucket and keeps the first in a fixed order unless another is clearly (10%%) "
+                        "faster). A backend without what the model's attention needs "
                         "is not offered for it: cuDNN has no sliding window nor softcap, torch's flash kernel no "
                         "softcap (Gemma 2)")
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
@@ -4295,8 +4326,9 @@ def parse_args(argv):
     p.add_argument("--experts", default="auto", choices=["auto"] + EXPERT_KINDS,
                    help="a mixture of experts' grouped GEMMs: torch's grouped_mm, prefill's Triton kernel, or one "
                         "GEMM per expert (default: of those that match float32 experts at start-up, the one kept in "
-                        "--picks; the first run on a GPU times them and keeps the fastest; without a picks file, "
-                        "grouped_mm where it is one kernel, else Triton, on the CPU the loop)")
+                        "--picks; the first run on a GPU times them and keeps the first in that order unless "
+                        "another is clearly (10%%) faster; without a picks file, grouped_mm where it is one kernel, "
+                        "else Triton; on a GPU grouped_mm only where it is one kernel, on the CPU grouped_mm)")
     p.add_argument("--load", default="auto", choices=["auto", "map", "copy"],
                    help="map: page-lock the streamed layers' pages of the checkpoint's page cache in place and "
                         "copy them to the GPU straight from there (no host copy; those pages stay locked in RAM while "

@@ -212,6 +212,60 @@ def test_bucket_picks_are_timed_once_per_bucket_then_kept(cfg, tmp_path, monkeyp
         prefill.pick_attention({"<=1024": "sdpa"}, CPU, cfg, picks)
 
 
+def test_timing_overrides_the_order_of_preference_only_by_the_margin():
+    cost = {"a": 1.0, "b": 0.95, "c": 0.85, "d": 0.84, "e": 2.0}.get  # b within 10% of a; c clearly faster; d not of c
+    assert prefill.pick_order(list("abcde"), cost) == list("cdabe")  # then d over a (0.84), and so on
+    assert prefill.pick_order(list("ab"), cost) == list("ab") and prefill.pick_order(list("ba"), cost) == list("ba")
+
+
+def test_re_timing_under_noise_within_the_margin_picks_the_same_kernels(cfg, tmp_path, monkeypatch):
+    # each start times afresh (a new container, an edited prefill.py): with every time off by up to 4% either way,
+    # the picks stay those of the order of preference and of clear wins, where the fastest-timed one would flip
+    stand_in_flash(monkeypatch, windowed_attention(10 ** 6))
+    exact = windowed_attention(10 ** 6)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward",
+                        lambda q, k, v, cu, *_: (exact(q, k, v, cu.tolist()),), raising=False)
+    monkeypatch.setattr(prefill, "TIMED_DEVICES", ("cpu",))
+    monkeypatch.setattr(prefill, "CHECK_LENGTHS", [37, 100])  # the checks are not under test here: short ones
+    monkeypatch.setattr(prefill, "passes_bucket", lambda entry, label, device, config: True)
+    true_ms = {"<=1024": {"flash": 1.0, "torch-flash": 0.97},  # within the margin: flash, first in the order
+               "<=4096": {"flash": 1.0, "torch-flash": 0.75},  # a clear win
+               ">4096": {"flash": 1.0, "torch-flash": 1.03}}
+    gen = torch.Generator().manual_seed(0)
+    fastest = set()
+
+    def time_attention(entries, label, device, config):
+        for e in entries:
+            ms = true_ms[label][e["name"]] * (1 + 0.04 * (2 * torch.rand((), generator=gen).item() - 1))
+            e.setdefault("time_ms", {})[label] = e.setdefault("first_ms", {})[label] = ms
+        fastest.add((label, min(entries, key=lambda e: e["time_ms"][label])["name"]))
+    monkeypatch.setattr(prefill, "time_attention", time_attention)
+    want = {"<=1024": "flash", "<=4096": "torch-flash", ">4096": "flash"}
+    for start in range(12):
+        picks = prefill.Picks(tmp_path / f"start{start}" / "picks.json", "machine")
+        assert prefill.pick_attention("auto", CPU, cfg, picks)[0] == want
+    assert ("<=1024", "torch-flash") in fastest and ("<=1024", "flash") in fastest  # the noise did reorder the times
+
+    # the BLAS library on ROCm, likewise: hipBLASLt 3% faster stays behind rocBLAS, 20% faster wins
+    monkeypatch.setattr(torch.version, "hip", "7.1.25424")
+    monkeypatch.delenv("TORCH_BLAS_PREFER_HIPBLASLT", raising=False)
+    state = {"library": "cublas"}
+
+    def preferred_blas_library(backend=None):
+        if backend is not None:
+            state["library"] = backend
+        return types.SimpleNamespace(name=state["library"].capitalize())
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred_blas_library)
+    for lt_speedup, library in ((1.03, "cublas"), (1.2, "cublaslt")):
+        def gemm_tflops(device, shapes, weights=None):
+            rate = 50.0 * (lt_speedup if state["library"] == "cublaslt" else 1.0)
+            return {name: rate * (1 + 0.04 * (2 * torch.rand((), generator=gen).item() - 1)) for name, *_ in shapes}
+        monkeypatch.setattr(prefill, "gemm_tflops", gemm_tflops)
+        for start in range(12):
+            picks = prefill.Picks(tmp_path / f"blas{lt_speedup}-{start}" / "picks.json", "machine")
+            assert prefill.pick_blas(torch.device("cuda"), cfg, picks)[0] == library
+
+
 def test_a_plan_built_per_length_counts_against_its_kernel(cfg):
     # cuDNN builds a graph for each new text length, once a process; every layer then reuses it
     fast_but_planning = {"time_ms": {"b": 1.0}, "first_ms": {"b": 1.0 + 64 * 2.0}}
