@@ -1990,6 +1990,26 @@ ATTENTION_FAMILIES = {"cudnn": ("nvidia",)}
 # more of is not offered for it.
 ATTENTION_FEATURES = {"triton": {"window", "softcap"}, "flash": {"window", "softcap"}, "torch-flash": {"window"},
                       "cudnn": set(), "sdpa": {"window", "softcap"}}
+# On AMD GPUs flash-attn is its Triton backend (the CK one builds for CDNA only), whose varlen_fwd of 2.8.3 takes
+# window_size_left/right and softcap and never reads them (flash_attn/flash_attn_triton_amd/interface_fa.py at
+# v2.8.3): plain causal attention where a window or softcap was asked for. Not offered for such a model there, rather
+# than left to the sharp inputs of the start-up check.
+FEATURE_GAPS = {("flash", family): "flash-attn's Triton AMD varlen_fwd (2.8.3) ignores window_size and softcap"
+                for family in ("rdna3", "amd")}
+FAMILY_FEATURES = dict.fromkeys(FEATURE_GAPS, frozenset())
+
+
+def attention_features(kind, family):
+    return FAMILY_FEATURES.get((kind, family), ATTENTION_FEATURES[kind])
+
+
+def unoffered_attention(family, cfg):
+    """{kind: why it is not offered for this model}: the kinds of this GPU family that lack a feature it needs."""
+    needs = attention_needs(cfg)
+    return {kind: f"has no {' or '.join(sorted(needs - attention_features(kind, family)))}, which this model needs"
+            + (f" ({FEATURE_GAPS[kind, family]})" if (kind, family) in FEATURE_GAPS else "")
+            for kind in ATTENTION_KINDS if family in ATTENTION_FAMILIES.get(kind, (family,))
+            and not needs <= attention_features(kind, family)}
 
 
 def attention_needs(cfg):
@@ -2063,12 +2083,11 @@ def attention_candidates(requested, family, cfg=None, tiles=None):
     needs = attention_needs(cfg) if cfg is not None else set()
     named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}", kind, tile)
              for kind in ATTENTION_KINDS if family in ATTENTION_FAMILIES.get(kind, (family,))
-             and needs <= ATTENTION_FEATURES[kind]
+             and needs <= attention_features(kind, family)
              for tile in ((tiles or attention_tiles)(family, cfg) if kind == "triton" else [None])]
     chosen = [c for c in named if requested in ("auto", c[0], c[1])]
-    if not chosen and requested in ATTENTION_KINDS and not needs <= ATTENTION_FEATURES[requested]:
-        missing = " or ".join(sorted(needs - ATTENTION_FEATURES[requested]))
-        raise UserError(f"attention backend {requested!r} has no {missing}, which this model needs")
+    if not chosen and cfg is not None and requested in unoffered_attention(family, cfg):
+        raise UserError(f"attention backend {requested!r} {unoffered_attention(family, cfg)[requested]}")
     if not chosen and requested in ATTENTION_KINDS:
         raise UserError(f"attention backend {requested!r} is not offered on this GPU family ({family})"
                         + (f" for head_dim {cfg.head_dim}" if cfg is not None and requested == "triton" else ""))

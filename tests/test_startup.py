@@ -500,6 +500,31 @@ def test_doctor_reports_every_decision_and_exits_0(tmp_path, monkeypatch, capsys
     assert "kernels    torch (fused Triton kernels: not on the CPU)" in lines
 
 
+def test_flash_is_not_offered_on_amd_to_a_model_with_a_window_or_softcap():
+    # flash-attn 2.8.3's Triton AMD varlen_fwd takes window_size and softcap and ignores them: refused by name there,
+    # with the reason the doctor prints, where the CUDA build's flash computes both
+    gemma2 = prefill.ModelConfig.from_json(dict(TINY, model_type="gemma2", sliding_window=64, head_dim=16,
+                                                query_pre_attn_scalar=16))
+    for family in ("rdna3", "amd"):
+        assert "flash" not in [kind for _, kind, _ in prefill.attention_candidates("auto", family, gemma2)]
+        with pytest.raises(prefill.UserError, match="'flash' has no softcap or window, .*ignores window_size and softc"):
+            prefill.attention_candidates("flash", family, gemma2)
+        assert "ignores window_size" in prefill.unoffered_attention(family, gemma2)["flash"]
+        assert prefill.unoffered_attention(family, prefill.ModelConfig.from_json(TINY)) == {}  # plain causal: offered
+        assert "flash" in [kind for _, kind, _ in prefill.attention_candidates("auto", family,
+                                                                               prefill.ModelConfig.from_json(TINY))]
+    assert "flash" in [kind for _, kind, _ in prefill.attention_candidates("auto", "nvidia", gemma2)]
+    assert set(prefill.unoffered_attention("nvidia", gemma2)) == {"torch-flash", "cudnn"}
+
+
+def test_the_doctor_says_what_can_change_the_bits_between_starts():
+    assert prefill_doctor.same_bits_caveats(None, {}) == []
+    rocm = prefill_doctor.same_bits_caveats("7.1.25424", {})
+    assert len(rocm) == 1 and "rocBLAS may sum with atomics" in rocm[0]
+    tuned = prefill_doctor.same_bits_caveats(None, {"PYTORCH_TUNABLEOP_ENABLED": "1"})
+    assert len(tuned) == 1 and "picks each GEMM's kernel by timing" in tuned[0]
+
+
 def test_what_cannot_run_on_this_machine_by_design(monkeypatch):
     assert prefill_doctor.unavailable_here("sdpa", CPU) is None
     assert prefill_doctor.unavailable_here("torch-flash", CPU) == "a GPU kernel, not on the CPU"
