@@ -2025,12 +2025,32 @@ ATTENTION_FAMILIES = {"cudnn": ("nvidia",)}
 # more of is not offered for it.
 ATTENTION_FEATURES = {"triton": {"window", "softcap"}, "flash": {"window", "softcap"}, "torch-flash": {"window"},
                       "cudnn": set(), "sdpa": {"window", "softcap"}}
+# On AMD GPUs flash-attn is its Triton backend (the CK one builds for CDNA only), whose varlen_fwd of 2.8.3 takes
+# window_size_left/right and softcap and never reads them (flash_attn/flash_attn_triton_amd/interface_fa.py at
+# v2.8.3): plain causal attention where a window or softcap was asked for. Not offered for such a model there, rather
+# than left to the sharp inputs of the start-up check.
+FEATURE_GAPS = {("flash", family): "flash-attn's Triton AMD varlen_fwd (2.8.3) ignores window_size and softcap"
+                for family in ("rdna3", "amd")}
+FAMILY_FEATURES = dict.fromkeys(FEATURE_GAPS, frozenset())
+
+
+def attention_features(kind, family):
+    return FAMILY_FEATURES.get((kind, family), ATTENTION_FEATURES[kind])
 
 
 def attention_needs(cfg):
     # the features beyond causal GQA that some layer of the model needs
     return ({"window"} if any(how.window for how in cfg.attention) else set()) | \
         ({"softcap"} if any(how.softcap for how in cfg.attention) else set())
+
+
+def unoffered_attention(family, cfg):
+    """{kind: why it is not offered for this model}: the kinds of this GPU family that lack a feature it needs."""
+    needs = attention_needs(cfg)
+    return {kind: f"has no {' or '.join(sorted(needs - attention_features(kind, family)))}, which this model needs"
+            + (f" ({FEATURE_GAPS[kind, family]})" if (kind, family) in FEATURE_GAPS else "")
+            for kind in ATTENTION_KINDS if family in ATTENTION_FAMILIES.get(kind, (family,))
+            and not needs <= attention_features(kind, family)}
 
 
 def attention_triton(q, k, v, chunk, how, tile):
@@ -2189,12 +2209,11 @@ def attention_candidates(requested, family, cfg=None, tiles=None):
     needs = attention_needs(cfg) if cfg is not None else set()
     named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}", kind, tile)
              for kind in ATTENTION_KINDS if family in ATTENTION_FAMILIES.get(kind, (family,))
-             and needs <= ATTENTION_FEATURES[kind]
+             and needs <= attention_features(kind, family)
              for tile in ((tiles or attention_tiles)(family, cfg) if kind == "triton" else [None])]
     chosen = [c for c in named if requested in ("auto", c[0], c[1])]
-    if not chosen and requested in ATTENTION_KINDS and not needs <= ATTENTION_FEATURES[requested]:
-        missing = " or ".join(sorted(needs - ATTENTION_FEATURES[requested]))
-        raise UserError(f"attention backend {requested!r} has no {missing}, which this model needs")
+    if not chosen and cfg is not None and requested in unoffered_attention(family, cfg):
+        raise UserError(f"attention backend {requested!r} {unoffered_attention(family, cfg)[requested]}")
     if not chosen and requested in ATTENTION_KINDS:
         raise UserError(f"attention backend {requested!r} is not offered on this GPU family ({family})"
                         + (f" for head_dim {cfg.head_dim}" if cfg is not None and requested == "triton" else ""))
@@ -2342,18 +2361,27 @@ def grouped_triton(a, w, bounds, tile):
 
 
 def grouped_mm_native(device):
-    # whether torch's grouped GEMM is one kernel here. aten/src/ATen/native/cuda/GroupedBlas.cpp (_grouped_mm_cuda,
-    # read at pytorch 00d4eaf): CUTLASS's bf16 kernel on sm90 and sm100 only; on ROCm, CK's on gfx942/gfx950 when torch
-    # was built with USE_ROCM_CK_GEMM; everywhere else _grouped_mm_fallback (GroupedMMUtils.h), a loop of mm per group
-    # after copying the offsets to the host: the loop candidate's work, not faster.
+    # whether torch's bf16 grouped GEMM is one kernel on this GPU, read in _grouped_mm_cuda
+    # (aten/src/ATen/native/cuda/GroupedBlas.cpp, pytorch 00d4eaf): on CUDA, CUTLASS's kernel where
+    # _scaled_mm_allowed_device(sm90_only, sm100_only) holds, compute capability 9.x or 10.x (not 8.x, not 12.x); on
+    # ROCm, CK's group_gemm_ck on gfx942 and gfx950 in a build with USE_ROCM_CK_GEMM, and in torch 2.10 only with
+    # ROCM_ALLOW_GROUP_GEMM_CK=1 (pytorch#171140, the release/2.10 cherry-pick of #170159: "not performant yet").
+    # Everywhere else, a gfx1100 included, it is _grouped_mm_fallback (ATen/native/GroupedMMUtils.h, ROCm's since
+    # pytorch#162419): the offsets copied to the host, then one mm per group, the loop candidate's work with a sync.
     if device.type != "cuda":
         return False
     props = torch.cuda.get_device_properties(device)
-    return gpu_arch(props) in ("gfx942", "gfx950") if torch.version.hip else props.major in (9, 10)
+    if torch.version.hip:
+        return gpu_arch(props) in ("gfx942", "gfx950") and os.environ.get("ROCM_ALLOW_GROUP_GEMM_CK") == "1"
+    return props.major in (9, 10)
 
 
 # The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, else prefill's Triton one;
-# the loop last. On the CPU "auto" offers no Triton: its interpreter (tests) multiplies bf16 tiles as raw integers.
+# the loop last. "auto" offers torch's grouped GEMM on a GPU only where it is native (grouped_mm_native): elsewhere it
+# is the loop with a host sync, and on an RDNA4 GPU (gfx1200, ROCm 7.2.1 on Windows) it crashed the process where no
+# check could catch it (ROCm/pytorch#3283). It stays on the CPU, where the tests run its call (torch's composite fallback there),
+# and --experts grouped_mm asks for it anywhere. On the CPU "auto" offers no Triton: its interpreter (tests)
+# multiplies bf16 tiles as raw integers.
 EXPERT_KINDS = ["grouped_mm", "triton", "loop"]
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the Triton grouped GEMM per GPU family. NVIDIA's: of ten tiles timed
 # on the H200 on a 16,384-token slice of Qwen3-30B-A3B (bench/results/…-moe-experts-tiles.json) the best three, 467,
@@ -2387,10 +2415,11 @@ def make_experts(kind, tile=None):
 
 def expert_candidates(requested, device):
     # (name, kind, tile) of each expert kernel that `requested` names: "auto", a kind, or a name pick_experts returned
-    family = gpu_family(device)
-    kinds = EXPERT_KINDS if grouped_mm_native(device) else ["triton", "grouped_mm", "loop"]
+    family, native = gpu_family(device), grouped_mm_native(device)
+    kinds = EXPERT_KINDS if native else ["triton", "grouped_mm", "loop"]
     named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}x{tile[2]}", kind, tile) for kind in kinds
              if not (kind == "triton" and requested == "auto" and device.type != "cuda")
+             and not (kind == "grouped_mm" and requested == "auto" and device.type == "cuda" and not native)
              for tile in (EXPERT_TILES[family] if kind == "triton" else [None])]
     chosen = [c for c in named if requested in ("auto", c[0], c[1])]
     if not chosen:
@@ -2401,10 +2430,13 @@ def expert_candidates(requested, device):
 # ----------------------------------------------------------------------------- start-up checks and picks
 # Every kernel prefill may run is checked at start-up against float32 math written out with plain matmuls: neither
 # the fused kernels nor SDPA (on ROCm the bf16 SDPA is AOTriton, the same code as the torch-flash candidate; SPEC §8)
-# are their own judge. Where several pass and only timing can tell them apart (attention backends, the BLAS library
-# on ROCm), the first run on a machine times them and keeps the winner in a small cache file: every later run computes
-# the same numbers bit for bit. Without a writable cache nothing is timed, and the first candidate in a fixed order
-# runs.
+# are their own judge. Where several pass and only timing can tell them apart (attention backends and tiles, the BLAS
+# library on ROCm, the expert kernels), the first run on a machine times them and keeps the choice in a small cache
+# file: every later run computes the same numbers bit for bit. Candidates sum in different orders, so a choice that
+# followed timing noise would give other last bits after a fresh start (a new container, an edited prefill.py): each
+# family has a fixed order of preference (the candidates' order), and timing overrides it only by a clear margin,
+# measured as a median of several repetitions (pick_order). Without a writable cache nothing is timed, and the first
+# candidate in that order runs.
 
 CHECK_LENGTHS = [37, 100, 650, 3000]  # one key tile; a few; the steady state of the key loop; partial tiles
 CHECK_TOLERANCE = 2**-5  # relative; a few bf16 ulps (the CPU interpreter truncates), where a bug is off by O(1)
@@ -2473,6 +2505,28 @@ ATTENTION_BUCKETS = [
 ]
 BUCKET_LABELS = [label for label, *_ in ATTENTION_BUCKETS]
 TIMED_DEVICES = ("cuda",)  # where kernels are timed (CUDA events; HIP's too)
+TIMING_REPEATS = 5  # timed calls of each candidate: their median is its time
+PICK_MARGIN = 0.10  # timing overrides the order of preference only where a candidate takes at most 90% of the time
+
+
+def median_ms(events):
+    # the median of the intervals between consecutive recorded (and completed) CUDA events, in ms
+    return sorted(a.elapsed_time(b) for a, b in zip(events[:-1], events[1:]))[(len(events) - 1) // 2]
+
+
+def pick_order(entries, cost):
+    """entries, in their family's order of preference, reordered for picking: first the first entry, replaced by any
+    later one whose cost is at most (1 - PICK_MARGIN) of the current choice's, in turn; then the same among the rest.
+    Timing noise within the margin cannot change the order unless two costs sit right at the margin's edge."""
+    rest, order = list(entries), []
+    while rest:
+        choice = rest[0]
+        for e in rest[1:]:
+            if cost(e) <= (1 - PICK_MARGIN) * cost(choice):
+                choice = e
+        order.append(choice)
+        rest.remove(choice)
+    return order
 
 
 def attention_bucket(max_len):
@@ -2608,20 +2662,19 @@ def passes_bucket(entry, label, device, cfg):
 
 
 def attention_ms(attend, inputs, how):
-    # (first call, mean of the next five) in ms, timed on a stream of its own: the weights are being copied on others
-    # while this runs. The first call of a new shape includes whatever the kernel plans per shape (cuDNN's graph).
+    # (first call, median of the next TIMING_REPEATS) in ms, timed on a stream of its own: the weights are being
+    # copied on others while this runs. The first call of a new shape includes whatever the kernel plans per shape
+    # (cuDNN's graph).
     q, k, v, chunk = inputs
     stream = torch.cuda.Stream(q.device)
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 2)]
     with torch.cuda.stream(stream):
-        events[0].record()
-        attend(q, k, v, chunk, how)
-        events[1].record()
-        for _ in range(5):
+        for event in events[:-1]:
+            event.record()
             attend(q, k, v, chunk, how)
-        events[2].record()
-    events[2].synchronize()
-    return events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2]) / 5
+        events[-1].record()
+    events[-1].synchronize()
+    return events[0].elapsed_time(events[1]), median_ms(events[1:])
 
 
 def time_attention(entries, label, device, cfg):
@@ -2660,7 +2713,8 @@ def attention_cost(entry, label, cfg):
 def pick_attention(requested, device, cfg, picks):
     """({bucket: name}, attend, report). Per length bucket, of the candidates that pass the check (on CHECK_LENGTHS,
     then on that bucket's texts through the dispatcher): the one this machine's picks name; else, on a GPU with a
-    writable cache, the fastest on the bucket's timing texts (then kept); else the first. `requested` is "auto", a
+    writable cache, the one timing picks on the bucket's timing texts by pick_order's margin (then kept); else the
+    first. `requested` is "auto", a
     kind, a name, or a {bucket: name} an earlier pick returned (a second Runner then runs exactly those kernels).
     Where every bucket's kept kernel is known, only those are checked (each check costs time to `ready`)."""
     family, exact = gpu_family(device), isinstance(requested, dict)
@@ -2691,7 +2745,7 @@ def pick_attention(requested, device, cfg, picks):
         timed = not exact and device.type in TIMED_DEVICES and len(pool) > 1 and picks.writable()
         if timed:
             time_attention(pool, label, device, cfg)
-            pool.sort(key=lambda e: attention_cost(e, label, cfg))
+            pool = pick_order(pool, lambda e: attention_cost(e, label, cfg))
         pool += fallback
         entry = next((e for e in pool if passes_bucket(e, label, device, cfg)), None)  # else the fixed order's first
         if entry is None:
@@ -2758,20 +2812,22 @@ def check_experts(candidates, device, cfg):
             for name, kind, tile in candidates]
 
 
-def experts_ms(grouped, inputs, repeats=5):
-    # mean ms of a chunk's two grouped GEMMs (gate_up, down) after one warm-up, on a stream of its own
+def experts_ms(grouped, inputs):
+    # median ms of a chunk's two grouped GEMMs (gate_up, down) over TIMING_REPEATS after one warm-up, on a stream of
+    # its own
     rows, act, w, bounds = inputs
     stream = torch.cuda.Stream(rows.device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 1)]
     with torch.cuda.stream(stream):
-        for i in range(repeats + 1):
-            if i == 1:
-                start.record()
+        grouped(rows, w.gate_up, bounds)
+        grouped(act, w.down, bounds)
+        for event in events[:-1]:
+            event.record()
             grouped(rows, w.gate_up, bounds)
             grouped(act, w.down, bounds)
-        end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
+        events[-1].record()
+    events[-1].synchronize()
+    return median_ms(events)
 
 
 def expert_timing_inputs(device, cfg, chunk_tokens, experts=8):
@@ -2787,8 +2843,8 @@ def expert_timing_inputs(device, cfg, chunk_tokens, experts=8):
 
 def pick_experts(requested, device, cfg, picks, chunk_tokens=4096):
     """(name, grouped, report): of the candidates that pass the check, the one this machine's picks name; else, on a
-    GPU with a writable picks file, the fastest on a chunk's shapes (then kept); else the first in EXPERT_KINDS's
-    order. Where the kept one is known, only it is checked."""
+    GPU with a writable picks file, the one timing picks on a chunk's shapes by pick_order's margin (then kept); else
+    the first in expert_candidates' order. Where the kept one is known, only it is checked."""
     candidates = expert_candidates(requested, device)
     kept = picks.get(f"experts {requested}")
     report = check_experts([c for c in candidates if c[0] == kept] or candidates, device, cfg)
@@ -2798,11 +2854,13 @@ def pick_experts(requested, device, cfg, picks, chunk_tokens=4096):
     if not passed:
         reasons = "; ".join(f"{e['name']}: {e['reason']}" for e in report)
         raise UserError(f"expert kernel {requested!r} is unusable on {device}: {reasons}")
+    order = [c[0] for c in candidates]
+    passed.sort(key=lambda e: order.index(e["name"]))  # the family's order of preference, whatever was checked first
     if len(passed) > 1 and device.type in TIMED_DEVICES and picks.writable():
         inputs = expert_timing_inputs(device, cfg, chunk_tokens)
         for entry in passed:
             entry["time_ms"] = experts_ms(entry["grouped"], inputs)
-        passed.sort(key=lambda e: e["time_ms"])
+        passed = pick_order(passed, lambda e: e["time_ms"])
         picks.put(f"experts {requested}", passed[0]["name"])
     return passed[0]["name"], passed[0]["grouped"], report
 
@@ -2812,62 +2870,90 @@ def rms_norm_f32(x, weight, eps, offset):
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + offset)
 
 
-def check_kernels(device, cfg):
-    """{kernel: relative error} of each fused Triton kernel, in the variants this model runs (norm offset, q/k norm
-    or none, activation), against float32 math on random inputs."""
+def kernel_checks(device, cfg):
+    """[(kernel, launch, relative error)]: each fused Triton kernel in every launch configuration this model's run
+    makes, against float32 math on random inputs. A configuration is what Triton compiles a kernel for: its
+    constexprs and its integer arguments' specialisations (divisible by 16, equal to 1). head_norm_rope runs twice a
+    layer, on the query heads and on the key heads: another head count, so another lane layout (HEADS) and another
+    base pointer into the same qkv rows, each checked; gated_act at the dense MLP's width and at the experts';
+    rms_norm with the model's norm offset and, for the experts' input, without. Every input is laid out as in a run
+    (q and k views of one qkv tensor, its row stride) so that each launch matches a run's but for the token count,
+    which only the grid sees."""
     gen = torch.Generator().manual_seed(1)
     T, H, D, eps, offset = 67, cfg.hidden_size, cfg.head_dim, 1e-6, cfg.norm_offset
-    qkv = torch.randn(T, cfg.q_size + 2 * cfg.kv_size, generator=gen).to(device, DTYPE)
+    Q, KV = cfg.q_size, cfg.kv_size
+    qkv = torch.randn(T, Q + 2 * KV, generator=gen).to(device, DTYPE)
     x = torch.randn(T, H, generator=gen).to(device, DTYPE)
     w_h, w_d = (torch.rand(n, generator=gen).add(0.5).to(device, DTYPE) for n in (H, D))
     cos, sin = rope_tables(torch.arange(T, device=device), cfg.ropes[0], D)
-    gate_up = torch.randn(T, 2 * cfg.intermediate_size, generator=gen).to(device, DTYPE)
-    heads = qkv[:, :cfg.q_size].view(T, -1, D)
     w_qk = w_d if cfg.qk_norm else None
     logits = (torch.randn(T, cfg.vocab_size, generator=gen) * 4).to(device, DTYPE)
     targets = torch.randint(cfg.vocab_size, (T,), generator=gen).to(device)
     targets[::7] = -100
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    want = {
-        "rms_norm": rms_norm_f32(x, w_h, eps, offset),
-        "head_norm_rope": apply_rope(rms_norm_f32(heads, w_d, eps, offset) if cfg.qk_norm else heads.float(),
-                                     cos.float(), sin.float()),
-        "gated_act": (F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")) * up,
-        "token_nll": F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none"),
-    }
-    got = {"rms_norm": rms_norm_triton(x, w_h, eps, offset),
-           "head_norm_rope": head_norm_rope_triton(heads, w_qk, cos, sin, eps, offset),
-           "gated_act": gated_act_triton(gate_up, cfg.activation), "token_nll": token_nll_triton(logits, targets)}
+    results = []
+
+    def check(kernel, launch, got, want):
+        results.append((kernel, launch, check_error(got, want)))
+    for norm_offset in dict.fromkeys([offset] + ([False] if cfg.num_experts else [])):
+        check("rms_norm", f"{H} wide" + (", offset" if norm_offset else ""), rms_norm_triton(x, w_h, eps, norm_offset),
+              rms_norm_f32(x, w_h, eps, norm_offset))
+    for what, heads in (("query", qkv[:, :Q].view(T, -1, D)), ("key", qkv[:, Q:Q + KV].view(T, -1, D))):
+        want = apply_rope(rms_norm_f32(heads, w_d, eps, offset) if cfg.qk_norm else heads.float(), cos.float(),
+                          sin.float())
+        check("head_norm_rope", f"{heads.shape[1]} {what} heads",
+              head_norm_rope_triton(heads, w_qk, cos, sin, eps, offset), want)
+    widths = ([(cfg.intermediate_size, cfg.activation)] if "mlp" in cfg.layouts else []) + (
+        [(cfg.moe_intermediate_size, "silu")] if cfg.num_experts else [])
+    for width, activation in dict.fromkeys(widths):
+        gate_up = torch.randn(T, 2 * width, generator=gen).to(device, DTYPE)
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        check("gated_act", f"{width} wide, {activation}", gated_act_triton(gate_up, activation),
+              (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up)
+    check("token_nll", f"vocabulary {cfg.vocab_size}", token_nll_triton(logits, targets),
+          F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none"))
     if cfg.num_experts:  # each token's k rows of a shuffled out, weighted, onto x of the same scale as their sum
         k = cfg.num_experts_per_tok
         out = torch.randn(T * k, H, generator=gen).to(device, DTYPE)
         row_of = torch.randperm(T * k, generator=gen).to(device)
         weights = torch.rand(T, k, generator=gen).softmax(-1).to(device, DTYPE)
         x_moe = (torch.randn(T, H, generator=gen) / math.sqrt(k)).to(device, DTYPE)
-        want["combine"] = x_moe.float() + (weights.float()[..., None] * out.float()[row_of].view(T, k, H)).sum(1)
-        got["combine"] = x_moe.clone()
-        combine_triton(got["combine"], out, row_of, weights)
-    return {name: check_error(got[name], want[name]) for name in want}
+        got = x_moe.clone()
+        combine_triton(got, out, row_of, weights)
+        check("combine", f"{k} experts a token", got,
+              x_moe.float() + (weights.float()[..., None] * out.float()[row_of].view(T, k, H)).sum(1))
+    return results
+
+
+def worst_errors(results):
+    # kernel_checks' results -> {kernel: the worst relative error over its launch configurations}
+    return {kernel: max(e for k, _, e in results if k == kernel) for kernel, _, _ in results}
+
+
+def check_kernels(device, cfg):
+    return worst_errors(kernel_checks(device, cfg))
+
+
+FUSED_DEVICES = ("cuda",)  # where "auto" tries the fused kernels (tests: the CPU, with stand-ins or the interpreter)
 
 
 def pick_kernels(requested, device, cfg):
     """(kernels, {kernel: error}): Triton's fused kernels where Triton runs on this device and each matches float32
-    math, else PyTorch."""
-    if requested == "torch" or (requested == "auto" and device.type != "cuda"):
+    math in every launch configuration the model's run makes, else PyTorch (with the failing launches named)."""
+    if requested == "torch" or (requested == "auto" and device.type not in FUSED_DEVICES):
         return TORCH_KERNELS, {}
     try:
         if triton is None:
             raise RuntimeError("triton is not installed")
-        errors = check_kernels(device, cfg)
-        wrong = [name for name, err in errors.items() if not err <= CHECK_TOLERANCE]
+        results = kernel_checks(device, cfg)
+        wrong = [f"{kernel} ({launch}) by {error:.3g}" for kernel, launch, error in results
+                 if not error <= CHECK_TOLERANCE]
         if wrong:
-            raise RuntimeError(f"{', '.join(wrong)} differ from float32 math")
-        return TRITON_KERNELS, errors
+            raise RuntimeError(f"differ from float32 math: {'; '.join(wrong)}")
+        return TRITON_KERNELS, worst_errors(results)
     except Exception as e:
         if requested == "triton":
             raise UserError(f"--kernels triton is unusable on {device}: {e}") from None
-        log(f"fused Triton kernels unavailable ({failure(e)}); "
-            "using PyTorch")
+        log(f"fused Triton kernels unavailable ({failure(e)}); using PyTorch")
         return TORCH_KERNELS, {}
 
 
@@ -2879,9 +2965,9 @@ def gemm_shapes(cfg, tokens=4096):
     return [("qkv", tokens, Q + 2 * KV, H), ("o_proj", tokens, H, Q), *mlp, ("lm_head", tokens, cfg.vocab_size, H)]
 
 
-def gemm_tflops(device, shapes, weights=None, repeats=5):
-    # {name: TFLOP/s} of bf16 x @ w.T for each (name, M, N, K), with whichever BLAS library torch prefers now; w is
-    # weights[name] where given (the model's own: no extra memory), else random
+def gemm_tflops(device, shapes, weights=None, repeats=TIMING_REPEATS):
+    # {name: TFLOP/s} of bf16 x @ w.T for each (name, M, N, K), the median of `repeats` calls after one, with whichever
+    # BLAS library torch prefers now; w is weights[name] where given (the model's own: no extra memory), else random
     gen = torch.Generator(device=device).manual_seed(0)
     rates = {}
     for name, M, N, K in shapes:
@@ -2889,13 +2975,13 @@ def gemm_tflops(device, shapes, weights=None, repeats=5):
         w = (weights or {}).get(name)
         w = torch.randn(N, K, generator=gen, device=device, dtype=DTYPE) if w is None else w
         F.linear(x, w)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+        for i in range(repeats):
+            events[i].record()
             F.linear(x, w)
-        end.record()
-        end.synchronize()
-        rates[name] = 2 * M * N * K * repeats / (start.elapsed_time(end) / 1e3) / 1e12
+        events[-1].record()
+        events[-1].synchronize()
+        rates[name] = 2 * M * N * K / (median_ms(events) / 1e3) / 1e12
         del x, w
     return rates
 
@@ -2909,8 +2995,9 @@ def blas_library():
 
 
 def pick_blas(device, cfg, picks):
-    """The BLAS library for bf16 GEMMs: on ROCm the faster of rocBLAS and hipBLASLt on one layer's GEMM shapes (~90% of
-    the W7800's time), measured once per machine and kept; TORCH_BLAS_PREFER_HIPBLASLT, where set, decides instead.
+    """The BLAS library for bf16 GEMMs: on ROCm rocBLAS (gfx1100's default), unless hipBLASLt takes at most
+    1 - PICK_MARGIN of its time on one layer's GEMM shapes (~90% of the W7800's time), measured once per machine and
+    kept; TORCH_BLAS_PREFER_HIPBLASLT, where set, decides instead.
     Elsewhere torch's default. Returns (library, {library: {shape: TFLOP/s}}) (empty where nothing was timed)."""
     if device.type != "cuda" or torch.version.hip is None or "TORCH_BLAS_PREFER_HIPBLASLT" in os.environ:
         return (blas_library() if device.type == "cuda" else None), {}
@@ -2921,7 +3008,7 @@ def pick_blas(device, cfg, picks):
             rates[library] = gemm_tflops(device, gemm_shapes(cfg)[:-1])
         seconds = {lib: sum(2 * M * N * K / (r[name] * 1e12) for name, M, N, K in gemm_shapes(cfg)[:-1])
                    for lib, r in rates.items()}
-        kept = min(seconds, key=seconds.get)
+        kept = pick_order(BLAS_LIBRARIES, seconds.get)[0]
         picks.put("blas", kept)
     if kept in BLAS_LIBRARIES:
         torch.backends.cuda.preferred_blas_library(kept)
@@ -4295,7 +4382,8 @@ def parse_args(argv):
                         "kernel, torch's cuDNN SDPA per text (NVIDIA only), or SDPA per text (default: of those that "
                         "run here and match float32 attention at start-up, per bucket of a chunk's longest text "
                         f"({', '.join(BUCKET_LABELS)} tokens) the one kept in --picks; the first run on a GPU times "
-                        "them per bucket and keeps the fastest). A backend without what the model's attention needs "
+                        "them per bucket and keeps the first in a fixed order unless another is clearly (10%%) "
+                        "faster). A backend without what the model's attention needs "
                         "is not offered for it: cuDNN has no sliding window nor softcap, torch's flash kernel no "
                         "softcap (Gemma 2)")
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
@@ -4314,8 +4402,9 @@ def parse_args(argv):
     p.add_argument("--experts", default="auto", choices=["auto"] + EXPERT_KINDS,
                    help="a mixture of experts' grouped GEMMs: torch's grouped_mm, prefill's Triton kernel, or one "
                         "GEMM per expert (default: of those that match float32 experts at start-up, the one kept in "
-                        "--picks; the first run on a GPU times them and keeps the fastest; without a picks file, "
-                        "grouped_mm where it is one kernel, else Triton, on the CPU the loop)")
+                        "--picks; the first run on a GPU times them and keeps the first in that order unless "
+                        "another is clearly (10%%) faster; without a picks file, grouped_mm where it is one kernel, "
+                        "else Triton; on a GPU grouped_mm only where it is one kernel, on the CPU grouped_mm)")
     p.add_argument("--load", default="auto", choices=["auto", "map", "copy"],
                    help="map: page-lock the streamed layers' pages of the checkpoint's page cache in place and "
                         "copy them to the GPU straight from there (no host copy; those pages stay locked in RAM while "

@@ -14,7 +14,7 @@ from prefill import (ATTENTION_BUCKETS, BLAS_LIBRARIES, BUCKET_LABELS, CHECK_LEN
                      attention_candidates, attention_summary, check_attention, check_experts,
                      check_writable, expert_candidates, expert_timing_inputs, experts_ms, gemm_shapes, gemm_tflops,
                      gpu_arch, gpu_family, host_memory_spare, layer_flops, package_version, pinned_empty, runner_of,
-                     time_attention, triton, unpin, warmed_up)
+                     time_attention, triton, unoffered_attention, unpin, warmed_up)
 
 CONTEST_TOKENS = 45_244  # contest-100's tokens in bench/results: 100 NuminaMath chats of < 2048 characters
 
@@ -49,6 +49,19 @@ def unavailable_here(kind, device):
     return None
 
 
+def same_bits_caveats(hip, environ):
+    """What can give other bits for the same input on another start, beside the picks (kept per machine), that the
+    repeat probe within one process cannot see."""
+    caveats = []
+    if hip:  # torch sets each rocBLAS handle's atomics mode from the flag (aten/src/ATen/cuda/CublasHandlePool.cpp)
+        caveats.append("rocBLAS may sum with atomics (torch allows them unless torch.use_deterministic_algorithms is "
+                       "on), so a GEMM can differ in its last bits from run to run")
+    if environ.get("PYTORCH_TUNABLEOP_ENABLED") == "1":
+        caveats.append("PYTORCH_TUNABLEOP_ENABLED=1: torch picks each GEMM's kernel by timing, so another start "
+                       "can pick others unless PYTORCH_TUNABLEOP_FILENAME keeps the results and tuning is off")
+    return caveats
+
+
 def doctor(runner):
     """(report lines, figures, problems) for a loaded, warmed-up Runner."""
     cfg, plan, dev = runner.cfg, runner.plan, runner.device
@@ -74,6 +87,7 @@ def doctor(runner):
     for e in report:
         if "reason" in e:
             e["expected"] = unavailable_here(e["name"].split()[0], dev)
+    fig["attention_not_offered"] = unoffered_attention(fig["gpu_family"], cfg)
     failed = [e["name"] for e in report if "reason" in e and not e["expected"]]
     fig["attention"] = runner.attention
     fig["attention_candidates"] = [{k: v for k, v in e.items() if k != "attend"} for e in report]
@@ -121,6 +135,7 @@ def doctor(runner):
     probe = [torch.randint(cfg.vocab_size, (n,), generator=gen).tolist() for n in (300, 650, 41)]
     first, second = runner.losses(probe), runner.losses(probe)
     fig["repeat_identical"] = first == second
+    fig["same_bits_caveats"] = same_bits_caveats(torch.version.hip, os.environ)
     problems = [] if fig["repeat_identical"] else ["the same request twice gave different losses"]
     problems += [f"loss is not finite: {x}" for x in first if not math.isfinite(x)]
 
@@ -149,6 +164,7 @@ def doctor(runner):
                 f"  {'*' if runner.attention[label] == e['name'] else ' '}{e['time_ms'][label]:7.3f} "
                 f"({e['first_ms'][label]:7.1f})" for label in BUCKET_LABELS if label in e.get("time_ms", {}))
         lines.append(f"    {e['name']:<14} {state}")
+    lines += [f"    {kind:<14} not offered: {why}" for kind, why in fig["attention_not_offered"].items()]
     errors = ", ".join(f"{k} {v:.1e}" for k, v in runner.kernel_errors.items())
     fused_here = None if cuda else "not on the CPU" if triton is not None else "triton is not installed"
     lines.append(f"kernels    {runner.kernels.name}" + (f" (rel. error against float32 math: {errors})" if errors else
@@ -170,7 +186,8 @@ def doctor(runner):
     if cuda:
         lines.append(f"projected  contest-100 ({CONTEST_TOKENS} tokens): GEMMs {fig['contest100_compute_s']:.1f} s at "
                      f"the rates above; streaming {fig['contest100_transfer_s']:.1f} s, hidden while it is smaller")
-    lines.append(f"repeat     the same request twice: {'identical' if fig['repeat_identical'] else 'DIFFERENT'}")
+    lines.append(f"repeat     the same request twice: {'identical' if fig['repeat_identical'] else 'DIFFERENT'}"
+                 + "".join(f"; {caveat}" for caveat in fig["same_bits_caveats"]))
     lines.append("verdict    " + ("; ".join(problems) if problems else "every required path works" + (
         f"; {len(failed)} attention candidate(s) FAILED where they should run ({', '.join(failed)}): see above"
         if failed else "")))

@@ -98,6 +98,52 @@ def test_a_kernel_that_returns_nan_or_inf_is_refused(cfg, monkeypatch):
         assert report[0]["attend"] is None and report[0]["error"] == float("inf")
 
 
+# ----------------------------------------------------------------------------- fused kernels checked per launch
+
+def fused_stand_ins(monkeypatch, head_norm_rope=None):
+    # the fused kernels as their PyTorch math (what a correct compile computes), head_norm_rope as given: the check's
+    # coverage is under test here, not Triton
+    for name, torch_fn in [("rms_norm", prefill.rms_norm), ("gated_act", prefill.gated_act),
+                           ("token_nll", prefill.token_nll), ("combine", prefill.combine)]:
+        monkeypatch.setattr(prefill, f"{name}_triton", torch_fn)
+    monkeypatch.setattr(prefill, "head_norm_rope_triton", head_norm_rope or prefill.head_norm_rope)
+    monkeypatch.setattr(prefill, "FUSED_DEVICES", ("cpu",))
+
+
+def test_a_miscompile_of_the_key_head_launch_alone_is_refused_at_start_up(cfg, monkeypatch, capsys):
+    # the key launch of head_norm_rope has the KV head count (another lane layout): a kernel that handles one head
+    # too few there, and only there, is caught, and "auto" falls back to PyTorch naming the launch
+    fused_stand_ins(monkeypatch)
+    assert prefill.pick_kernels("auto", CPU, cfg)[0].name == "triton"
+    launches = [(kernel, launch) for kernel, launch, _ in prefill.kernel_checks(CPU, cfg)]
+    assert ("head_norm_rope", "8 query heads") in launches and ("head_norm_rope", "2 key heads") in launches
+
+    def one_head_short_on_keys(x, w, cos, sin, eps, offset):
+        out = prefill.head_norm_rope(x, w, cos, sin, eps, offset)
+        if x.shape[1] == cfg.num_key_value_heads:
+            out[:, -1] = 0  # the last head never written
+        return out
+    fused_stand_ins(monkeypatch, one_head_short_on_keys)
+    errors = {(kernel, launch): error for kernel, launch, error in prefill.kernel_checks(CPU, cfg)}
+    assert errors[("head_norm_rope", "8 query heads")] <= prefill.CHECK_TOLERANCE < \
+        errors[("head_norm_rope", "2 key heads")]
+    kernels, errors = prefill.pick_kernels("auto", CPU, cfg)
+    assert kernels is prefill.TORCH_KERNELS and errors == {}
+    assert "head_norm_rope (2 key heads)" in capsys.readouterr().err
+    with pytest.raises(prefill.UserError, match=r"--kernels triton is unusable on cpu: .*head_norm_rope \(2 key"):
+        prefill.pick_kernels("triton", CPU, cfg)
+
+
+def test_the_kernel_check_covers_the_dense_and_the_expert_widths(monkeypatch):
+    fused_stand_ins(monkeypatch)
+    moe = prefill.ModelConfig.from_json(dict(TINY, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[0]))
+    launches = [(kernel, launch) for kernel, launch, _ in prefill.kernel_checks(CPU, moe)]
+    assert {launch for kernel, launch in launches if kernel == "gated_act"} == {"160 wide, silu", "48 wide, silu"}
+    assert ("combine", "2 experts a token") in launches
+    assert set(prefill.check_kernels(CPU, moe)) == {"rms_norm", "head_norm_rope", "gated_act", "token_nll", "combine"}
+
+
 # ----------------------------------------------------------------------------- picks kept per machine
 
 def test_picks_are_kept_per_machine_and_model(cfg, tmp_path):
@@ -164,6 +210,60 @@ def test_bucket_picks_are_timed_once_per_bucket_then_kept(cfg, tmp_path, monkeyp
     assert prefill.pick_attention("auto", CPU, cfg, prefill.Picks(None, None))[0] == dict.fromkeys(want, "flash")
     with pytest.raises(prefill.UserError, match="must name each of"):
         prefill.pick_attention({"<=1024": "sdpa"}, CPU, cfg, picks)
+
+
+def test_timing_overrides_the_order_of_preference_only_by_the_margin():
+    cost = {"a": 1.0, "b": 0.95, "c": 0.85, "d": 0.84, "e": 2.0}.get  # b within 10% of a; c clearly faster; d not of c
+    assert prefill.pick_order(list("abcde"), cost) == list("cdabe")  # then d over a (0.84), and so on
+    assert prefill.pick_order(list("ab"), cost) == list("ab") and prefill.pick_order(list("ba"), cost) == list("ba")
+
+
+def test_re_timing_under_noise_within_the_margin_picks_the_same_kernels(cfg, tmp_path, monkeypatch):
+    # each start times afresh (a new container, an edited prefill.py): with every time off by up to 4% either way,
+    # the picks stay those of the order of preference and of clear wins, where the fastest-timed one would flip
+    stand_in_flash(monkeypatch, windowed_attention(10 ** 6))
+    exact = windowed_attention(10 ** 6)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward",
+                        lambda q, k, v, cu, *_: (exact(q, k, v, cu.tolist()),), raising=False)
+    monkeypatch.setattr(prefill, "TIMED_DEVICES", ("cpu",))
+    monkeypatch.setattr(prefill, "CHECK_LENGTHS", [37, 100])  # the checks are not under test here: short ones
+    monkeypatch.setattr(prefill, "passes_bucket", lambda entry, label, device, config: True)
+    true_ms = {"<=1024": {"flash": 1.0, "torch-flash": 0.97},  # within the margin: flash, first in the order
+               "<=4096": {"flash": 1.0, "torch-flash": 0.75},  # a clear win
+               ">4096": {"flash": 1.0, "torch-flash": 1.03}}
+    gen = torch.Generator().manual_seed(0)
+    fastest = set()
+
+    def time_attention(entries, label, device, config):
+        for e in entries:
+            ms = true_ms[label][e["name"]] * (1 + 0.04 * (2 * torch.rand((), generator=gen).item() - 1))
+            e.setdefault("time_ms", {})[label] = e.setdefault("first_ms", {})[label] = ms
+        fastest.add((label, min(entries, key=lambda e: e["time_ms"][label])["name"]))
+    monkeypatch.setattr(prefill, "time_attention", time_attention)
+    want = {"<=1024": "flash", "<=4096": "torch-flash", ">4096": "flash"}
+    for start in range(12):
+        picks = prefill.Picks(tmp_path / f"start{start}" / "picks.json", "machine")
+        assert prefill.pick_attention("auto", CPU, cfg, picks)[0] == want
+    assert ("<=1024", "torch-flash") in fastest and ("<=1024", "flash") in fastest  # the noise did reorder the times
+
+    # the BLAS library on ROCm, likewise: hipBLASLt 3% faster stays behind rocBLAS, 20% faster wins
+    monkeypatch.setattr(torch.version, "hip", "7.1.25424")
+    monkeypatch.delenv("TORCH_BLAS_PREFER_HIPBLASLT", raising=False)
+    state = {"library": "cublas"}
+
+    def preferred_blas_library(backend=None):
+        if backend is not None:
+            state["library"] = backend
+        return types.SimpleNamespace(name=state["library"].capitalize())
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred_blas_library)
+    for lt_speedup, library in ((1.03, "cublas"), (1.2, "cublaslt")):
+        def gemm_tflops(device, shapes, weights=None):
+            rate = 50.0 * (lt_speedup if state["library"] == "cublaslt" else 1.0)
+            return {name: rate * (1 + 0.04 * (2 * torch.rand((), generator=gen).item() - 1)) for name, *_ in shapes}
+        monkeypatch.setattr(prefill, "gemm_tflops", gemm_tflops)
+        for start in range(12):
+            picks = prefill.Picks(tmp_path / f"blas{lt_speedup}-{start}" / "picks.json", "machine")
+            assert prefill.pick_blas(torch.device("cuda"), cfg, picks)[0] == library
 
 
 def test_a_plan_built_per_length_counts_against_its_kernel(cfg):
@@ -398,6 +498,31 @@ def test_doctor_reports_every_decision_and_exits_0(tmp_path, monkeypatch, capsys
     assert candidates["torch-flash"].split()[1:3] == ["FAILED:", "NotImplementedError:"], lines
     assert candidates["sdpa"].split()[1:3] == ["rel.", "error"], lines
     assert "kernels    torch (fused Triton kernels: not on the CPU)" in lines
+
+
+def test_flash_is_not_offered_on_amd_to_a_model_with_a_window_or_softcap():
+    # flash-attn 2.8.3's Triton AMD varlen_fwd takes window_size and softcap and ignores them: refused by name there,
+    # with the reason the doctor prints, where the CUDA build's flash computes both
+    gemma2 = prefill.ModelConfig.from_json(dict(TINY, model_type="gemma2", sliding_window=64, head_dim=16,
+                                                query_pre_attn_scalar=16))
+    for family in ("rdna3", "amd"):
+        assert "flash" not in [kind for _, kind, _ in prefill.attention_candidates("auto", family, gemma2)]
+        with pytest.raises(prefill.UserError, match="'flash' has no softcap or window, .*ignores window_size and softc"):
+            prefill.attention_candidates("flash", family, gemma2)
+        assert "ignores window_size" in prefill.unoffered_attention(family, gemma2)["flash"]
+        assert prefill.unoffered_attention(family, prefill.ModelConfig.from_json(TINY)) == {}  # plain causal: offered
+        assert "flash" in [kind for _, kind, _ in prefill.attention_candidates("auto", family,
+                                                                               prefill.ModelConfig.from_json(TINY))]
+    assert "flash" in [kind for _, kind, _ in prefill.attention_candidates("auto", "nvidia", gemma2)]
+    assert set(prefill.unoffered_attention("nvidia", gemma2)) == {"torch-flash", "cudnn"}
+
+
+def test_the_doctor_says_what_can_change_the_bits_between_starts():
+    assert prefill_doctor.same_bits_caveats(None, {}) == []
+    rocm = prefill_doctor.same_bits_caveats("7.1.25424", {})
+    assert len(rocm) == 1 and "rocBLAS may sum with atomics" in rocm[0]
+    tuned = prefill_doctor.same_bits_caveats(None, {"PYTORCH_TUNABLEOP_ENABLED": "1"})
+    assert len(tuned) == 1 and "picks each GEMM's kernel by timing" in tuned[0]
 
 
 def test_what_cannot_run_on_this_machine_by_design(monkeypatch):
