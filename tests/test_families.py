@@ -180,9 +180,12 @@ def test_family_matches_transformers(family, name):
     ids = r.tokenize(TEXTS)
     assert ids == AutoTokenizer.from_pretrained(path)(TEXTS)["input_ids"] and all(t[0] == BOS for t in ids)
     assert max_rel_err(r.losses(ids), reference) < TOLERANCE
-    # transformers' own bf16 numbers: Gemma's eager attention rounds its scores to bf16 (prefill: float32 inside)
+    # transformers' own bf16 numbers, its logits rounded to bf16 as prefill's are on request (they are float32 by
+    # default): Gemma's eager attention rounds its scores to bf16 (prefill: float32 inside)
     same_math = 1e-2 if name.startswith("gemma") else 1e-5
-    assert max_rel_err(r.losses(ids), transformers_losses(path, TEXTS, torch.bfloat16)) < same_math
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(prefill.LOGITS, "texts", "bf16")
+        assert max_rel_err(r.losses(ids), transformers_losses(path, TEXTS, torch.bfloat16)) < same_math
 
 
 def test_interact_s_reference_computes_gemma_2_s_softcap(family):
@@ -603,16 +606,20 @@ def smollm2_dir():
 
 def test_smollm2_real_weights_match_transformers_within_bf16s_own_error():
     # a real Llama-architecture model (tied, 30 layers) on English text: losses of real activations, whose outliers
-    # random weights lack. prefill's error against float32 is transformers' bf16 error, text by text
+    # random weights lack. prefill's error against float32 is transformers' bf16 error, text by text, less on average:
+    # its float32 logits took the mean from 3.8e-3 to 3.0e-3 (6 texts of 8 closer; the other two 6e-4 further, where
+    # the bf16 rounding happened to cancel the network's own error)
     path = smollm2_dir()
     reference, bf16 = transformers_losses(path, ENGLISH), transformers_losses(path, ENGLISH, torch.bfloat16)
     r = runner(path)
     assert r.cfg.model_type == "llama" and r.cfg.tie_word_embeddings and r.cfg.num_hidden_layers == 30
     got = losses_of(r, ENGLISH)
     assert all(1.5 < x < 4.5 for x in reference), reference  # what a 135M model makes of plain English
-    for ours, theirs, truth in zip(got, bf16, reference):
-        assert abs(ours - truth) / truth <= abs(theirs - truth) / truth + 1e-4 and abs(ours - truth) / truth < 1.5e-2
-    assert max_rel_err(got, bf16) < 1e-5
+    ours, theirs = ([abs(x - truth) / truth for x, truth in zip(losses, reference)] for losses in (got, bf16))
+    assert all(o <= t + 1e-3 and o < 1.5e-2 for o, t in zip(ours, theirs)) and sum(ours) < 0.9 * sum(theirs)
+    with pytest.MonkeyPatch.context() as patch:  # the logits rounded to bf16 as transformers rounds them: its numbers
+        patch.setitem(prefill.LOGITS, "texts", "bf16")
+        assert max_rel_err(losses_of(r, ENGLISH), bf16) < 1e-5
 
 
 # ----------------------------------------------------------------------------- continuations of a BOS family

@@ -6,7 +6,7 @@ ships its AMD backend and an LLVM with the AMDGPU target, so the compile itself 
 
 The launches are not restated here. prefill's own layer code (attention_block with each attention tile offered for
 gfx1100, mlp_block, sequence_nll) runs on CPU tensors with a real model's dimensions but a few tokens, with F.linear
-answering by shape only and every kernel launch recorded instead of run. Triton's own argument binder then turns each
+(and the float32 LM head) answering by shape only and every kernel launch recorded instead of run. Triton's own argument binder then turns each
 recorded launch into what a real launch would compile: argument types, constexprs, num_warps/num_stages and
 specialisations (16-byte divisibility; AMD buffer ops, which apply to tensors under 2 GiB, as all of prefill's are at
 its default chunk and wave sizes). Each distinct launch is compiled to gfx1100 assembly; the final link to an hsaco is
@@ -149,8 +149,9 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
             prefill.attention_block(x, w, cos, sin, tree_chunk, cfg, attend, prefill.TRITON_KERNELS, how, wave_kv)
         prefill.mlp_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS)
         final_norm = torch.ones(cfg.hidden_size, dtype=prefill.DTYPE)
+        head = lambda x, w: torch.empty(x.shape[0], w.shape[0])  # float32 logits, by shape only, as F.linear's
         prefill.sequence_nll(x, lm_head, final_norm, targets, torch.zeros(TOKENS, dtype=torch.int64), 1,
-                             cfg, TOKENS, prefill.TRITON_KERNELS)
+                             cfg, TOKENS, prefill.dataclasses.replace(prefill.TRITON_KERNELS, head=head))
     return list(dict.fromkeys(launches)), kernels
 
 

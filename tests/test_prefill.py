@@ -126,12 +126,17 @@ def runner(path, **kw):
 
 # ----------------------------------------------------------------------------- against transformers
 
-def test_matches_transformers(checkpoint):
+def test_matches_transformers(checkpoint, monkeypatch):
     path, reference = checkpoint
     r = runner(path)
     losses = r.losses(r.tokenize(TEXTS))
+    bf16 = transformers_losses(path, TEXTS, torch.bfloat16)
     assert max_rel_err(losses, reference) < TOLERANCE
-    assert max_rel_err(losses, transformers_losses(path, TEXTS, torch.bfloat16)) < SAME_MATH
+    # float32 logits: not transformers bf16's roundings (it rounds its logits to bf16), and far inside the contest's 5%
+    # of it (1.3e-4 on one of these checkpoints; the network's own bf16 noise against float32 is 30 times that)
+    assert max_rel_err(losses, bf16) < TOLERANCE
+    monkeypatch.setitem(prefill.LOGITS, "texts", "bf16")  # the logits rounded as transformers rounds them
+    assert max_rel_err(r.losses(r.tokenize(TEXTS)), bf16) < SAME_MATH
 
 
 def swap_first_two_kv_heads(r):
