@@ -4260,7 +4260,10 @@ def parse_args(argv):
     p.add_argument("--input", metavar="FILE",
                    help="read texts from FILE ('-' for stdin) without the ready handshake: a JSON array, or JSON lines "
                         "(the format for big corpora: read as it goes), each element or line a string or an object "
-                        "with a string --text-field; the first records are checked before the model loads")
+                        "with a string --text-field; the first records are checked before the model loads. Without "
+                        "--output the results go to stdout once all are scored: a text's loss a line, as the "
+                        "protocol prints them, or for context/continuation records one JSON line each, --output's "
+                        "fields without the digest")
     p.add_argument("--output", metavar="OUT",
                    help="with --input: score it as a corpus, appending one JSON line per text to OUT in input order, "
                         "{index, id (where the input has one), tokens, loss (null below 2 tokens), nll_sum, digest (of "

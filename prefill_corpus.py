@@ -174,7 +174,7 @@ def record_digest(ids, settings_key):
     return numbers_digest(settings_key, *((ids.context, ids.continuation) if isinstance(ids, Request) else (ids,)))
 
 
-def output_line(result, ids, record, digest):
+def output_line(result, ids, record, digest=None):
     # a text's Score, or a continuation's Loglikelihood: there loss and nll_sum are the continuation's (its mean and
     # summed NLL), as a text's are its predicted tokens'
     fields = {"index": result.index}
@@ -188,7 +188,8 @@ def output_line(result, ids, record, digest):
             fields["token_logprobs"] = result.token_logprobs
     else:
         fields.update(tokens=result.tokens, loss=result.loss, nll_sum=result.nll_sum)
-    fields["digest"] = digest
+    if digest is not None:  # None: printed without --output, where there is nothing to resume
+        fields["digest"] = digest
     return json.dumps(fields) + "\n"  # floats as repr: the shortest text that reads back to the same bits
 
 
@@ -461,7 +462,7 @@ def serve(args, protocol, group=None):
             if output:
                 output.append(batch_scores, batch)
             else:
-                scores += batch_scores
+                scores += zip(batch_scores, batch)  # with (index, ids, record): a continuation's line names them
             progress.add(len(batch), sum(s.tokens for s in batch_scores))
         if announce:
             log(f"resume: all {resumed['texts']} {progress.unit}s of {args.output} match the input and are kept; "
@@ -478,7 +479,10 @@ def serve(args, protocol, group=None):
         raise
     finally:
         progress.close()
-    if not output:
-        print_losses(protocol, scores)
+    if not output and pairs:  # one JSON line per record, --output's fields but the digest, all at once
+        protocol.write("".join(output_line(result, ids, record) for result, (_, ids, record) in scores))
+        protocol.flush()
+    elif not output:
+        print_losses(protocol, [result for result, _ in scores])
     report(args, runner, time.perf_counter() - t_start, warm_up_s, start_unix_s, progress.unit, resumed, group)
     return 0

@@ -556,6 +556,11 @@ def test_a_corpus_of_continuations_scores_resumes_and_runs_on_two_ranks(eval_che
         assert len(r["token_logprobs"]) == w.tokens and math.fsum(r["token_logprobs"]) == r["logprob"]
     lines = [line for line in p.stderr.splitlines() if line.startswith("prefill:")]
     assert len(lines) == 4 and " computed for " in lines[-1]  # load, plan, the tree backend, the summary
+    # without --output: the same records on stdout, but for the digest (nothing to resume there)
+    p = run_prefill(*args)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert [json.loads(line) for line in p.stdout.splitlines()] == [
+        {k: v for k, v in r.items() if k != "digest"} for r in records]
     # resumed from a cut file: byte for byte the uninterrupted run's
     whole = out.read_bytes()
     out.write_bytes(whole[:len(whole) // 2])
