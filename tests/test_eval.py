@@ -520,6 +520,26 @@ def test_generate_until_is_refused_before_any_model_loads(task_dir, tmp_path):
     assert "nothing-here" not in p.stderr
 
 
+def test_generate_until_runs_for_another_model(eval_checkpoint, task_dir, tmp_path):
+    # the refusal is prefill's alone: lm-eval's HF backend generates t_gen (one document, two tokens)
+    p = subprocess.run([sys.executable, str(ROOT / "prefill_eval.py"), "--model", "hf", "--model_args",
+                        f"pretrained={eval_checkpoint}", "--tasks", "t_gen", "--include_path", str(task_dir),
+                        "--device", "cpu", "--limit", "1", "--gen_kwargs", "max_gen_toks=2"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0 and "does not generate" not in p.stderr, p.stderr[-2000:]
+    assert "t_gen" in p.stdout and "exact_match" in p.stdout, p.stdout[-2000:]
+
+
+def test_help_lists_prefill_s_model_args_and_lm_eval_s_own():
+    p = subprocess.run([sys.executable, str(ROOT / "prefill_eval.py"), "--help"], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    for key in ("pretrained", "gpu_memory", "max_length", "wave_tokens", "chunk_tokens", "attention", "kernels",
+                "host_memory", "picks", "add_bos_token"):
+        assert f"  {key}=" in p.stdout, key
+    assert "usage: lm-eval" in p.stdout
+
+
 # ----------------------------------------------------------------------------- corpus mode, torchrun
 
 def run_prefill(*args, ranks=1, timeout=300):
