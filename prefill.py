@@ -1525,7 +1525,8 @@ def gated_act(gate_up, activation):
 
 
 def token_nll(logits, targets):
-    # logits: [tokens, vocab] bf16 -> [tokens] float32; transformers upcasts the logits before the loss; 0 at -100
+    # logits: [tokens, vocab] float32 (bf16 where LOGITS says so, upcast as transformers upcasts its bf16 logits)
+    # -> [tokens] float32; 0 at -100
     return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none")
 
 
@@ -1538,10 +1539,18 @@ def embed_tokens(embed, ids, cfg):
     return x
 
 
-def lm_logits(h, lm_head, final_norm, cfg, kernels):
-    # h: [tokens, hidden] -> [tokens, vocab] bf16: the final norm, lm_head, and Gemma 2's final softcap, in bf16 and
-    # in transformers' steps (divide, tanh, multiply), in place
-    logits = F.linear(kernels.rms_norm(h, final_norm, cfg.rms_norm_eps, cfg.norm_offset), lm_head)
+# The logits are float32: lm_head's GEMM accumulates in float32 (as every bf16 GEMM does) and its output is kept, not
+# rounded to bf16, before the float32 log-softmax; the network before it stays bf16. Rounded (transformers' bf16
+# lm_head), logits of size 16-32 sit on a grid of 0.125, and a multiple-choice question's top two choices often tie
+# bit for bit: lm-eval then takes the first one listed. "bf16" rounds them as transformers does.
+LOGITS = {"texts": "float32", "continuations": "float32"}
+
+
+def lm_logits(h, lm_head, final_norm, cfg, kernels, dtype="float32"):
+    # h: [tokens, hidden] -> [tokens, vocab] float32 (or bf16): the final norm (bf16), lm_head, and Gemma 2's final
+    # softcap in the logits' dtype, in transformers' steps (divide, tanh, multiply), in place
+    x = kernels.rms_norm(h, final_norm, cfg.rms_norm_eps, cfg.norm_offset)
+    logits = kernels.head(x, lm_head) if dtype == "float32" else F.linear(x, lm_head)
     if cfg.final_softcap is not None:
         logits.div_(cfg.final_softcap).tanh_().mul_(cfg.final_softcap)
     return logits
@@ -1556,6 +1565,25 @@ def combine(x, out, row_of, weights):
     x += torch.bmm(weights.unsqueeze(1), per_token).squeeze(1)
 
 
+HEAD_SLICE = 8192  # vocabulary rows upcast at a time by head_upcast: a slice of lm_head in float32, never all of it
+
+
+def head_out_dtype(x, w):
+    # x: [tokens, hidden] bf16, w: [vocab, hidden] bf16 -> [tokens, vocab] float32: bf16 operands, float32 output
+    # (torch 2.11 on the H200: as fast as bf16 logits; not on the CPU)
+    return torch.mm(x, w.T, out_dtype=torch.float32)
+
+
+def head_upcast(x, w):
+    # the same product from float32 copies of the operands: the plain fallback (its products of bf16 values are exact
+    # in float32, so it differs from head_out_dtype only in summation order)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for v in range(0, w.shape[0], HEAD_SLICE):
+        torch.mm(xf, w[v:v + HEAD_SLICE].float().T, out=out[:, v:v + HEAD_SLICE])
+    return out
+
+
 @dataclass
 class Kernels:
     """The per-token elementwise work: plain PyTorch, or the fused Triton kernels below (same roundings)."""
@@ -1565,6 +1593,7 @@ class Kernels:
     gated_act: object       # (gate_up [tokens, 2 intermediate], activation) -> [tokens, intermediate]
     token_nll: object       # (logits [tokens, vocab], targets [tokens]) -> [tokens] float32
     combine: object         # (x [tokens, hidden] += each token's k expert rows of out, weighted: see combine)
+    head: object = head_upcast  # (x [tokens, hidden], lm_head [vocab, hidden]) -> float32 logits: pick_head's
 
 
 # late-bound, so that tests can swap a piece of the math for a broken one
@@ -1727,7 +1756,7 @@ if triton is not None:
 
     @triton.jit
     def _token_nll_kernel(logits_ptr, stride, targets_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
-        # one pass over a row of bf16 logits: running max and sum of exponentials per lane, combined at the end
+        # one pass over a row of logits (float32 or bf16): running max and sum of exponentials per lane, combined
         row = tl.program_id(0)
         base = logits_ptr + row.to(tl.int64) * stride
         run_max = tl.full((BLOCK,), -1e30, tl.float32)  # finite: exp(-inf - run_max) stays 0, never nan
@@ -1929,7 +1958,7 @@ def combine_triton(x, out, row_of, weights):
 
 
 def token_nll_triton(logits, targets):
-    # reads the bf16 logits once, where the plain path writes and rereads a float32 copy and its log-softmax
+    # reads the logits (float32, or bf16) once, where the plain path writes and rereads their log-softmax
     assert logits.stride(-1) == 1
     out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
     _token_nll_kernel[(logits.shape[0],)](logits, logits.stride(0), targets, out, logits.shape[1], BLOCK=4096,
@@ -2887,7 +2916,7 @@ def kernel_checks(device, cfg):
     w_h, w_d = (torch.rand(n, generator=gen).add(0.5).to(device, DTYPE) for n in (H, D))
     cos, sin = rope_tables(torch.arange(T, device=device), cfg.ropes[0], D)
     w_qk = w_d if cfg.qk_norm else None
-    logits = (torch.randn(T, cfg.vocab_size, generator=gen) * 4).to(device, DTYPE)
+    logits = (torch.randn(T, cfg.vocab_size, generator=gen) * 4).to(device)  # float32, as LOGITS has them
     targets = torch.randint(cfg.vocab_size, (T,), generator=gen).to(device)
     targets[::7] = -100
     results = []
@@ -2921,6 +2950,10 @@ def kernel_checks(device, cfg):
         combine_triton(got, out, row_of, weights)
         check("combine", f"{k} experts a token", got,
               x_moe.float() + (weights.float()[..., None] * out.float()[row_of].view(T, k, H)).sum(1))
+    if "bf16" in LOGITS.values():  # the same kernel reading bf16 logits, where a switch asks for them
+        rounded = logits.to(DTYPE)
+        check("token_nll", f"vocabulary {cfg.vocab_size}, bf16 logits", token_nll_triton(rounded, targets),
+              F.cross_entropy(rounded.float(), targets, ignore_index=-100, reduction="none"))
     return results
 
 
@@ -2933,14 +2966,41 @@ def check_kernels(device, cfg):
     return worst_errors(kernel_checks(device, cfg))
 
 
+HEAD_TOLERANCE = 2**-14  # relative to a row's largest logit: float32 accumulation is ~1e-7; bf16 rounding is 2**-9
+
+
+def pick_head(device, cfg):
+    """(float32 head, relative error): head_out_dtype where the backend takes out_dtype and its logits match float64
+    math on random rows of this model's width to float32's accuracy (a backend that rounded them to bf16 would fail),
+    else head_upcast."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(67, cfg.hidden_size, generator=gen).to(device, DTYPE)
+    w = (torch.randn(1000, cfg.hidden_size, generator=gen) / cfg.hidden_size ** 0.5).to(device, DTYPE)
+    want = x.double() @ w.double().T
+    for head in (head_out_dtype, head_upcast):
+        try:
+            got = head(x, w)
+            error = check_error(got.double(), want) if got.dtype == torch.float32 else math.inf
+        except Exception as e:  # the CPU has no out_dtype kernel (torch 2.15): NotImplementedError
+            error, reason = math.inf, failure(e)
+        else:
+            reason = f"differs from float64 math by {error:.3g}"
+        if error <= HEAD_TOLERANCE:
+            return head, error
+        if device.type == "cuda" or head is head_upcast:
+            log(f"float32 logits: {head.__name__} unusable on {device} ({reason})")
+    raise RuntimeError("no float32 LM head matches float64 math")
+
+
 FUSED_DEVICES = ("cuda",)  # where "auto" tries the fused kernels (tests: the CPU, with stand-ins or the interpreter)
 
 
 def pick_kernels(requested, device, cfg):
     """(kernels, {kernel: error}): Triton's fused kernels where Triton runs on this device and each matches float32
     math in every launch configuration the model's run makes, else PyTorch (with the failing launches named)."""
+    head, head_error = pick_head(device, cfg)  # the float32 logits' GEMM, whichever kernels run beside it
     if requested == "torch" or (requested == "auto" and device.type not in FUSED_DEVICES):
-        return TORCH_KERNELS, {}
+        return dataclasses.replace(TORCH_KERNELS, head=head), {"lm_head": head_error}
     try:
         if triton is None:
             raise RuntimeError("triton is not installed")
@@ -2949,12 +3009,12 @@ def pick_kernels(requested, device, cfg):
                  if not error <= CHECK_TOLERANCE]
         if wrong:
             raise RuntimeError(f"differ from float32 math: {'; '.join(wrong)}")
-        return TRITON_KERNELS, worst_errors(results)
+        return dataclasses.replace(TRITON_KERNELS, head=head), {**worst_errors(results), "lm_head": head_error}
     except Exception as e:
         if requested == "triton":
             raise UserError(f"--kernels triton is unusable on {device}: {e}") from None
         log(f"fused Triton kernels unavailable ({failure(e)}); using PyTorch")
-        return TORCH_KERNELS, {}
+        return dataclasses.replace(TORCH_KERNELS, head=head), {"lm_head": head_error}
 
 
 def gemm_shapes(cfg, tokens=4096):
@@ -3154,7 +3214,7 @@ def sequence_nll(h, lm_head, final_norm, targets, seq_index, n_seqs, cfg, chunk_
     # whatever order the threads arrive, so its last bits would vary from run to run.
     nll = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
     for s in range(0, h.shape[0], chunk_tokens):
-        logits = lm_logits(h[s:s + chunk_tokens], lm_head, final_norm, cfg, kernels)  # [chunk, vocab] bf16
+        logits = lm_logits(h[s:s + chunk_tokens], lm_head, final_norm, cfg, kernels, LOGITS["texts"])  # [chunk, vocab]
         nll[s:s + chunk_tokens] = kernels.token_nll(logits, targets[s:s + chunk_tokens])
     return torch.zeros(n_seqs, dtype=torch.float64).index_add_(0, seq_index, nll.cpu().double())
 
@@ -3446,7 +3506,8 @@ def continuation_logprobs(h, rows, targets, lm_head, final_norm, cfg, chunk_toke
     greedy = torch.empty(rows.numel(), dtype=torch.bool, device=h.device)
     for s in range(0, rows.numel(), chunk_tokens):
         unique, inverse = torch.unique_consecutive(rows[s:s + chunk_tokens], return_inverse=True)
-        logits = lm_logits(h[unique.to(h.device)], lm_head, final_norm, cfg, kernels)  # [rows, vocab] bf16
+        logits = lm_logits(h[unique.to(h.device)], lm_head, final_norm, cfg, kernels,
+                           LOGITS["continuations"])  # [rows, vocab] float32
         inverse, t = inverse.to(h.device), targets[s:s + chunk_tokens].to(h.device)
         greedy[s:s + t.numel()] = logits.argmax(-1)[inverse] == t
         if unique.numel() < t.numel():  # several targets read one row (a question's choices): a row for each
@@ -4342,7 +4403,10 @@ def parse_args(argv):
     p.add_argument("--input", metavar="FILE",
                    help="read texts from FILE ('-' for stdin) without the ready handshake: a JSON array, or JSON lines "
                         "(the format for big corpora: read as it goes), each element or line a string or an object "
-                        "with a string --text-field; the first records are checked before the model loads")
+                        "with a string --text-field; the first records are checked before the model loads. Without "
+                        "--output the results go to stdout once all are scored: a text's loss a line, as the "
+                        "protocol prints them, or for context/continuation records one JSON line each, --output's "
+                        "fields without the digest")
     p.add_argument("--output", metavar="OUT",
                    help="with --input: score it as a corpus, appending one JSON line per text to OUT in input order, "
                         "{index, id (where the input has one), tokens, loss (null below 2 tokens), nll_sum, digest (of "

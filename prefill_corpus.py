@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from prefill import (JSON_SPACE, PAIR_FIELDS, SAFETENSORS_MAX_HEADER, WAVE_STEP, ModelConfig, PeerFailed, Progress,
-                     Terminated, UserError, check_writable, decoded, json_array, log, model_folder,
+from prefill import (JSON_SPACE, LOGITS, PAIR_FIELDS, SAFETENSORS_MAX_HEADER, WAVE_STEP, ModelConfig, PeerFailed,
+                     Progress, Terminated, UserError, check_writable, decoded, json_array, log, model_folder,
                      parse_json, parse_request, print_losses, report, request_line, runner_of, shown, signals_held,
                      since_process_start, text_of, warmed_up)
 from prefill_dist import (RankZeroPicks, all_ready, publish_loglikelihoods, publish_picks, publish_scores,
@@ -212,9 +212,10 @@ def record_key(kind, index, ids, record, settings_key):
             | {"digest": record_digest(kind, ids, settings_key)})
 
 
-def output_line(kind, result, ids, record, digest):
+def output_line(kind, result, ids, record, digest=None):
     fields = {"index": result.index} | ({} if record.id is NO_ID else {"id": record.id}) | kind.fields(result, ids)
-    fields["digest"] = digest
+    if digest is not None:  # None: printed without --output, where there is nothing to resume
+        fields["digest"] = digest
     return json.dumps(fields) + "\n"  # floats as repr: the shortest text that reads back to the same bits
 
 
@@ -364,7 +365,7 @@ def corpus_settings(args):
             "continuation_field": args.continuation_field, "token_logprobs": args.token_logprobs,
             "chunk_tokens": args.chunk_tokens,
             "wave_tokens": args.wave_tokens, "attention": args.attention, "kernels": args.kernels,
-            "device": args.device or "auto"}
+            "device": args.device or "auto", "logits": dict(LOGITS)}
 
 
 def picked_settings(runner):
@@ -511,7 +512,7 @@ def serve(args, protocol, group=None):
             if output:
                 output.append(batch_scores, batch)
             else:
-                scores += batch_scores
+                scores += zip(batch_scores, batch)  # with (index, ids, record): a continuation's line names them
             progress.add(len(batch), sum(s.tokens for s in batch_scores))
         if announce:
             log(f"resume: all {resumed['texts']} {progress.unit}s of {args.output} match the input and are kept; "
@@ -528,7 +529,10 @@ def serve(args, protocol, group=None):
         raise
     finally:
         progress.close()
-    if not output:
-        print_losses(protocol, scores)
+    if not output and kind is CONTINUATIONS:  # one JSON line per record, --output's fields but the digest, at once
+        protocol.write("".join(output_line(kind, result, ids, record) for result, (_, ids, record) in scores))
+        protocol.flush()
+    elif not output:
+        print_losses(protocol, [result for result, _ in scores])
     report(args, runner, time.perf_counter() - t_start, warm_up_s, start_unix_s, progress.unit, resumed, group)
     return 0

@@ -7,8 +7,9 @@
 
 A thin adapter (docs/eval.md): requests are tokenized exactly as lm-eval's HF backend
 tokenizes them, cut to max_length from the left as it cuts them, and handed to prefill.Runner.loglikelihoods, which
-scores every request of a call as one corpus of prefix-tree waves. No scoring happens here. generate_until tasks are
-refused before any model loads: prefill does not generate.
+scores every request of a call as one corpus of prefix-tree waves. No scoring happens here. With --model prefill,
+generate_until tasks are refused before any model loads: prefill does not generate. --help lists prefill's
+model_args before lm-eval's own help.
 """
 import atexit
 import os
@@ -26,15 +27,29 @@ import prefill_dist
 
 GENERATIVE = "generate_until"
 NOT_GENERATING = "prefill scores log-likelihoods and does not generate text"
+MODEL_ARGS = """\
+prefill's --model_args (with --model prefill; key=value, comma-separated):
+  pretrained=DIR       the checkpoint folder (required): config.json, *.safetensors, the tokenizer files
+  gpu_memory=GIB       GPU memory the runner may plan for (prefill.py --gpu-memory; 0 streams every layer)
+  max_length=N         contexts are cut from the left to N tokens, as the HF backend cuts them (default: the
+                       config's max_position_embeddings)
+  wave_tokens=N        tokens a wave holds on the GPU (prefill.py --wave-tokens; default 65536)
+  chunk_tokens=N       attention and MLP chunk (prefill.py --chunk-tokens; default 4096)
+  attention=KIND       prefill.py --attention (default auto)
+  kernels=KIND         auto, triton or torch (prefill.py --kernels)
+  host_memory=GIB      host memory the runner may page-lock (prefill.py --host-memory)
+  picks=FILE           where timed picks are kept per machine (prefill.py --picks)
+  add_bos_token=BOOL   True or False, as the HF backend's (default: the tokenizer's own: a BOS for Llama 3, Gemma)
+batch_size and max_batch_size are accepted and unused (waves are sized in tokens); pass --device cpu or cuda on the
+command line. The numbers: a bf16 network, its logits and log-softmax in float32 (docs/eval.md). generate_until tasks
+are refused with --model prefill; other models run as lm-eval runs them.
+"""
 
 
 @register_model("prefill")
 class PrefillLM(TemplateLM):
-    """model_args: pretrained=DIR (required), gpu_memory=GIB, max_length=N (default: the config's
-    max_position_embeddings), wave_tokens, chunk_tokens, attention, kernels, host_memory=GIB, picks=FILE, as
-    prefill.py's options; add_bos_token=True|False as the HF backend's (default: the tokenizer's own, which adds a
-    BOS for Llama 3 and Gemma). batch_size and max_batch_size are accepted and unused: waves are sized in tokens. The
-    model loads at the first request; under torchrun each rank takes its own GPU and the ranks share the batches."""
+    """model_args: MODEL_ARGS above. The model loads at the first request; under torchrun each rank takes its own GPU
+    and the ranks share the batches."""
 
     def __init__(self, pretrained=None, gpu_memory=None, max_length=None, wave_tokens=65536, chunk_tokens=4096,
                  attention="auto", kernels="auto", host_memory=None, picks=None, add_bos_token=None, batch_size=None,
@@ -186,8 +201,9 @@ class PrefillLM(TemplateLM):
 
 
 def generative_tasks(argv):
-    """The tasks of an lm_eval command line (argv, without the program) whose output type is generate_until, found
-    with lm-eval's own parser and TaskManager, as its CLI resolves them (names, groups, tags, YAML paths)."""
+    """The tasks of an lm_eval command line (argv, without the program) for --model prefill whose output type is
+    generate_until, found with lm-eval's own parser and TaskManager, as its CLI resolves them (names, groups, tags,
+    YAML paths); none for another model, which generates as lm-eval has it."""
     from lm_eval._cli.harness import HarnessCLI
     from lm_eval.config.evaluate_config import EvaluatorConfig
     saved = sys.argv
@@ -196,8 +212,8 @@ def generative_tasks(argv):
         args = HarnessCLI().parse_args()
     finally:
         sys.argv = saved
-    if getattr(args, "command", None) != "run" or not getattr(args, "tasks", None):
-        return []  # ls, validate, --help: nothing runs
+    if getattr(args, "command", None) != "run" or not getattr(args, "tasks", None) or args.model != "prefill":
+        return []  # ls, validate, --help, another model: nothing of prefill's runs
     cfg = EvaluatorConfig.from_cli(args)
     tasks = cfg.process_tasks(cfg.metadata).load(cfg.tasks)["tasks"]
     return sorted(name for name, task in tasks.items() if task.OUTPUT_TYPE == GENERATIVE)
@@ -205,6 +221,8 @@ def generative_tasks(argv):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:  # prefill's model_args, then lm-eval's own help (which exits)
+        print(MODEL_ARGS, flush=True)
     refused = generative_tasks(argv)
     if refused:
         print(f"prefill_eval: error: {NOT_GENERATING}; these tasks are generate_until: {', '.join(refused)}",

@@ -6,6 +6,7 @@ relative at most, as much as transformers' own bf16 run differs from its float32
 tolerance): TOLERANCE is 1%. The ablations (a tree whose nodes lose their ancestors, see a sibling, or read positions
 in the wave instead of depths) move requests by 10-30%.
 """
+import collections
 import json
 import math
 import shutil
@@ -141,6 +142,33 @@ def test_a_text_as_a_continuation_is_its_whole_text_nll(eval_runner, shared):
     context, continuation = requests[-2]  # one token of context, the rest of a text
     [nll] = [s.nll_sum for s in eval_runner.score_batch([(0, context + continuation, None)])]
     assert abs(results[-2].logprob + nll) / nll < 1e-2
+
+
+def test_float32_logits_leave_no_ties_and_come_closer_to_float32(eval_runner, float32_model, monkeypatch):
+    # 256 one-token choices after one context (a question's " A".." D", many times over), all read from one row:
+    # with the logits rounded to bf16 (prefill.LOGITS' "bf16", transformers bf16's way) choices tie bit for bit and
+    # lm-eval would take the first; float32 logits (the default) leave none, and sit closer to transformers float32.
+    # Measured: no tied pair against 20 (transformers bf16: the same 20). The network's own bf16 noise dominates on
+    # this random model (mean squared error 3.10e-3 against 3.13e-3), so the margin is small; on real SmolLM2 weights
+    # it is not (test_families' MMLU-style test)
+    gen = torch.Generator().manual_seed(3)
+    context = torch.randint(1000, 50000, (20,), generator=gen).tolist()
+    choices = (torch.randperm(49000, generator=gen)[:256] + 1000).tolist()
+    requests = [(context, [c]) for c in choices]
+    with torch.no_grad():
+        row = float32_model(torch.tensor([context])).logits[0, -1].double().log_softmax(-1)
+    want = [row[c].item() for c in choices]
+    ours = [r.logprob for r in eval_runner.loglikelihoods(requests)]
+    monkeypatch.setitem(prefill.LOGITS, "continuations", "bf16")
+    rounded = [r.logprob for r in eval_runner.loglikelihoods(requests)]
+
+    def tied_pairs(values):
+        return sum(n * (n - 1) // 2 for n in collections.Counter(values).values())
+
+    def mean_squared_error(values):
+        return sum((v - w) ** 2 for v, w in zip(values, want)) / len(want)
+    assert tied_pairs(ours) == 0 and tied_pairs(rounded) >= 5, (tied_pairs(ours), tied_pairs(rounded))
+    assert mean_squared_error(ours) < mean_squared_error(rounded), (mean_squared_error(ours), mean_squared_error(rounded))
 
 
 def test_greedy_holds_where_every_target_is_the_argmax(eval_runner, float32_model):
@@ -492,6 +520,26 @@ def test_generate_until_is_refused_before_any_model_loads(task_dir, tmp_path):
     assert "nothing-here" not in p.stderr
 
 
+def test_generate_until_runs_for_another_model(eval_checkpoint, task_dir, tmp_path):
+    # the refusal is prefill's alone: lm-eval's HF backend generates t_gen (one document, two tokens)
+    p = subprocess.run([sys.executable, str(ROOT / "prefill_eval.py"), "--model", "hf", "--model_args",
+                        f"pretrained={eval_checkpoint}", "--tasks", "t_gen", "--include_path", str(task_dir),
+                        "--device", "cpu", "--limit", "1", "--gen_kwargs", "max_gen_toks=2"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0 and "does not generate" not in p.stderr, p.stderr[-2000:]
+    assert "t_gen" in p.stdout and "exact_match" in p.stdout, p.stdout[-2000:]
+
+
+def test_help_lists_prefill_s_model_args_and_lm_eval_s_own():
+    p = subprocess.run([sys.executable, str(ROOT / "prefill_eval.py"), "--help"], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    for key in ("pretrained", "gpu_memory", "max_length", "wave_tokens", "chunk_tokens", "attention", "kernels",
+                "host_memory", "picks", "add_bos_token"):
+        assert f"  {key}=" in p.stdout, key
+    assert "usage: lm-eval" in p.stdout
+
+
 # ----------------------------------------------------------------------------- corpus mode, torchrun
 
 def run_prefill(*args, ranks=1, timeout=300):
@@ -528,6 +576,11 @@ def test_a_corpus_of_continuations_scores_resumes_and_runs_on_two_ranks(eval_che
         assert len(r["token_logprobs"]) == w.tokens and math.fsum(r["token_logprobs"]) == r["logprob"]
     lines = [line for line in p.stderr.splitlines() if line.startswith("prefill:")]
     assert len(lines) == 4 and " computed for " in lines[-1]  # load, plan, the tree backend, the summary
+    # without --output: the same records on stdout, but for the digest (nothing to resume there)
+    p = run_prefill(*args)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert [json.loads(line) for line in p.stdout.splitlines()] == [
+        {k: v for k, v in r.items() if k != "digest"} for r in records]
     # resumed from a cut file: byte for byte the uninterrupted run's
     whole = out.read_bytes()
     out.write_bytes(whole[:len(whole) // 2])

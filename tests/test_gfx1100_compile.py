@@ -6,7 +6,7 @@ ships its AMD backend and an LLVM with the AMDGPU target, so the compile itself 
 
 The launches are not restated here. prefill's own layer code (attention_block with each attention tile offered for
 gfx1100, mlp_block, sequence_nll) runs on CPU tensors with a real model's dimensions but a few tokens, with F.linear
-answering by shape only and every kernel launch recorded instead of run. Triton's own argument binder then turns each
+(and the float32 LM head) answering by shape only and every kernel launch recorded instead of run. Triton's own argument binder then turns each
 recorded launch into what a real launch would compile: argument types, constexprs, num_warps/num_stages and
 specialisations. Those of a real run's sizes, not only of the tiny inputs', are compiled too: Triton specialises an
 integer argument on being divisible by 16 or equal to 1 and a pointer on 16-byte alignment, and the AMD backend a
@@ -198,8 +198,9 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
         if "mlp" in cfg.layouts:  # a mixture of experts' feed-forward: moe_launches
             prefill.mlp_block(x, prefill.layer_views(flat, cfg, "mlp"), cfg, TOKENS, prefill.TRITON_KERNELS)
         final_norm = torch.ones(cfg.hidden_size, dtype=prefill.DTYPE)
+        head = lambda x, w: torch.empty(x.shape[0], w.shape[0])  # float32 logits, by shape only, as F.linear's
         prefill.sequence_nll(x, lm_head, final_norm, targets, torch.zeros(TOKENS, dtype=torch.int64), 1,
-                             cfg, TOKENS, prefill.TRITON_KERNELS)
+                             cfg, TOKENS, prefill.dataclasses.replace(prefill.TRITON_KERNELS, head=head))
     return list(dict.fromkeys(launches)), kernels
 
 

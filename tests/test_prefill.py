@@ -126,12 +126,17 @@ def runner(path, **kw):
 
 # ----------------------------------------------------------------------------- against transformers
 
-def test_matches_transformers(checkpoint):
+def test_matches_transformers(checkpoint, monkeypatch):
     path, reference = checkpoint
     r = runner(path)
     losses = r.losses(r.tokenize(TEXTS))
+    bf16 = transformers_losses(path, TEXTS, torch.bfloat16)
     assert max_rel_err(losses, reference) < TOLERANCE
-    assert max_rel_err(losses, transformers_losses(path, TEXTS, torch.bfloat16)) < SAME_MATH
+    # float32 logits: not transformers bf16's roundings (it rounds its logits to bf16), and far inside the contest's 5%
+    # of it (1.3e-4 on one of these checkpoints; the network's own bf16 noise against float32 is 30 times that)
+    assert max_rel_err(losses, bf16) < TOLERANCE
+    monkeypatch.setitem(prefill.LOGITS, "texts", "bf16")  # the logits rounded as transformers rounds them
+    assert max_rel_err(r.losses(r.tokenize(TEXTS)), bf16) < SAME_MATH
 
 
 def swap_first_two_kv_heads(r):
@@ -927,8 +932,8 @@ def input_faults(path, tmp_path):
 def output_faults(path, tmp_path):
     texts = tmp_path / "texts.jsonl"
     texts.write_text('"a b c"\n"d e"\n')
-    settings = {"model": str(path.resolve()), "checkpoint": prefill_corpus.checkpoint_fingerprint(path), "text_field": "text",
-                "id_field": "id", "chunk_tokens": 4096, "wave_tokens": 65536, "attention": "sdpa", "kernels": "auto",
+    settings = {"model": str(path.resolve()), "checkpoint": prefill_corpus.checkpoint_fingerprint(path),
+                "text_field": "text", "id_field": "id", "chunk_tokens": 4096, "wave_tokens": 65536, "attention": "sdpa", "kernels": "auto",
                 "device": "cpu"}
     record = {"index": 0, "tokens": 1, "loss": None, "nll_sum": 0.0, "digest": "0123456789abcdef"}
     outputs = {}
