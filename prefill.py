@@ -870,7 +870,7 @@ class Checkpoint:
     def prefetch(self, spans, workers):
         """Reads the pages of spans (from spans()) that are not in the page cache yet, from `workers` threads in order;
         returns per span the Futures of its reads (each gives the bytes it read). Page-locking faults missing pages
-        in from one thread: 1.6 GB/s from the H200 machine's local disk (SPEC §9), where a disk's bandwidth takes
+        in from one thread: 1.6 GB/s from the H200 machine's local disk (measured there, 2026-11-30), where a disk's bandwidth takes
         several reads in flight. Pages already cached (mincore) are not read again: a warm load costs no copy."""
         pool, local = Workers(workers, "prefill-prefetch"), threading.local()
         bases = [self._shared_map(file).data_ptr() for file in range(len(self.files))]  # maps made here, not racing
@@ -1157,7 +1157,8 @@ MAX_PLANNED_WAVE = 16 * WAVE_STEP
 # family and never measured at start-up, since the wave decides which texts share a wave and so the last bits of
 # their numbers; a run's own rates would vary. NVIDIA: the H200's 55 GB/s and ~500 of its ~700 dense TFLOP/s for
 # grouped GEMMs (to be replaced by bench/moe_run.py's measurement); RDNA3: the W7800's 26 GB/s and 60 TFLOP/s
-# (SPEC §4); the CPU: a memcpy against a few cores' bf16 GEMMs.
+# (PCIe 4.0 x16 as measured on that chip family; the GEMM rate estimated from a 7900 XTX's 88-99 with 96 CUs to the
+# W7800's 70); the CPU: a memcpy against a few cores' bf16 GEMMs.
 PLAN_RATES = {"nvidia": (55.0, 500.0), "rdna3": (26.0, 60.0), "amd": (55.0, 500.0), "cpu": (10.0, 0.5)}
 
 
@@ -2041,7 +2042,7 @@ def max_len_bucket(n):
 
 
 # The order decides where nothing was timed (no writable picks file): prefill's own kernel first, the fastest on the
-# H200 and, on RDNA3, compiled spill-free for gfx1100, where flash-attn 2.8.3's default config spills (SPEC §8).
+# H200 and, on RDNA3, compiled spill-free for gfx1100, where flash-attn 2.8.3's default config spills (bench/results/primitives/2026-11-30-gfx1100-compile.json).
 ATTENTION_KINDS = ["triton", "flash", "torch-flash", "cudnn", "sdpa"]
 # Kinds offered only on some GPU families. cuDNN: torch's can_use_cudnn_attention returns false on every ROCm build
 # ("#if defined(USE_ROCM) || !AT_CUDNN_ENABLED()", aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) and needs
@@ -2458,7 +2459,7 @@ def expert_candidates(requested, device):
 
 # ----------------------------------------------------------------------------- start-up checks and picks
 # Every kernel prefill may run is checked at start-up against float32 math written out with plain matmuls: neither
-# the fused kernels nor SDPA (on ROCm the bf16 SDPA is AOTriton, the same code as the torch-flash candidate; SPEC §8)
+# the fused kernels nor SDPA (on ROCm the bf16 SDPA is AOTriton, the same code as the torch-flash candidate: torch 2.10 ships AOTriton 0.11.1)
 # are their own judge. Where several pass and only timing can tell them apart (attention backends and tiles, the BLAS
 # library on ROCm, the expert kernels), the first run on a machine times them and keeps the choice in a small cache
 # file: every later run computes the same numbers bit for bit. Candidates sum in different orders, so a choice that
@@ -3047,7 +3048,7 @@ def gemm_tflops(device, shapes, weights=None, repeats=TIMING_REPEATS):
 
 
 BLAS_LIBRARIES = ["cublas", "cublaslt"]  # torch.backends.cuda.preferred_blas_library's names: on ROCm, rocBLAS and
-# hipBLASLt (torch/backends/cuda/__init__.py); gfx1100 defaults to rocBLAS, and hipBLASLt is supported there (SPEC §8)
+# hipBLASLt (torch/backends/cuda/__init__.py); gfx1100 defaults to rocBLAS, and hipBLASLt is supported there (ROCm's hipBLASLt support matrix)
 
 
 def blas_library():
@@ -3588,7 +3589,7 @@ def transformers_tokenizer(model_dir):
 
 def load_tokenizer(model_dir):
     """encode(texts) -> one list of token ids per text, as transformers' tokenizer(texts)["input_ids"] gives them
-    (SPEC §1): from tokenizer.json alone where that is the same (plain_tokenizer), else through transformers."""
+    (the loss's definition: README): from tokenizer.json alone where that is the same (plain_tokenizer), else through transformers."""
     plain = plain_tokenizer(model_dir)
     if plain is not None:
         def encode(texts):

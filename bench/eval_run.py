@@ -320,7 +320,7 @@ def parse_args(argv):
     ap.add_argument("--cap-gib", type=float, default=48.0, help="GPU memory left free for prefill and the HF run")
     ap.add_argument("--hf-gpu-gib", type=float, default=36.0,
                     help="accelerate's max_memory for the GPU (default 36: at 44, a batch of 8 ran out of memory on "
-                         "its logits on the H200, SPEC §13)")
+                         "its logits on the H200, 2026-12-01)")
     ap.add_argument("--hf-batch", type=int, default=8, help="the HF backend's batch size (default 8)")
     ap.add_argument("--hf-seconds", type=float, default=45.0, help="time the HF run spends per workload (default 45)")
     ap.add_argument("--reference-requests", type=int, default=200, help="reference requests per workload")

