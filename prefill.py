@@ -14,13 +14,15 @@ huge request is split into waves).
 This file alone is the engine: the protocol and the Python API need nothing beside it. Its sections, in reading
 order, with their main definitions (no definition reads a name defined further down; tests/test_layout.py checks
 both):
-  config: Rope, AttentionSettings, Family, FAMILIES, ConfigFields, ModelConfig
-  checkpoint loading: header_tensors, Workers, pinned_empty, Checkpoint, LayerWeights, layer_views, Stager
+  config: Rope, AttentionSettings, Family, FAMILIES, ConfigFields, fp8_fields, ModelConfig
+  checkpoint loading: header_tensors, Workers, pinned_empty, Checkpoint, check_tensors, LayerWeights, layer_views,
+      Stager
   memory plan: MemoryPlan, plan_memory, layer_flops, plan_wave, HostPlan, plan_host
-  weight streaming: HeldLayers, StorageRing, WeightStreamer
+  weight streaming: HeldLayers, StorageRing, dequantize_fp8, dequantize_layer, WeightStreamer
   model math: rms_norm, rope_tables, apply_rope, gated_act, token_nll, combine, Kernels, TORCH_KERNELS, Chunk,
       attention_block, mlp_block
-  fused kernels (Triton, optional): rms_norm_triton, head_norm_rope_triton, token_nll_triton, TRITON_KERNELS
+  fused kernels (Triton, optional): rms_norm_triton, head_norm_rope_triton, dequantize_triton, token_nll_triton,
+      TRITON_KERNELS
   attention backends: attention_sdpa, attention_triton, make_attention, ATTENTION_TILES, gpu_family,
       attention_candidates
   mixture of experts: route, expert_rows, moe_ffn, moe_block, grouped_loop, grouped_triton, expert_candidates
