@@ -2,6 +2,7 @@
 held and streamed as FP8, and everything else in a quantization_config refused."""
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -137,7 +138,7 @@ def test_other_quantizations_refused(change, says):
     raw = json.loads(json.dumps({"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 384,
                                  "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 100,
                                  "quantization_config": {**FP8_CONFIG, **change}}))
-    with pytest.raises(prefill.UserError, match=".*".join(map(__import__("re").escape, says.split("*")))):
+    with pytest.raises(prefill.UserError, match=re.escape(says)):
         prefill.ModelConfig.from_json(raw)
 
 
