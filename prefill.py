@@ -14,13 +14,15 @@ huge request is split into waves).
 This file alone is the engine: the protocol and the Python API need nothing beside it. Its sections, in reading
 order, with their main definitions (no definition reads a name defined further down; tests/test_layout.py checks
 both):
-  config: Rope, AttentionSettings, Family, FAMILIES, ConfigFields, ModelConfig
-  checkpoint loading: header_tensors, Workers, pinned_empty, Checkpoint, LayerWeights, layer_views, Stager
+  config: Rope, AttentionSettings, Family, FAMILIES, ConfigFields, fp8_fields, ModelConfig
+  checkpoint loading: header_tensors, Workers, pinned_empty, Checkpoint, check_tensors, LayerWeights, layer_views,
+      Stager
   memory plan: MemoryPlan, plan_memory, layer_flops, plan_wave, HostPlan, plan_host
-  weight streaming: HeldLayers, StorageRing, WeightStreamer
+  weight streaming: HeldLayers, StorageRing, dequantize_fp8, dequantize_layer, WeightStreamer
   model math: rms_norm, rope_tables, apply_rope, gated_act, token_nll, combine, Kernels, TORCH_KERNELS, Chunk,
       attention_block, mlp_block
-  fused kernels (Triton, optional): rms_norm_triton, head_norm_rope_triton, token_nll_triton, TRITON_KERNELS
+  fused kernels (Triton, optional): rms_norm_triton, head_norm_rope_triton, dequantize_triton, token_nll_triton,
+      TRITON_KERNELS
   attention backends: attention_sdpa, attention_triton, make_attention, ATTENTION_TILES, gpu_family,
       attention_candidates
   mixture of experts: route, expert_rows, moe_ffn, moe_block, grouped_loop, grouped_triton, expert_candidates
@@ -372,6 +374,46 @@ def moe_fields(fields, path, layers):
                 dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step))
 
 
+FP8 = torch.float8_e4m3fn
+FP8_BLOCK = 128
+# block-wise FP8 (the official Qwen3-*-FP8 releases, DeepSeek-V3's layout): transformers' FineGrainedFP8Config, each
+# field as it must be (absent: transformers' default, which is that value)
+FP8_CONFIG = {"fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+              "expert_dtype": "fp8", "modules_to_convert": None}
+FP8_SCALE_FORMATS = ("float", "ue8m0")
+
+
+def fp8_fields(quantized, path):
+    """The scales' format of a quantization_config (None: none, unquantized weights): block-wise FP8 is read,
+    everything else refused with one line naming what it is. modules_to_not_convert is not read: which tensors are
+    FP8 the checkpoint's dtypes say, checked against is_fp8_weight before loading."""
+    if quantized is None:
+        return None
+    method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+    if method != "fp8":
+        raise UserError(f"{path}: quantized weights (quantization_config {shown(method)}); prefill reads BF16, F16 "
+                        "or F32 weights, or block-wise FP8 (quant_method fp8)")
+    for key, want in FP8_CONFIG.items():
+        if quantized.get(key, want) != want:
+            raise UserError(f"{path}: quantization_config {key} is {json.dumps(quantized[key])[:40]}; prefill reads "
+                            f"block-wise FP8 with {key} {json.dumps(want)} only")
+    scales = quantized.get("scale_fmt", "float")
+    if scales not in FP8_SCALE_FORMATS:
+        raise UserError(f"{path}: quantization_config scale_fmt is {shown(scales)}; expected float or ue8m0")
+    return scales
+
+
+def is_fp8_weight(name):
+    # a layer's projections (attention, MLP, experts) are FP8 in a block-wise FP8 checkpoint; norms, biases and the
+    # MoE router (mlp.gate) stay bf16, as do the embedding and lm_head
+    return name.endswith("_proj.weight")
+
+
+def scale_grid(shape):
+    # the scales of a weight [out, in]: one per FP8_BLOCK x FP8_BLOCK block, the last row and column of blocks partial
+    return tuple(-(-n // FP8_BLOCK) for n in shape)
+
+
 @dataclass
 class ModelConfig:
     model_type: str
@@ -402,6 +444,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # when norm_topk_prob
     norm_topk_prob: bool = False
     dense_layers: tuple = ()        # Qwen3-MoE: layers whose feed-forward is the dense MLP, intermediate_size wide
+    fp8_scales: str = None          # block-wise FP8 weights (fp8_fields): their scales' format, "float" or "ue8m0";
+    #                                 None: the weights are bf16 (or f16, f32) in the files
 
     def __post_init__(self):
         D = self.head_dim
@@ -426,12 +470,39 @@ class ModelConfig:
                 self.layouts[kind][name] = (offset, shape)
                 offset += math.prod(shape)
             numels[kind] = offset
-        self.layer_nbytes = tuple(numels[kind] * DTYPE.itemsize for kind in self.layer_kinds)  # per layer
+        # How a layer is held (resident, in host memory, in a slot): kind -> [(name, byte offset, shape, dtype)]. The
+        # bf16 layout itself, or with FP8 weights each projection's float8 bytes then its scales (float32, one per
+        # FP8_BLOCK x FP8_BLOCK block), dequantized into the bf16 layout just before the layer runs (the plan counts
+        # that scratch: dequantized_bytes).
+        self.held, held_bytes = {}, {}
+        for kind, layout in self.layouts.items():
+            if not self.fp8_scales:
+                self.held[kind] = [(name, offset * DTYPE.itemsize, shape, DTYPE) for name, (offset, shape)
+                                   in layout.items()]
+                held_bytes[kind] = numels[kind] * DTYPE.itemsize
+                continue
+            self.held[kind], offset = [], 0
+            for name, (_, shape) in layout.items():
+                parts = [(name, shape, DTYPE)]
+                if is_fp8_weight(name):
+                    parts = [(name, shape, FP8), (name + "_scale_inv", scale_grid(shape), torch.float32)]
+                if is_fp8_weight(name) and any(n > FP8_BLOCK and n % FP8_BLOCK for n in shape):
+                    # transformers takes the block from the weight's shape over its scale grid (Fp8Dequantize), which
+                    # is FP8_BLOCK only where each side is a multiple of it, or one block smaller than it
+                    raise UserError(f"an FP8 weight's shape {list(shape)} ({name}) is not a multiple of the "
+                                    f"{FP8_BLOCK}x{FP8_BLOCK} blocks: transformers would read its scales otherwise")
+                for part, part_shape, dtype in parts:
+                    offset = -(-offset // 128) * 128
+                    self.held[kind].append((part, offset, part_shape, dtype))
+                    offset += math.prod(part_shape) * dtype.itemsize
+            held_bytes[kind] = -(-offset // 128) * 128
+        self.layer_nbytes = tuple(held_bytes[kind] for kind in self.layer_kinds)  # per layer
         # the largest layer's: what a streaming slot and a storage ring's buffer hold (a model of one kind: every
-        # layer's)
-        self.largest_kind = max(numels, key=numels.get)
-        self.layer_layout, self.layer_numel = self.layouts[self.largest_kind], numels[self.largest_kind]
-        self.layer_bytes = self.layer_numel * DTYPE.itemsize
+        # layer's), in bytes and in bf16 elements
+        self.largest_kind = max(held_bytes, key=held_bytes.get)
+        self.layer_bytes = held_bytes[self.largest_kind]
+        self.layer_numel = self.layer_bytes // DTYPE.itemsize
+        self.dequantized_bytes = max(numels.values()) * DTYPE.itemsize if self.fp8_scales else 0
 
     def attention_tensors(self):
         # (name inside model.layers.N, shape, whether it continues the fused view before it): the attention half
@@ -484,11 +555,7 @@ class ModelConfig:
         """The config of config.json's contents (path names it in errors). Whatever transformers would compute
         otherwise than prefill implements is refused here with one line naming it, never ignored."""
         fields = ConfigFields(raw, path)
-        quantized = raw.get("quantization_config")
-        if quantized is not None:
-            method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
-            raise UserError(f"{path}: quantized weights (quantization_config {shown(method)}); prefill computes in "
-                            "BF16 from BF16, F16 or F32 weights")
+        fp8_scales = fp8_fields(raw.get("quantization_config"), path)
         prefixes = ()
         if raw.get("model_type") == "gemma3" and "text_config" in raw:
             tied = raw.get("tie_word_embeddings")
@@ -543,7 +610,7 @@ class ModelConfig:
             mlp_bias=family.mlp_bias and fields.flag("mlp_bias"), embed_scale=family.embed_scale,
             final_softcap=fields.off_or(fields.positive, "final_logit_softcapping", family.softcaps[1])
             if family.softcaps else None,
-            tensor_prefixes=prefixes, **(moe_fields(fields, path, layers) if family.experts else {}),
+            tensor_prefixes=prefixes, fp8_scales=fp8_scales, **(moe_fields(fields, path, layers) if family.experts else {}),
             max_position_embeddings=fields.get("max_position_embeddings", 0, lambda v: type(v) is int and v >= 0,
                                                "a non-negative integer"),
         )
@@ -558,7 +625,10 @@ class ModelConfig:
 
 # ----------------------------------------------------------------------------- checkpoint loading
 
-SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+# F8_E4M3: block-wise FP8 weights; U8 and F8_E8M0: their ue8m0 scales (powers of two), as bytes or as float8_e8m0fnu
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+                      "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8, "F8_E8M0": torch.float8_e8m0fnu}
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)  # what a bf16 tensor may be in the files (cast on reading)
 
 
 SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers too
@@ -578,7 +648,7 @@ def header_tensors(path, header, data_bytes):
             raise UserError(f"{where} is described by {shown(info)}, not a JSON object")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
-            raise UserError(f"{where} has dtype {shown(dtype)}; expected BF16, F16 or F32")
+            raise UserError(f"{where} has dtype {shown(dtype)}; expected {', '.join(SAFETENSORS_DTYPES)}")
         if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
             raise UserError(f"{where}: shape must be a list of non-negative integers")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
@@ -816,13 +886,15 @@ class Checkpoint:
         return raw.view(dtype).view(shape)
 
     def read(self, name, dst, start=0):
-        # dst: a contiguous bf16 host tensor <- elements [start, start + dst.numel()) of tensor `name`, flattened.
-        # bf16 is read with pread (GIL released, no page faults on a mapping: 2-3x faster than copying out of the
-        # map from 16 threads); other dtypes are cast from the map.
+        # dst: a contiguous host tensor <- elements [start, start + dst.numel()) of tensor `name`, flattened. The
+        # file's dtype is read with pread (GIL released, no page faults on a mapping: 2-3x faster than copying out
+        # of the map from 16 threads); other dtypes are cast from the map (ue8m0 scales as bytes: 2^(byte - 127), as
+        # transformers' Fp8Dequantize computes them).
         file, dtype, shape, offset, _ = self.tensors[name]
         n = dst.numel()
         if dtype != dst.dtype:
-            dst.copy_(self.get(name, shape).view(-1)[start:start + n])
+            src = self.get(name, shape).view(-1)[start:start + n]
+            dst.copy_((src.float() - 127.0).exp2() if dtype == torch.uint8 else src)
             return
         nbytes, offset = n * dtype.itemsize, offset + start * dtype.itemsize
         view = memoryview((ctypes.c_char * nbytes).from_address(dst.data_ptr())).cast("B")
@@ -836,8 +908,9 @@ class Checkpoint:
     def file_of(self, name):
         return self.tensors[name][0]
 
-    def is_bf16(self, names):
-        return all(self.tensors[name][1] == DTYPE for name in names)
+    def as_held(self, tensors):
+        # whether the files hold these (name, dtype) as the device does: their bytes can be copied as they are
+        return all(self.tensors[name][1] == dtype for name, dtype in tensors)
 
     def _shared_map(self, file):
         if file not in self.shared:
@@ -912,15 +985,43 @@ class Checkpoint:
         self.locked = []
 
 
-def byte_range(flat, offset, count):
-    # the bytes of elements [offset, offset + count) of a flat bf16 buffer
-    return flat.view(torch.uint8)[offset * DTYPE.itemsize:(offset + count) * DTYPE.itemsize]
+def byte_range(flat, offset, nbytes):
+    # bytes [offset, offset + nbytes) of a flat buffer
+    return flat.view(torch.uint8)[offset:offset + nbytes]
+
+
+def typed(flat, offset, count, dtype):
+    # elements of dtype [0, count) from byte offset of a flat buffer
+    return byte_range(flat, offset, count * dtype.itemsize).view(dtype)
 
 
 def layer_tensors(cfg, layer):
-    # (checkpoint name, offset, element count) of each tensor inside the layer's flat buffer, in layout order
-    return [(f"model.layers.{layer}.{name}", offset, math.prod(shape))
-            for name, (offset, shape) in cfg.layouts[cfg.layer_kinds[layer]].items()]
+    # (checkpoint name, byte offset, element count, dtype) of each tensor inside the layer's flat buffer as it is held
+    # (cfg.held), in layout order
+    return [(f"model.layers.{layer}.{name}", offset, math.prod(shape), dtype)
+            for name, offset, shape, dtype in cfg.held[cfg.layer_kinds[layer]]]
+
+
+def check_tensors(ckpt, cfg, fixed):
+    """Every missing, misshapen or mistyped tensor, before heavy work: each layer's as cfg.held holds them (an FP8
+    weight's scale grid included), and fixed, [(name, shape)]: the embedding, final norm and head."""
+    fp8 = "block-wise FP8" if cfg.fp8_scales else "unquantized (no quantization_config)"
+    for layer, kind in enumerate(cfg.layer_kinds):
+        for name, _, shape, held in cfg.held[kind]:
+            name = f"model.layers.{layer}.{name}"
+            ckpt.get(name, shape)
+            dtype = ckpt.tensors[name][1]
+            scales = (torch.float32, torch.bfloat16, torch.float8_e8m0fnu) + (
+                (torch.uint8,) if cfg.fp8_scales == "ue8m0" else ())
+            wanted = {FP8: (FP8,), torch.float32: scales}.get(held, FLOATS)
+            if dtype not in wanted:
+                raise UserError(f"checkpoint tensor {name} is {str(dtype)[6:]}; the model is {fp8}, which makes it "
+                                f"{' or '.join(str(d)[6:] for d in wanted)}")
+    for name, shape in fixed:
+        ckpt.get(name, shape)
+        if ckpt.tensors[name][1] not in FLOATS:
+            raise UserError(f"checkpoint tensor {name} is {str(ckpt.tensors[name][1])[6:]}; prefill reads it in "
+                            "BF16, F16 or F32")
 
 
 @dataclass
@@ -995,12 +1096,12 @@ class Stager:
         self.turn = 0
 
     def put(self, ckpt, name, dst):
-        # dst: a contiguous device tensor <- the whole checkpoint tensor `name`
+        # dst: a contiguous device tensor <- the whole checkpoint tensor `name`, in dst's dtype
         dst = dst.view(-1)
-        step = self.buffers[0].numel()
+        step = STAGING_BYTES // dst.element_size()
         for start in range(0, dst.numel(), step):
             n = min(step, dst.numel() - start)
-            staging = self.buffers[self.turn][:n]
+            staging = typed(self.buffers[self.turn], 0, n, dst.dtype)
             if self.cuda:
                 self.copied[self.turn].synchronize()  # the copy out of this buffer, two pieces ago, is done
             ckpt.read(name, staging, start)
@@ -1108,7 +1209,8 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_t
     # tree is one batch: its wave never holds another)
     batch_tokens = batch_tokens or wave_tokens
     tree_wave_tokens = max(1, batch_tokens * state // (state + 4 * cfg.kv_size))
-    working = wave_state + max(layer_scratch, loss_scratch) + ALLOCATOR_SLACK
+    # FP8 layers: the bf16 scratch each is dequantized into before it runs
+    working = wave_state + max(layer_scratch, loss_scratch) + ALLOCATOR_SLACK + cfg.dequantized_bytes
     fixed = ((1 if cfg.tie_word_embeddings else 2) * V * H + H) * DTYPE.itemsize
     free = budget_bytes - fixed - working
     # every layer resident, or two slots (of the largest layer) and as many resident layers as fit beside them
@@ -1288,8 +1390,8 @@ def plan_host(cfg, streamed, budget, requested="auto", device=torch.device("cpu"
     hip = device.type == "cuda" and torch.version.hip is not None
     if requested == "map" or (requested == "auto" and bf16_files and not hip and fits(staging_bytes + map_bytes)):
         if not bf16_files:
-            raise UserError("--load map: the checkpoint cannot be page-locked in place here (it needs bf16 files "
-                            "and read-only host-memory registration); --load copy works everywhere")
+            raise UserError("--load map: the checkpoint cannot be page-locked in place here (it needs files that "
+                            "hold the layers as the device does, bf16 or FP8 with float32 scales, and read-only host-memory registration); --load copy works everywhere")
         if not fits(staging_bytes + map_bytes):
             raise UserError(f"--load map would page-lock the streamed layers' pages and the loading buffers "
                             f"({(staging_bytes + map_bytes) / 1e9:.1f} GB) but the host memory budget is "
@@ -1366,14 +1468,15 @@ class StorageRing:
         slot, layer = position % len(self.buffers), self.order[position % len(self.order)]
         buf, copied, ckpt = self.buffers[slot], self.copied[slot], self.ckpt
 
-        def read(name, offset, start, count):
+        def read(name, dst, start):
             if copied is not None:
                 copied.synchronize()  # the copy out of this buffer's previous layer (never recorded: no wait)
-            ckpt.read(name, buf[offset + start:offset + start + count], start)
+            ckpt.read(name, dst, start)
 
-        step = READ_PIECE_BYTES // DTYPE.itemsize
-        self.reads[position] = [self.readers.submit(read, name, offset, start, min(step, count - start))
-                                for name, offset, count in layer_tensors(self.cfg, layer)
+        self.reads[position] = [self.readers.submit(read, name, typed(buf, offset, count, dtype)[start:start + step],
+                                                    start)
+                                for name, offset, count, dtype in layer_tensors(self.cfg, layer)
+                                for step in [READ_PIECE_BYTES // dtype.itemsize]
                                 for start in range(0, count, step)]
 
     def fetch(self, layer):
@@ -1383,8 +1486,8 @@ class StorageRing:
         for read in self.reads.pop(self.next):
             read.result()
         buf = self.buffers[self.next % len(self.buffers)]
-        return [(byte_range(buf, offset, count), offset * DTYPE.itemsize)
-                for _, offset, count in layer_tensors(self.cfg, layer)]
+        return [(byte_range(buf, offset, count * dtype.itemsize), offset)
+                for _, offset, count, dtype in layer_tensors(self.cfg, layer)]
 
     def done(self, layer, stream):
         if layer not in self.storage_layers:
@@ -1398,6 +1501,38 @@ class StorageRing:
         self.readers.stop()
 
 
+DEQUANTIZE_ELEMENTS = 1 << 24  # dequantize_fp8's float32 temporaries: up to this many elements at a time
+
+
+def dequantize_fp8(q, scales, out):
+    """out [rows, cols] bf16 <- q [rows, cols] float8_e4m3fn times scales [grid rows, grid cols] float32, as
+    transformers' Fp8Dequantize computes it: q in float32 reshaped to the block grid (each block rows / grid rows by
+    cols / grid cols), times its block's scale in float32, rounded to bf16; a few block rows at a time."""
+    (R, C), (gr, gc) = q.shape, scales.shape
+    bm, bn = R // gr, C // gc
+    step = max(1, DEQUANTIZE_ELEMENTS // (bm * C))
+    for g in range(0, gr, step):
+        n = min(step, gr - g)
+        blocks = q[g * bm:(g + n) * bm].float().view(n, bm, gc, bn) * scales[g:g + n, None, :, None]
+        out[g * bm:(g + n) * bm].copy_(blocks.view(n * bm, C))
+
+
+def dequantize_layer(held, out, cfg, kind, dequantize):
+    # a layer held with FP8 weights (held: its flat buffer, as cfg.held[kind] places it) -> out: the bf16 layer, as
+    # cfg.layouts[kind] places it (each FP8 weight's scales follow it in cfg.held)
+    layout, parts = cfg.layouts[kind], cfg.held[kind]
+    for i, (name, offset, shape, dtype) in enumerate(parts):
+        if name not in layout:
+            continue  # scales, read with their weight
+        start, n = layout[name][0], math.prod(shape)
+        dst, src = out[start:start + n].view(shape), typed(held, offset, n, dtype).view(shape)
+        if dtype == FP8:
+            _, scale_offset, grid, _ = parts[i + 1]
+            dequantize(src, typed(held, scale_offset, math.prod(grid), torch.float32).view(grid), dst)
+        else:
+            dst.copy_(src)
+
+
 class WeightStreamer:
     """Hands out each layer's weights in layer order, wave after wave. Resident layers come from their own device
     buffers; streamed layers come through two device slots, refilled on a copy stream in the cyclic order of the
@@ -1407,14 +1542,23 @@ class WeightStreamer:
     StorageRing). Where it may have to wait for storage, the copies are issued from a thread of their own, so that
     only the compute that needs the layer waits, not the issuing of the layers before it. On the CPU the same code
     does plain copies. A slot holds the largest layer; a smaller one (a Qwen3-MoE's dense layer) fills its start,
-    viewed by its own kind's layout."""
+    viewed by its own kind's layout. FP8 layers (cfg.fp8_scales), resident and streamed alike, stay FP8 on the device
+    and are dequantized (dequantize: Kernels.dequantize) into one bf16 scratch when acquired: the layer before has
+    run by then, in stream order, as it has read the scratch."""
 
-    def __init__(self, cfg, resident, host, order, device):
+    def __init__(self, cfg, resident, host, order, device, dequantize=None):
         self.buffers = resident  # layer -> its flat device buffer
-        self.resident = {i: layer_views(buf, cfg, cfg.layer_kinds[i]) for i, buf in resident.items()}  # on the device
+        self.cfg, self.dequantize = cfg, dequantize
+        # the layers used as they are held: on the device, bf16
+        self.resident = {} if cfg.fp8_scales else {i: layer_views(buf, cfg, cfg.layer_kinds[i])
+                                                   for i, buf in resident.items()}
         self.host, self.order, self.kinds = host, list(order), cfg.layer_kinds  # order: the streamed layers
         self.slots = [torch.empty(cfg.layer_numel, dtype=DTYPE, device=device) for _ in range(min(2, len(order)))]
-        self.slot_views = [{kind: layer_views(s, cfg, kind) for kind in cfg.layouts} for s in self.slots]
+        self.slot_views = [{kind: layer_views(s, cfg, kind) for kind in cfg.layouts} for s in self.slots] \
+            if not cfg.fp8_scales else None
+        self.scratch = torch.empty(cfg.dequantized_bytes // DTYPE.itemsize, dtype=DTYPE, device=device)
+        self.scratch_views = {kind: layer_views(self.scratch, cfg, kind) for kind in cfg.layouts} \
+            if cfg.fp8_scales else None
         self.slot_bytes = [s.view(torch.uint8) for s in self.slots]
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -1424,7 +1568,8 @@ class WeightStreamer:
         self.copying = [None for _ in self.slots]  # the copier's Future for the slot's latest copy
         self.next_copy = 0  # position, in the endless cycle of streamed layers, of the next copy
         self.next_use = 0   # position of the next streamed layer compute will use
-        self.weight_bytes = {i: DTYPE.itemsize * sum(count for _, _, count in layer_tensors(cfg, i)) for i in order}
+        self.weight_bytes = {i: sum(count * dtype.itemsize for _, _, count, dtype in layer_tensors(cfg, i))
+                             for i in order}
         self.streamed_bytes = self.storage_bytes = 0
         for _ in self.slots:
             self._copy_next()
@@ -1453,19 +1598,28 @@ class WeightStreamer:
                 dst[offset:offset + src.numel()].copy_(src)
         self.host.done(layer, self.copy_stream)
 
+    def dequantized(self, held, layer):
+        kind = self.kinds[layer]
+        dequantize_layer(held, self.scratch, self.cfg, kind, self.dequantize)
+        return self.scratch_views[kind]
+
     def acquire(self, layer):
         if layer in self.resident:
             return self.resident[layer]
+        if layer in self.buffers:
+            return self.dequantized(self.buffers[layer], layer)
         slot = self.next_use % len(self.slots)
         assert self.order[self.next_use % len(self.order)] == layer, "streamed layers must be used in cyclic order"
         if self.copying[slot] is not None:
             self.copying[slot].result()  # issued (and, on the CPU, done); raises what the reads raised
         if self.cuda:
             torch.cuda.current_stream().wait_event(self.slot_ready[slot])
+        if self.cfg.fp8_scales:
+            return self.dequantized(self.slots[slot], layer)
         return self.slot_views[slot][self.kinds[layer]]
 
     def release(self, layer):
-        if layer in self.resident:
+        if layer in self.buffers:
             return
         slot = self.next_use % len(self.slots)
         if self.cuda:
@@ -1594,12 +1748,13 @@ class Kernels:
     gated_act: object       # (gate_up [tokens, 2 intermediate], activation) -> [tokens, intermediate]
     token_nll: object       # (logits [tokens, vocab], targets [tokens]) -> [tokens] float32
     combine: object         # (x [tokens, hidden] += each token's k expert rows of out, weighted: see combine)
+    dequantize: object      # (q [rows, cols] FP8, scales [grid], out [rows, cols] bf16): see dequantize_fp8
     head: object = head_upcast  # (x [tokens, hidden], lm_head [vocab, hidden]) -> float32 logits: pick_head's
 
 
 # late-bound, so that tests can swap a piece of the math for a broken one
 TORCH_KERNELS = Kernels("torch", lambda *a: rms_norm(*a), lambda *a: head_norm_rope(*a), lambda *a: gated_act(*a),
-                        lambda *a: token_nll(*a), lambda *a: combine(*a))
+                        lambda *a: token_nll(*a), lambda *a: combine(*a), lambda *a: dequantize_fp8(*a))
 
 
 @dataclass
@@ -1919,6 +2074,27 @@ if triton is not None:
             tl.store(out_ptr + q_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
+if triton is not None:
+    @triton.jit
+    def _dequantize_kernel(q_ptr, s_ptr, out_ptr, cols, grid_cols, block_m, block_n, BLOCK: tl.constexpr):
+        # float8_e4m3fn bytes decoded by integer arithmetic (exact, and on GPUs without FP8 conversions: gfx1100),
+        # times the block's float32 scale, rounded to bf16 to nearest even by integer arithmetic too, so that the
+        # interpreter (which truncates) gives the same bits as a GPU
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = c < cols
+        b = tl.load(q_ptr + row * cols + c, mask=mask, other=0).to(tl.int32)
+        e, m = (b >> 3) & 15, b & 7
+        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # 2^(e - 7) (1 + m/8)
+        v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m 2^-9
+        v = tl.where((e == 15) & (m == 7), float("nan"), v)
+        v = tl.where(b >= 128, -v, v)
+        s = tl.load(s_ptr + (row // block_m) * grid_cols + c // block_n, mask=mask, other=1.0)
+        u = (v * s).to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        tl.store(out_ptr + row * cols + c, r.to(tl.int16), mask=mask)
+
+
 def rms_norm_triton(x, weight, eps, offset=False):
     assert x.stride(-1) == 1
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -1958,6 +2134,14 @@ def combine_triton(x, out, row_of, weights):
                                                 num_warps=max(1, block // 256))
 
 
+def dequantize_triton(q, scales, out):
+    (R, C), (gr, gc) = q.shape, scales.shape
+    assert q.is_contiguous() and scales.is_contiguous() and out.is_contiguous()
+    block = 1024
+    _dequantize_kernel[(R, triton.cdiv(C, block))](q.view(torch.uint8), scales, out.view(torch.int16), C, gc,
+                                                   R // gr, C // gc, BLOCK=block, num_warps=4)
+
+
 def token_nll_triton(logits, targets):
     # reads the logits (float32, or bf16) once, where the plain path writes and rereads their log-softmax
     assert logits.stride(-1) == 1
@@ -1968,7 +2152,7 @@ def token_nll_triton(logits, targets):
 
 
 TRITON_KERNELS = Kernels("triton", rms_norm_triton, head_norm_rope_triton, gated_act_triton, token_nll_triton,
-                         combine_triton)
+                         combine_triton, dequantize_triton)
 
 
 # ----------------------------------------------------------------------------- attention backends
@@ -2951,6 +3135,17 @@ def kernel_checks(device, cfg):
         combine_triton(got, out, row_of, weights)
         check("combine", f"{k} experts a token", got,
               x_moe.float() + (weights.float()[..., None] * out.float()[row_of].view(T, k, H)).sum(1))
+    if cfg.fp8_scales:  # every FP8 weight shape of the layers, every byte value (NaN's but), bit for bit
+        shapes = {shape for kind in cfg.held for _, _, shape, dtype in cfg.held[kind] if dtype == FP8}
+        for shape in sorted(shapes):
+            q = torch.randint(256, shape, generator=gen, dtype=torch.uint8)
+            q[(q & 127) == 127] = 0
+            q = q.view(FP8).to(device)
+            scales = torch.rand(scale_grid(shape), generator=gen).mul(2**-4).to(device)
+            got, want = (torch.empty(shape, dtype=DTYPE, device=device) for _ in range(2))
+            dequantize_triton(q, scales, got)
+            dequantize_fp8(q, scales, want)
+            results.append(("dequantize", f"{list(shape)}, bit for bit", 0.0 if torch.equal(got, want) else math.inf))
     if "bf16" in LOGITS.values():  # the same kernel reading bf16 logits, where a switch asks for them
         rounded = logits.to(DTYPE)
         check("token_nll", f"vocabulary {cfg.vocab_size}, bf16 logits", token_nll_triton(rounded, targets),
@@ -3641,14 +3836,14 @@ def load_jobs(ckpt, jobs, workers, spans, streamed, plan, device, method, locked
             local.stager = stagers.get()
         out = torch.empty(shape, dtype=DTYPE, device=dev)
         flat = out.view(-1)
-        for name, offset, count in tensors:
-            local.stager.put(ckpt, name, flat[offset:offset + count])
+        for name, offset, count, dtype in tensors:
+            local.stager.put(ckpt, name, typed(flat, offset, count, dtype))
         return out
 
     def fill(tensors, flat):
         t = time.perf_counter()
-        for name, offset, count in tensors:
-            ckpt.read(name, flat[offset:offset + count])
+        for name, offset, count, dtype in tensors:
+            ckpt.read(name, typed(flat, offset, count, dtype))
         add("fill", time.perf_counter() - t)
 
     def load(key):
@@ -3699,12 +3894,12 @@ def load_jobs(ckpt, jobs, workers, spans, streamed, plan, device, method, locked
         lock_s = ckpt.lock_seconds
         phases = (f"{workers} threads: stage {seconds['stage']:.1f} s; in place: lock {ckpt.lock_seconds:.1f} s, "
                   f"{ckpt.read_ahead_bytes / 1e9:.1f} GB read ahead")
-        host = {i: [(ckpt.raw(name), offset * DTYPE.itemsize) for name, offset, _ in jobs[i][0]] for i in streamed}
+        host = {i: [(ckpt.raw(name), offset) for name, offset, _, _ in jobs[i][0]] for i in streamed}
     else:
         seconds["pin"] -= seconds["fill"] if cuda else 0.0
         lock_s = seconds["pin"]
         phases = f"{workers} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + " s"
-        host = {i: [(byte_range(loaded[i], offset, count), offset * DTYPE.itemsize) for _, offset, count in
+        host = {i: [(byte_range(loaded[i], offset, count * dtype.itemsize), offset) for _, offset, count, dtype in
                     jobs[i][0]] for i in streamed if i in loaded}
     return {key: buf for key, buf in loaded.items() if key not in streamed}, host, locked_in_place, lock_s, phases
 
@@ -3715,16 +3910,16 @@ def load_weights(ckpt, cfg, plan, device, method, fixed, workers, load, host_mem
     whether this returns or raises."""
     # jobs: the big fixed matrices first (each one thread's job of a layer's size), then the layers
     cuda = device.type == "cuda"
-    jobs = {name: ([(name, 0, math.prod(shape))], shape) for name, shape in fixed}
+    jobs = {name: ([(name, 0, math.prod(shape), DTYPE)], shape) for name, shape in fixed}
     jobs.update({i: (layer_tensors(cfg, i), (n // DTYPE.itemsize,)) for i, n in enumerate(cfg.layer_nbytes)})
     t = time.perf_counter()
     host_spare_bytes = host_memory_spare()
     # the CPU locks nothing: no limit there unless --host-memory asks for one (the tests' storage runs)
     budget = int(host_memory_gib * GiB) if host_memory_gib is not None else host_spare_bytes if cuda else None
-    bf16 = ckpt.is_bf16(name for tensors, _ in jobs.values() for name, _, _ in tensors)
+    bf16 = ckpt.as_held((name, dtype) for tensors, _ in jobs.values() for name, _, _, dtype in tensors)
     staging = 2 * workers * pinned_bytes(STAGING_BYTES, method) if cuda else 0
     streamed = plan.streamed_layers
-    spans = ckpt.spans(name for i in streamed for name, _, _ in jobs[i][0])  # what "map" locks
+    spans = ckpt.spans(name for i in streamed for name, _, _, _ in jobs[i][0])  # what "map" locks
 
     def host_plan(requested):
         return plan_host(cfg, streamed, budget, requested, device, bf16, map_lock_bytes(ckpt, spans), method,
@@ -3845,14 +4040,10 @@ class Runner:
         self.cfg = cfg = ModelConfig.from_dir(model_dir)
         ckpt = Checkpoint(model_dir, cfg.tensor_prefixes)
         H, V = cfg.hidden_size, cfg.vocab_size
-        for layer, kind in enumerate(cfg.layer_kinds):  # every missing or misshapen tensor fails before heavy work
-            for name, (_, shape) in cfg.layouts[kind].items():
-                ckpt.get(f"model.layers.{layer}.{name}", shape)
         fixed = [("model.embed_tokens.weight", (V, H)), ("model.norm.weight", (H,))]
         if not cfg.tie_word_embeddings:
             fixed.append(("lm_head.weight", (V, H)))
-        for name, shape in fixed:
-            ckpt.get(name, shape)
+        check_tensors(ckpt, cfg, fixed)
         self.side_done_s = {}  # when each side task finished, in seconds since t0, for --stats
 
         def side_task(name, fn, *args):
@@ -3914,7 +4105,7 @@ class Runner:
         self.embed, self.final_norm = on_device["model.embed_tokens.weight"], on_device["model.norm.weight"]
         self.lm_head = on_device.get("lm_head.weight", self.embed)
         self.streamer = WeightStreamer(cfg, {i: on_device[i] for i in plan.resident_layers}, host,
-                                       plan.streamed_layers, self.device)
+                                       plan.streamed_layers, self.device, self.kernels.dequantize)
         weakref.finalize(self, self.streamer.stop)  # its threads end with this Runner, or before the process exits
         self.stats = {}
         self.requested_attention, self.tree_attend = attention, None  # the latter picked at the first prefix tree

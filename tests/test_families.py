@@ -307,7 +307,7 @@ REFUSED = [
     (config_of("llama", rope_scaling={"type": "dynamic", "factor": 2.0}), "RoPE type 'dynamic'"),
     (config_of("qwen2", rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "RoPE type 'longrope'"),
     (config_of("llama", rope_scaling={"rope_type": "llama3", "factor": 8.0}), "lacks low_freq_factor"),
-    (config_of("llama", quantization_config={"quant_method": "fp8"}), "quantized weights (quantization_config 'fp8')"),
+    (config_of("llama", quantization_config={"quant_method": "awq"}), "quantized weights (quantization_config 'awq')"),
     (config_of("llama", intermediate_size=[128, 256, 128, 128]), "intermediate_size is a list (layers of different"),
     (config_of("mistral", sliding_window=5, layer_types=["full_attention"] * 4), "layer_types in a mistral config"),
     (config_of("llama", layer_types=["sliding_attention"] * 4), "layer_types in a llama config"),

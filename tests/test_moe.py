@@ -108,8 +108,8 @@ def layer_weights(path, cfg, layer):
     layer_views, as the streamer's slots are."""
     ckpt = prefill.Checkpoint(path)
     flat = torch.full((cfg.layer_nbytes[layer] // 2,), math.nan, dtype=prefill.DTYPE)  # a tensor left out: NaN
-    for name, offset, count in prefill.layer_tensors(cfg, layer):
-        ckpt.read(name, flat[offset:offset + count])
+    for name, offset, count, dtype in prefill.layer_tensors(cfg, layer):
+        ckpt.read(name, prefill.typed(flat, offset, count, dtype))
     return prefill.layer_views(flat, cfg, cfg.layer_kinds[layer])
 
 
@@ -321,7 +321,7 @@ def test_every_layer_streamed_equals_every_layer_resident(moe_checkpoint, moe_ru
     ids = moe_runner.tokenize(TEXTS)
     assert streamed.losses(ids) == moe_runner.losses(ids)
     experts = 8 * 3 * 32 * 64 * 2
-    assert streamed.stats["streamed_bytes"] == 3 * 2 * sum(n for _, _, n in prefill.layer_tensors(streamed.cfg, 0))
+    assert streamed.stats["streamed_bytes"] == 3 * 2 * sum(n for _, _, n, _ in prefill.layer_tensors(streamed.cfg, 0))
     assert streamed.stats["streamed_bytes"] > 3 * experts  # the experts cross with their layer, once a wave
 
 
@@ -473,7 +473,7 @@ def test_dense_layers_streamed_through_the_larger_slot_equal_resident(dense_chec
     expected = dense_runner.losses(ids)
     streamed = runner(path, gpu_memory_gib=0)
     cfg, layers = streamed.cfg, range(len(kinds))
-    weights = [2 * sum(n for _, _, n in prefill.layer_tensors(cfg, i)) for i in layers]
+    weights = [2 * sum(n for _, _, n, _ in prefill.layer_tensors(cfg, i)) for i in layers]
     assert streamed.plan.streamed_layers == tuple(layers) and streamed.plan.slot_bytes == 2 * cfg.layer_bytes
     assert streamed.losses(ids) == expected
     assert streamed.stats["streamed_bytes"] == sum(weights)  # each layer's own bytes, once a wave
@@ -502,7 +502,7 @@ def test_protocol_with_dense_layers_streamed(dense_checkpoint, tmp_path):
     assert max_rel_err([float(x) for x in lines[1:]], reference) < TOLERANCE
     stats = json.loads((tmp_path / "stats.json").read_text())
     cfg = saved_config(path)
-    assert stats["streamed_bytes"] == 2 * sum(n for i in range(len(kinds)) for _, _, n in prefill.layer_tensors(cfg, i))
+    assert stats["streamed_bytes"] == 2 * sum(n for i in range(len(kinds)) for _, _, n, _ in prefill.layer_tensors(cfg, i))
 
 
 # ----------------------------------------------------------------------------- start-up check and pick

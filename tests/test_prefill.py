@@ -166,7 +166,7 @@ def test_realistic_bug_falls_outside_tolerance(gqa_checkpoint, bug, monkeypatch)
 # ----------------------------------------------------------------------------- streaming, chunks, waves
 
 def weight_bytes(cfg):  # one layer's weights, without the alignment gaps of its device buffer
-    return 2 * sum(count for _, _, count in prefill.layer_tensors(cfg, 0))
+    return sum(count * dtype.itemsize for _, _, count, dtype in prefill.layer_tensors(cfg, 0))
 
 
 def one_resident_gib(cfg):  # a GPU memory cap that keeps one layer resident (two slots and two would be all four)
@@ -376,7 +376,7 @@ def test_spans_hold_whole_tensors_on_whole_pages_and_never_overlap(gqa_checkpoin
     ckpt = prefill.Checkpoint(gqa_checkpoint[0])
     cfg = prefill.ModelConfig.from_dir(gqa_checkpoint[0])
     for layers in ([1], [0, 1], [0, 2], list(range(cfg.num_hidden_layers))):
-        names = [name for i in layers for name, _, _ in prefill.layer_tensors(cfg, i)]
+        names = [name for i in layers for name, _, _, _ in prefill.layer_tensors(cfg, i)]
         spans = ckpt.spans(names)
         for file, start, end in spans:
             assert start % prefill.PAGE == 0 and start < end
@@ -964,8 +964,8 @@ def model_faults(path, tmp_path):
                 good, model_type="mixtral", num_local_experts=8))),
             Fault("RoPE type 'yarn' is not supported",
                   model=folder_with(tmp_path, "yarn", dict(good, rope_parameters={"rope_type": "yarn"}))),
-            Fault("quantized weights (quantization_config 'fp8')", model=folder_with(
-                tmp_path, "fp8", dict(good, quantization_config={"quant_method": "fp8"}))),
+            Fault("quantized weights (quantization_config 'awq')", model=folder_with(
+                tmp_path, "awq", dict(good, quantization_config={"quant_method": "awq"}))),
             Fault("intermediate_size is a list (layers of different sizes)", model=folder_with(
                 tmp_path, "sizes", dict(good, intermediate_size=[160, 320, 160, 160]))),
             Fault("layer_types in a mistral config", model=folder_with(

@@ -1,0 +1,178 @@
+"""Block-wise FP8 checkpoints (the official Qwen3-*-FP8 layout): read, dequantized bit for bit as transformers does,
+held and streamed as FP8, and everything else in a quantization_config refused."""
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import prefill
+from test_prefill import TEXTS, TOLERANCE, max_rel_err, runner, transformers_losses
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def quantize(w, block=128):
+    """w [out, in] -> (float8_e4m3fn [out, in], float32 scales [ceil(out/block), ceil(in/block)]): s = amax/448."""
+    R, C = w.shape
+    gr, gc = -(-R // block), -(-C // block)
+    q, s = torch.empty(R, C, dtype=torch.float8_e4m3fn), torch.empty(gr, gc)
+    for i in range(gr):
+        for j in range(gc):
+            b = w[i * block:(i + 1) * block, j * block:(j + 1) * block].float()
+            s[i, j] = b.abs().max().clamp(min=1e-12) / 448
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (b / s[i, j]).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def write_fp8_checkpoint(out, tokenizer_dir, scales="float32", **quantization):
+    """A tiny random Qwen3 (every projection a multiple of 128, or one block smaller), each projection quantized per
+    128x128 block, in the official layout. Each block's weights are scaled by its own power of two, so that scales
+    applied to the wrong blocks (a transposed grid) change the numbers."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    config = Qwen3Config(vocab_size=151936, hidden_size=256, intermediate_size=384, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=64, rope_theta=1e6,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    tensors = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and name.endswith("_proj.weight"):
+                p.normal_(0, (10 if ("q_proj" in name or "k_proj" in name) else 2) / p.shape[1] ** 0.5)
+                grid = prefill.scale_grid(p.shape)
+                factor = 2.0 ** torch.randint(-2, 3, grid, generator=gen).float()
+                w = p * factor.repeat_interleave(128, 0)[:p.shape[0]].repeat_interleave(128, 1)[:, :p.shape[1]]
+                q, s = quantize(w)
+                tensors[name], tensors[name + "_scale_inv"] = q, {
+                    "float32": s, "bf16": s.to(torch.bfloat16),
+                    "ue8m0": (torch.log2(s).ceil() + 127).to(torch.uint8)}[scales]
+            elif p.dim() == 2:
+                p.normal_(0, 0.5)
+                tensors[name] = p.to(torch.bfloat16)
+            else:
+                p.normal_(3 if ("q_norm" in name or "k_norm" in name) else 1, 0.2)
+                tensors[name] = p.to(torch.bfloat16)
+    out = Path(out)
+    out.mkdir(exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = config.to_dict()
+    cfg["quantization_config"] = {**FP8_CONFIG, **quantization}
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in Path(tokenizer_dir).iterdir():
+        shutil.copy(f, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory, qwen_tokenizer_dir):
+    out = write_fp8_checkpoint(tmp_path_factory.mktemp("fp8"), qwen_tokenizer_dir)
+    return out, transformers_losses(out, TEXTS)
+
+
+def test_dequantized_weights_are_transformers_bit_for_bit(fp8_checkpoint):
+    from transformers import AutoModelForCausalLM
+    path, _ = fp8_checkpoint
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).state_dict()
+    cfg, files = prefill.ModelConfig.from_dir(path), load_file(path / "model.safetensors")
+    compared = 0
+    for name, q in files.items():
+        if q.dtype == torch.float8_e4m3fn:
+            out = torch.empty(q.shape, dtype=torch.bfloat16)
+            prefill.dequantize_fp8(q, files[name + "_scale_inv"].float(), out)
+            assert torch.equal(out.view(torch.int16), theirs[name].view(torch.int16)), name
+            compared += 1
+    assert compared == 7 * cfg.num_hidden_layers
+
+
+def test_matches_transformers_and_an_ablation_fails(fp8_checkpoint, monkeypatch):
+    path, reference = fp8_checkpoint
+    r = runner(path)
+    ids = r.tokenize(TEXTS)
+    assert max_rel_err(r.losses(ids), reference) < TOLERANCE
+    dequantize = prefill.dequantize_fp8
+    for ablation in (lambda q, s, out: dequantize(q, torch.ones_like(s), out),      # the scales ignored
+                     lambda q, s, out: dequantize(q, s.T.reshape(s.shape).contiguous(), out)):  # grid transposed
+        monkeypatch.setattr(prefill, "dequantize_fp8", ablation)
+        assert max_rel_err(r.losses(ids), reference) > 3 * TOLERANCE
+    monkeypatch.setattr(prefill, "dequantize_fp8", dequantize)
+
+
+def test_held_as_fp8_and_every_layer_streamed_equals_resident(fp8_checkpoint):
+    path, _ = fp8_checkpoint
+    resident, streamed = runner(path), runner(path, gpu_memory_gib=0, load="copy")
+    cfg = resident.cfg
+    bf16_layer = 2 * sum(math.prod(shape) for _, shape in cfg.layouts["mlp"].values())
+    assert cfg.layer_bytes < 0.6 * bf16_layer  # FP8 bytes and their scales
+    assert resident.plan.resident_layers == (0, 1, 2) and streamed.plan.streamed_layers == (0, 1, 2)
+    ids = resident.tokenize(TEXTS)
+    assert streamed.losses(ids) == resident.losses(ids)
+    assert streamed.stats["streamed_bytes"] == 3 * sum(n * d.itemsize for _, _, n, d in prefill.layer_tensors(cfg, 0))
+    ring = runner(path, gpu_memory_gib=0, load="copy", host_memory_gib=2.5 * cfg.layer_bytes / prefill.GiB)
+    assert ring.host_plan.storage_layers and ring.losses(ids) == resident.losses(ids)
+
+
+@pytest.mark.parametrize("scales", ["bf16", "ue8m0"])
+def test_scales_in_bf16_and_ue8m0(tmp_path, qwen_tokenizer_dir, scales):
+    extra = {"scale_fmt": "ue8m0"} if scales == "ue8m0" else {}
+    path = write_fp8_checkpoint(tmp_path, qwen_tokenizer_dir, scales, **extra)
+    r = runner(path)
+    assert max_rel_err(r.losses(r.tokenize(TEXTS[:3])), transformers_losses(path, TEXTS[:3])) < TOLERANCE
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"quant_method": "gptq"}, "quantization_config 'gptq'"),
+    ({"quant_method": "compressed-tensors"}, "quantization_config 'compressed-tensors'"),
+    ({"activation_scheme": "static"}, "activation_scheme is \"static\""),
+    ({"weight_block_size": [64, 64]}, "weight_block_size is [64, 64]"),
+    ({"weight_block_size": None, "fmt": "e5m2"}, "fmt is \"e5m2\""),
+    ({"scale_fmt": "e4m3"}, "scale_fmt is 'e4m3'"),
+    ({"expert_dtype": "fp4"}, "expert_dtype is \"fp4\""),
+])
+def test_other_quantizations_refused(change, says):
+    raw = json.loads(json.dumps({"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 384,
+                                 "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 100,
+                                 "quantization_config": {**FP8_CONFIG, **change}}))
+    with pytest.raises(prefill.UserError, match=re.escape(says)):
+        prefill.ModelConfig.from_json(raw)
+
+
+def test_shapes_not_in_whole_blocks_refused():
+    raw = {"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 200, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "vocab_size": 100, "quantization_config": FP8_CONFIG}
+    with pytest.raises(prefill.UserError, match=r"shape \[200, 256\].*not a multiple of the 128x128 blocks"):
+        prefill.ModelConfig.from_json(raw)
+
+
+@pytest.mark.parametrize("fault", ["missing scale", "scale grid transposed", "weight not fp8", "uint8 scales as float",
+                                   "fp8 without quantization_config"])
+def test_checkpoint_faults(fp8_checkpoint, tmp_path, fault):
+    path, _ = fp8_checkpoint
+    for f in path.iterdir():
+        shutil.copy(f, tmp_path)
+    tensors, config = load_file(path / "model.safetensors"), json.loads((path / "config.json").read_text())
+    name = "model.layers.1.mlp.gate_proj.weight"
+    if fault == "missing scale":
+        del tensors[name + "_scale_inv"]
+        says = f"lacks tensor {name}_scale_inv"
+    elif fault == "scale grid transposed":
+        tensors[name + "_scale_inv"] = tensors[name + "_scale_inv"].T.contiguous()
+        says = rf"{name}_scale_inv has shape \[2, 3\], config implies \[3, 2\]"
+    elif fault == "weight not fp8":
+        tensors[name] = tensors[name].to(torch.bfloat16)
+        says = f"{name} is bfloat16; the model is block-wise FP8, which makes it float8_e4m3fn"
+    elif fault == "uint8 scales as float":
+        tensors[name + "_scale_inv"] = tensors[name + "_scale_inv"].to(torch.uint8)
+        says = f"{name}_scale_inv is uint8"
+    else:
+        del config["quantization_config"]
+        says = "model.layers.0.self_attn.q_proj.weight is float8_e4m3fn; the model is unquantized"
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(prefill.UserError, match=says):
+        runner(tmp_path)
