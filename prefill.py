@@ -1391,7 +1391,8 @@ def plan_host(cfg, streamed, budget, requested="auto", device=torch.device("cpu"
     if requested == "map" or (requested == "auto" and bf16_files and not hip and fits(staging_bytes + map_bytes)):
         if not bf16_files:
             raise UserError("--load map: the checkpoint cannot be page-locked in place here (it needs files that "
-                            "hold the layers as the device does, bf16 or FP8 with float32 scales, and read-only host-memory registration); --load copy works everywhere")
+                            "hold the layers as the device does, bf16 or FP8 with float32 scales, and read-only "
+                            "host-memory registration); --load copy works everywhere")
         if not fits(staging_bytes + map_bytes):
             raise UserError(f"--load map would page-lock the streamed layers' pages and the loading buffers "
                             f"({(staging_bytes + map_bytes) / 1e9:.1f} GB) but the host memory budget is "
@@ -1546,7 +1547,7 @@ class WeightStreamer:
     and are dequantized (dequantize: Kernels.dequantize) into one bf16 scratch when acquired: the layer before has
     run by then, in stream order, as it has read the scratch."""
 
-    def __init__(self, cfg, resident, host, order, device, dequantize=None):
+    def __init__(self, cfg, resident, host, order, device, dequantize=None, scratch=None):
         self.buffers = resident  # layer -> its flat device buffer
         self.cfg, self.dequantize = cfg, dequantize
         # the layers used as they are held: on the device, bf16
@@ -1556,7 +1557,9 @@ class WeightStreamer:
         self.slots = [torch.empty(cfg.layer_numel, dtype=DTYPE, device=device) for _ in range(min(2, len(order)))]
         self.slot_views = [{kind: layer_views(s, cfg, kind) for kind in cfg.layouts} for s in self.slots] \
             if not cfg.fp8_scales else None
-        self.scratch = torch.empty(cfg.dequantized_bytes // DTYPE.itemsize, dtype=DTYPE, device=device)
+        # the bf16 layer an FP8 layer is dequantized into (scratch: another streamer's, which the warm-up's shares)
+        self.scratch = torch.empty(cfg.dequantized_bytes // DTYPE.itemsize, dtype=DTYPE, device=device) \
+            if scratch is None else scratch
         self.scratch_views = {kind: layer_views(self.scratch, cfg, kind) for kind in cfg.layouts} \
             if cfg.fp8_scales else None
         self.slot_bytes = [s.view(torch.uint8) for s in self.slots]
@@ -4456,7 +4459,7 @@ class Runner:
                 torch.cuda.current_stream().wait_event(ready)
         self.streamer = WeightStreamer(self.cfg, {**streamer.buffers, **{layer: slots[k % len(slots)] for k, layer in
                                                                          enumerate(streamer.order)}},
-                                       HeldLayers({}), (), self.device)
+                                       HeldLayers({}), (), self.device, streamer.dequantize, streamer.scratch)
         try:
             self.losses([torch.randint(self.cfg.vocab_size, (k,), generator=gen).tolist() for k in lengths],
                         layers=layers)

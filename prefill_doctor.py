@@ -106,8 +106,9 @@ def doctor(runner):
         # a layer's weights on the device (a resident one's, else a slot's); a dense one where the model has any,
         # whose MLP's GEMMs are timed too
         kind = "mlp" if "mlp" in cfg.layouts else cfg.largest_kind
-        w = next((w for i, w in runner.streamer.resident.items() if cfg.layer_kinds[i] == kind), None) \
-            or runner.streamer.slot_views[0][kind]
+        w = runner.streamer.scratch_views[kind] if cfg.fp8_scales else \
+            next((w for i, w in runner.streamer.resident.items() if cfg.layer_kinds[i] == kind), None) \
+            or runner.streamer.slot_views[0][kind]  # an FP8 model's: the bf16 scratch its layers are dequantized into
         own = {"qkv": w.qkv, "o_proj": w.o_proj, "gate_up": w.gate_up, "down": w.down, "lm_head": runner.lm_head}
         shapes = gemm_shapes(cfg, plan.chunk_tokens)[:-1] + [("lm_head", plan.loss_chunk_tokens, cfg.vocab_size,
                                                               cfg.hidden_size)]
@@ -169,6 +170,10 @@ def doctor(runner):
     fused_here = None if cuda else "not on the CPU" if triton is not None else "triton is not installed"
     lines.append(f"kernels    {runner.kernels.name}" + (f" (rel. error against float32 math: {errors})" if errors else
                                                         f" (fused Triton kernels: {fused_here})" if fused_here else ""))
+    if cfg.fp8_scales:
+        lines.append(f"weights    block-wise FP8 ({cfg.fp8_scales} scales): held and streamed as FP8 (a layer "
+                     f"{cfg.layer_bytes / 1e9:.2f} GB), dequantized on {dev} into a bf16 scratch before each layer "
+                     f"runs, by the {runner.kernels.name} kernel (checked bit for bit against transformers' math)")
     if cfg.num_experts:
         lines.append(f"experts    {runner.experts} (checked against float32 experts on uneven routing)"
                      + (f"; ms and TFLOP/s of a {plan.moe_chunk_tokens}-token slice's two grouped GEMMs, * picked"

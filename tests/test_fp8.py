@@ -4,6 +4,7 @@ import json
 import math
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,30 @@ def test_checkpoint_faults(fp8_checkpoint, tmp_path, fault):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(prefill.UserError, match=says):
         runner(tmp_path)
+
+
+def test_the_doctor_says_what_it_dequantizes_and_where(fp8_checkpoint, tmp_path, monkeypatch, capsys):
+    import io
+    report = io.StringIO()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(prefill, "take_stdout", lambda: report)
+    path, _ = fp8_checkpoint
+    rc = prefill.main(["--model", str(path), "--device", "cpu", "--attention", "sdpa", "--doctor"])
+    lines = report.getvalue().splitlines()
+    assert rc == 0, capsys.readouterr().err
+    weights = [line for line in lines if line.startswith("weights ")]
+    assert len(weights) == 1 and "block-wise FP8 (float scales): held and streamed as FP8" in weights[0], lines
+    assert "dequantized on cpu into a bf16 scratch before each layer runs, by the torch kernel" in weights[0], lines
+
+
+def test_the_protocol_serves_an_fp8_checkpoint(fp8_checkpoint, monkeypatch, capsys):
+    # the whole path a user takes (warm-up included), in-process: ready, then the losses Runner.score gives
+    import io
+    path, reference = fp8_checkpoint
+    protocol = io.StringIO()
+    monkeypatch.setattr(prefill, "take_stdout", lambda: protocol)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO((json.dumps(TEXTS) + "\n").encode())))
+    rc = prefill.main(["--model", str(path), "--device", "cpu", "--attention", "sdpa", "--gpu-memory", "0"])
+    lines = protocol.getvalue().splitlines()
+    assert rc == 0 and lines[0] == "ready", capsys.readouterr().err
+    assert max_rel_err([float(x) for x in lines[1:]], reference) < TOLERANCE
