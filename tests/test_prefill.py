@@ -104,9 +104,7 @@ def checkpoint(request, tmp_path_factory, qwen_tokenizer_dir):
     return checkpoint_with_reference(tmp_path_factory, qwen_tokenizer_dir, request.param, **VARIANTS[request.param])
 
 
-@pytest.fixture(scope="session")
-def gqa_checkpoint(tmp_path_factory, qwen_tokenizer_dir):
-    return checkpoint_with_reference(tmp_path_factory, qwen_tokenizer_dir, "gqa", sharded=True)
+# gqa_checkpoint, the one most tests here run, is conftest's: test_dist runs it too
 
 
 def max_rel_err(losses, reference):
