@@ -36,7 +36,8 @@ def gqa_checkpoint(tmp_path_factory, qwen_tokenizer_dir):
 # result is reused only for the same arguments (SDPA on the CPU: what every in-process Runner asks for) and the same
 # code: prefill's globals and torch's functions, each the very object it was when the result was computed. A test
 # that patches any of them (a planted bug, shorter check lengths, a leaking tril) gets a check of its own, run for
-# real; a refusal (an exception) is never kept.
+# real; a refusal (an exception) is never kept. (An object changed in place is not seen: none that SDPA's check
+# reads is changed so by any test.)
 
 def code_state():
     state = []
