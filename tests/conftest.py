@@ -1,8 +1,13 @@
 # Shared fixtures for the test suite (the runner's tests use them too).
 
+import copy
+import threading
+
 import pytest
+import torch
 
 import interact
+import prefill
 
 
 @pytest.fixture(scope="session")
@@ -14,3 +19,62 @@ def qwen_tokenizer_dir():
 @pytest.fixture(scope="session")
 def qwen_tokenizer(qwen_tokenizer_dir):
     return interact.load_tokenizer(qwen_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def gqa_checkpoint(tmp_path_factory, qwen_tokenizer_dir):
+    """(folder, transformers' float32 losses of test_prefill's TEXTS): the tiny sharded GQA Qwen3 checkpoint that
+    test_prefill and test_dist run, built once per session."""
+    from test_prefill import checkpoint_with_reference
+    return checkpoint_with_reference(tmp_path_factory, qwen_tokenizer_dir, "gqa", sharded=True)
+
+
+# ----------------------------------------------------------------------------- the start-up attention check, once
+# Every Runner checks its attention backend against float32 attention on texts of up to 4500 tokens (pick_attention,
+# and pick_tree_attention at its first prefix tree): 2-3 s a Runner on two idle CPU cores, and the suite makes dozens
+# of Runners of the same few geometries. The check is a pure function of its arguments and of the code it runs, so a
+# result is reused only for the same arguments (SDPA on the CPU: what every in-process Runner asks for) and the same
+# code: prefill's globals and torch's functions, each the very object it was when the result was computed. A test
+# that patches any of them (a planted bug, shorter check lengths, a leaking tril) gets a check of its own, run for
+# real; a refusal (an exception) is never kept. (An object changed in place is not seen: none that SDPA's check
+# reads is changed so by any test.)
+
+def code_state():
+    state = []
+    for space in (vars(prefill), vars(torch), vars(torch.Tensor), vars(torch.nn.functional)):
+        state.append({name: (id(value), repr(value) if isinstance(value, (list, dict, set)) else None)
+                      for name, value in list(space.items())})
+    return state
+
+
+def memoized(pick, key_of):
+    kept, lock = {}, threading.Lock()
+
+    def cached(*args):
+        key = key_of(*args)
+        if key is None:
+            return pick(*args)
+        state = code_state()
+        with lock:
+            hit = kept.get(key)
+        if hit is not None and hit[0] == state:
+            return copy.deepcopy(hit[1])  # dicts a Runner may change; the functions themselves
+        result = pick(*args)
+        with lock:
+            kept[key] = state, result
+        return copy.deepcopy(result)
+    return cached
+
+
+def sdpa_on_cpu(requested, device, cfg, *picks):
+    if requested == "sdpa" and torch.device(device).type == "cpu":
+        return repr(cfg)  # pick_attention's picks play no part for SDPA on the CPU
+    return None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def attention_checked_once_per_geometry():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prefill, "pick_attention", memoized(prefill.pick_attention, sdpa_on_cpu))
+        patch.setattr(prefill, "pick_tree_attention", memoized(prefill.pick_tree_attention, sdpa_on_cpu))
+        yield

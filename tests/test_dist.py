@@ -16,7 +16,7 @@ import torch
 
 import interact
 import prefill_dist
-from test_prefill import CORPUS_ARGS, NEWLINE, TEXTS, batch_ends, corpus_file, corpus_in_process, write_checkpoint
+from test_prefill import CORPUS_ARGS, NEWLINE, TEXTS, Fault, batch_ends, corpus_file, corpus_in_process, main_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--device", "cpu", "--attention", "sdpa", *map(str, CORPUS_ARGS)]  # waves of 64 tokens: many batches
@@ -25,11 +25,9 @@ ARGS = ["--device", "cpu", "--attention", "sdpa", *map(str, CORPUS_ARGS)]  # wav
 THREADS = str(torch.get_num_threads())
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist-model")
-    write_checkpoint(out, interact.qwen_tokenizer_dir(), sharded=True)
-    return out
+@pytest.fixture
+def model(gqa_checkpoint):  # test_prefill's checkpoint, built once per session (conftest)
+    return gqa_checkpoint[0]
 
 
 def prefill(model, *args, ranks=1, stdin="", timeout=180, env=None):
@@ -44,19 +42,21 @@ def own_lines(stderr):  # prefill's lines, not torchrun's report of a failed wor
     return [line for line in stderr.splitlines() if line.startswith("prefill:")]
 
 
-def test_two_ranks_give_the_one_process_protocol_output(model, tmp_path):
+def test_two_ranks_give_the_one_process_protocol_output(model, tmp_path, monkeypatch, capsys):
     # the protocol, 2 ranks started by interact.py --nproc 2 as the contest harness would talk to them (the corpus
-    # mode's file: the killed run below, resumed, is the one process's file)
+    # mode's file: the killed run below, resumed, is the one process's file). The one process is prefill.main() in
+    # this one, as the killed run's reference is: the process itself is not what is compared
     texts = tmp_path / "texts.json"
     texts.write_text(json.dumps(TEXTS * 4))
-    solo = prefill(model, stdin=texts.read_text() + "\n")
-    assert solo.returncode == 0 and len(solo.stdout.splitlines()) == 1 + 4 * len(TEXTS), solo.stderr
+    with monkeypatch.context() as patch:
+        rc, solo, err = main_in_process(patch, capsys, model, Fault("", CORPUS_ARGS, texts.read_bytes() + b"\n"))
+    assert rc == 0 and len(solo.splitlines()) == 1 + 4 * len(TEXTS), err
     rc = interact.main(["--model", str(model), "--texts", str(texts), "--nproc", "2",
                         "--json", str(tmp_path / "i.json"), "--", *ARGS])
     record = json.loads((tmp_path / "i.json").read_text())
     assert rc == 0 and record["runner_cmd"][1:5] == ["-m", "torch.distributed.run", "--standalone",
                                                      "--nproc-per-node=2"]
-    assert [repr(x) for x in record["losses"]] == solo.stdout.splitlines()[1:]  # nan too: repr(nan) == 'nan'
+    assert [repr(x) for x in record["losses"]] == solo.splitlines()[1:]  # nan too: repr(nan) == 'nan'
 
 
 @pytest.mark.parametrize("args, stdin, message", [
