@@ -2,7 +2,7 @@
 
 Nobody here runs ROCm, and a compile error or a kernel whose registers spill to scratch memory would first show on
 the contest machine: as a failed start-up check (PyTorch fallback) or as a slow attention kernel. Triton's pip wheel
-ships its AMD backend and an LLVM with the AMDGPU target, so the compile itself runs on any machine (SPEC §8).
+ships its AMD backend and an LLVM with the AMDGPU target, so the compile itself runs on any machine (Triton's AMD backend, compiled for gfx1100 on a CPU-only machine here).
 
 The launches are not restated here. prefill's own layer code (attention_block with each attention tile offered for
 gfx1100, mlp_block, sequence_nll) runs on CPU tensors with a real model's dimensions but a few tokens, with F.linear
@@ -79,7 +79,7 @@ MODELS = {"Qwen3-32B": QWEN3_32B,
                            "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
                            "head_dim": 64, "tie_word_embeddings": True, "rope_scaling": None, "rope_theta": 1e5}}
 MOE_MODELS = ("Qwen3-30B-A3B", "Qwen3-235B-A22B")  # the grouped GEMM's N, K and expert stride differ
-KNOWN_SPILLING_TILE = (64, 64, 4, 2)  # spills 205 VGPRs under Triton 3.9, 16 under 3.6 (and SPEC §8 saw 137)
+KNOWN_SPILLING_TILE = (64, 64, 4, 2)  # spills 205 VGPRs under Triton 3.9, 16 under 3.6 (and 137 with 2 stages in an earlier review of Triton 3.6)
 LDS_BYTES = 65536  # per workgroup on RDNA3
 TOKENS = 3  # no launch parameter depends on the token count
 

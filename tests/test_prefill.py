@@ -325,7 +325,7 @@ QWEN3_32B = dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, 
 
 def test_plan_never_exceeds_its_budget():
     cfg = prefill.ModelConfig.from_json(QWEN3_32B)
-    assert cfg.layer_numel >= 487_587_840 and cfg.layer_bytes < 0.98e9  # SPEC: 487.6 M params a layer
+    assert cfg.layer_numel >= 487_587_840 and cfg.layer_bytes < 0.98e9  # Qwen3-32B: 487.6 M params a layer
     smallest = prefill.plan_memory(cfg, 0)
     assert smallest.resident_layers == () and len(smallest.streamed_layers) == 64
     previous = -1
