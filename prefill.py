@@ -501,6 +501,7 @@ class ModelConfig:
         # layer's), in bytes and in bf16 elements
         self.largest_kind = max(held_bytes, key=held_bytes.get)
         self.layer_bytes = held_bytes[self.largest_kind]
+        self.layer_layout = self.layouts[self.largest_kind]  # its bf16 layout (an FP8 layer's once dequantized)
         self.layer_numel = self.layer_bytes // DTYPE.itemsize
         self.dequantized_bytes = max(numels.values()) * DTYPE.itemsize if self.fp8_scales else 0
 

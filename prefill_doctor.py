@@ -166,10 +166,12 @@ def doctor(runner):
                 f"({e['first_ms'][label]:7.1f})" for label in BUCKET_LABELS if label in e.get("time_ms", {}))
         lines.append(f"    {e['name']:<14} {state}")
     lines += [f"    {kind:<14} not offered: {why}" for kind, why in fig["attention_not_offered"].items()]
-    errors = ", ".join(f"{k} {v:.1e}" for k, v in runner.kernel_errors.items())
+    errors = ", ".join(f"{k} {v:.1e}" for k, v in runner.kernel_errors.items() if k != "lm_head")
     fused_here = None if cuda else "not on the CPU" if triton is not None else "triton is not installed"
     lines.append(f"kernels    {runner.kernels.name}" + (f" (rel. error against float32 math: {errors})" if errors else
-                                                        f" (fused Triton kernels: {fused_here})" if fused_here else ""))
+                                                        f" (fused Triton kernels: {fused_here})" if fused_here else "")
+                 + f"; float32 logits by {runner.kernels.head.__name__} (rel. error against float64 math: "
+                   f"{runner.kernel_errors['lm_head']:.1e})")
     if cfg.fp8_scales:
         lines.append(f"weights    block-wise FP8 ({cfg.fp8_scales} scales): held and streamed as FP8 (a layer "
                      f"{cfg.layer_bytes / 1e9:.2f} GB), dequantized on {dev} into a bf16 scratch before each layer "

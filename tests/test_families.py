@@ -414,7 +414,8 @@ def test_backends_without_a_model_s_window_or_softcap_are_not_offered():
     assert kinds(plain).count("cudnn") == 1 and "torch-flash" in kinds(plain)
     assert "cudnn" not in kinds(WINDOWED) and "torch-flash" in kinds(WINDOWED)
     assert "cudnn" not in kinds(CAPPED) and "torch-flash" not in kinds(CAPPED) and "sdpa" in kinds(CAPPED)
-    assert set(kinds(CAPPED, "rdna3")) == {"triton", "flash", "sdpa"}
+    # flash-attn 2.8.3's Triton AMD backend takes a softcap and a window and ignores them (issue 28): not offered there
+    assert set(kinds(CAPPED, "rdna3")) == {"triton", "sdpa"} and "flash" in kinds(CAPPED)
     with pytest.raises(prefill.UserError, match="'torch-flash' has no softcap, which this model needs"):
         prefill.attention_candidates("torch-flash", "nvidia", CAPPED)
     with pytest.raises(prefill.UserError, match="'cudnn' has no softcap or window"):

@@ -201,6 +201,13 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
         head = lambda x, w: torch.empty(x.shape[0], w.shape[0])  # float32 logits, by shape only, as F.linear's
         prefill.sequence_nll(x, lm_head, final_norm, targets, torch.zeros(TOKENS, dtype=torch.int64), 1,
                              cfg, TOKENS, prefill.dataclasses.replace(prefill.TRITON_KERNELS, head=head))
+        # the model as a block-wise FP8 checkpoint would hold it: each projection dequantized by its own launch
+        shapes = {shape for layout in cfg.layouts.values() for name, (_, shape) in layout.items()
+                  if prefill.is_fp8_weight(name) and len(shape) == 2}
+        for shape in sorted(shapes):
+            prefill.dequantize_triton(torch.empty(shape, dtype=prefill.FP8),
+                                      torch.ones(prefill.scale_grid(shape), dtype=torch.float32),
+                                      torch.empty(shape, dtype=prefill.DTYPE))
     return list(dict.fromkeys(launches)), kernels
 
 

@@ -831,7 +831,8 @@ def shared_runner(model, chunk_tokens, wave_tokens, **kw):
     if key not in RUNNERS:
         RUNNERS[key] = REAL_RUNNER(model, **kw)
     r = RUNNERS[key]
-    r.plan = dataclasses.replace(r.plan, chunk_tokens=chunk_tokens, wave_tokens=wave_tokens, batch_tokens=wave_tokens)
+    # the plan those options give, whole: the loss chunks' rows too, which decide the float32 head's GEMM shapes
+    r.plan = prefill.plan_memory(r.cfg, r.plan.budget_bytes, chunk_tokens, wave_tokens or prefill.WAVE_STEP)
     return r
 
 
@@ -909,7 +910,7 @@ def checkpoint_file_faults(path, tmp_path):
     case("header length 18446744073709551615 runs past", {"t": entry}, bytes(12), header_len=2**64 - 1)
     case("header is list", [entry])
     case("tensor 't' has dtype 'I64'", {"t": dict(entry, dtype="I64")}, bytes(12))
-    case("tensor 't' has dtype 'F8_E4M3'", {"t": dict(entry, dtype="F8_E4M3", data_offsets=[0, 6])}, bytes(6))
+    case("tensor 't' has dtype 'F64'", {"t": dict(entry, dtype="F64", data_offsets=[0, 48])}, bytes(48))
     case("shape must be a list", {"t": dict(entry, shape="2x3")}, bytes(12))
     case("data_offsets must be two integers", {"t": dict(entry, data_offsets=[12, 0])}, bytes(12))
     case("do not fill the 12 bytes", {"t": dict(entry, shape=[3, 3])}, bytes(12))
