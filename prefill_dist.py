@@ -121,8 +121,8 @@ class Group:
     def set(self, key, value=b""):
         self.store.set(key, value)
 
-    def claim(self):
-        return self.store.add("claimed", 1) - 1
+    def claim(self, tag=""):  # the next unclaimed number of a round's shared counter, from 0
+        return self.store.add(f"{tag}claimed", 1) - 1
 
     def has(self, key):
         return self.store.check([key])
@@ -224,9 +224,6 @@ def shared(group, batches, score, publish, receive, tally=None, start=0, tag="")
     and published (`publish`: bytes); every rank yields every batch's (batch, results) in order, another rank's read
     back (`receive`) and counted in this rank's stats (`tally`). tag: a prefix for one round's keys (lm-eval calls
     again with new requests)."""
-    def claim():
-        return start + group.store.add(f"{tag}claimed", 1) - 1
-
     def ready(k, batch, results):
         if results is None:  # another rank's
             results = receive(batch, group.wait(f"{tag}sums/{k}"))
@@ -236,13 +233,13 @@ def shared(group, batches, score, publish, receive, tally=None, start=0, tag="")
                 group.store.delete_key(f"{tag}sums/{k}")
         return batch, results
 
-    pending, mine = collections.deque(), claim()  # pending: [k, batch, results or None], in order
+    pending, mine = collections.deque(), start + group.claim(tag)  # pending: [k, batch, results or None], in order
     for k, batch in enumerate(batches, start):
         results = None
         if k == mine:
             results = score(batch)
             group.set(f"{tag}sums/{k}", publish(results))
-            mine = claim()
+            mine = start + group.claim(tag)
         pending.append((k, batch, results))
         while pending and (pending[0][2] is not None or group.has(f"{tag}sums/{pending[0][0]}")):
             yield ready(*pending.popleft())
