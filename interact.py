@@ -391,6 +391,25 @@ def _checkpoint_tensors(cfg: dict):
         yield "lm_head.weight", (model.vocab_size, h), 0.0, LOGIT_STD / math.sqrt(h)
 
 
+# Block-wise FP8, as the official Qwen3-*-FP8 checkpoints hold it (their config.json's quantization_config): each
+# layer projection's 128x128 blocks scaled by their own float32 scale, everything else left bf16.
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_fp8_blocks(w, block: int = 128):
+    """w [out, in], both multiples of block -> (float8_e4m3fn [out, in], float32 scales [out/block, in/block]) on w's
+    device, every block at once: scale = the block's amax / 448 (kept away from 0), q = w / scale, rounded to FP8."""
+    import torch
+
+    rows, cols = w.shape
+    blocks = w.float().view(rows // block, block, cols // block, block)
+    scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [out/block, in/block]
+    q = (blocks / scales[:, None, :, None]).to(torch.float8_e4m3fn)
+    return q.view(rows, cols), scales
+
+
 def write_random_checkpoint(
     out_dir: str | Path,
     config: dict,
@@ -400,6 +419,7 @@ def write_random_checkpoint(
     shard_bytes: int = 4 * 2**30,
     tokenizer_dir: str | Path | None = None,
     tensors=_checkpoint_tensors,
+    fp8: bool = False,
 ) -> Path:
     """Write a random bf16 checkpoint of a family prefill runs that transformers loads, plus tokenizer files.
 
@@ -411,24 +431,46 @@ def write_random_checkpoint(
     triple always gives the same weights. At most two shards are in host memory at a time:
     the one being filled and the one being written. tensors(cfg) lists (name, shape, mean, std)
     in file order: by default the tensors prefill's config of the family lists.
+
+    fp8: block-wise FP8 in the official Qwen3-*-FP8 layout (FP8_QUANTIZATION in config.json): every layer projection
+    prefill reads as FP8 (prefill.is_fp8_weight) is drawn in bf16 as above, from the same generator, then quantized
+    on `device` (quantize_fp8_blocks) into X.weight float8_e4m3fn and X.weight_scale_inv float32; so the FP8
+    checkpoint of a (config, seed, device) is the bf16 one's quantization. Every such projection must be a whole
+    number of 128x128 blocks.
     """
     import torch
     from safetensors.torch import save_file
 
+    import prefill  # beside this file, as in _checkpoint_tensors: its rule of which tensors an FP8 checkpoint quantizes
+
     cfg = config_json(config)
+    specs = list(tensors(cfg))  # listed from the unquantized config: the tensors' shapes are the same
+    block = FP8_QUANTIZATION["weight_block_size"][0]
+    quantized = {name for name, _, _, _ in specs if fp8 and prefill.is_fp8_weight(name)}
+    for name, shape, _, _ in specs:
+        if name in quantized and any(n % block for n in shape):
+            raise UserError(f"--fp8: {name} has shape {list(shape)}, not a whole number of {block}x{block} blocks; "
+                            f"the FP8 writer quantizes whole blocks only (every bench geometry's projections are)")
+    if fp8:
+        cfg["quantization_config"] = dict(FP8_QUANTIZATION)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
+    def file_bytes(name, shape):
+        # a quantized weight: one byte an element, and a float32 scale a block
+        n = math.prod(shape)
+        return n + 4 * n // block**2 if name in quantized else 2 * n
+
     # Plan the shards first: their file names carry the shard count.
     shards, size = [[]], 0
-    for spec in tensors(cfg):
-        nbytes = math.prod(spec[1]) * 2
+    for spec in specs:
+        nbytes = file_bytes(*spec[:2])
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(spec)
         size += nbytes
-    total_size = sum(math.prod(s[1]) * 2 for shard in shards for s in shard)
+    total_size = sum(file_bytes(*s[:2]) for shard in shards for s in shard)
     if len(shards) == 1:
         names = ["model.safetensors"]
     else:
@@ -442,8 +484,12 @@ def write_random_checkpoint(
         for name, shard in zip(names, shards):
             tensors = {}
             for tname, shape, mean, std in shard:
-                t = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
-                tensors[tname] = t.mul_(std).add_(mean).cpu()
+                t = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16).mul_(std).add_(mean)
+                if tname in quantized:
+                    q, scales = quantize_fp8_blocks(t, block)
+                    tensors[tname], tensors[tname + "_scale_inv"] = q.cpu(), scales.cpu()
+                else:
+                    tensors[tname] = t.cpu()
             if writing is not None:
                 writing.result()
             writing = writer.submit(save_file, tensors, str(out / name), {"format": "pt"})
@@ -451,7 +497,8 @@ def write_random_checkpoint(
         writing.result()
 
     if len(shards) > 1:
-        weight_map = {s[0]: name for name, shard in zip(names, shards) for s in shard}
+        weight_map = {t: name for name, shard in zip(names, shards) for s in shard
+                      for t in ([s[0], s[0] + "_scale_inv"] if s[0] in quantized else [s[0]])}
         index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
