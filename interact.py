@@ -584,11 +584,31 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB"
 
 
+def fp8_checkpoint(model_dir: str | Path) -> bool:
+    """Whether the checkpoint's config.json says block-wise FP8 (quant_method fp8)."""
+    try:
+        quantized = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(quantized, dict) and quantized.get("quant_method") == "fp8"
+
+
 def checkpoint_bytes(model_dir: str | Path) -> int:
-    """The weight files' size: the model's size in memory in bf16 (an overestimate for float32 files, cast on load)."""
+    """The model's size in memory in bf16: the weight files' size (an overestimate for float32 files, cast on load);
+    for an FP8 checkpoint, which the reference dequantizes (dequantized_kwargs), 2 bytes an element of every tensor
+    but the scales, about twice its files."""
     model_dir = Path(model_dir)
     files = list(model_dir.glob("*.safetensors")) or list(model_dir.glob("*.bin"))
-    return sum(f.stat().st_size for f in files)
+    if not (fp8_checkpoint(model_dir) and files[0].suffix == ".safetensors"):
+        return sum(f.stat().st_size for f in files)
+    from safetensors import safe_open
+
+    size = 0
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            size += sum(2 * math.prod(st.get_slice(name).get_shape()) for name in st.keys()
+                        if not name.endswith("_scale_inv"))
+    return size
 
 
 def host_memory_available() -> int:
@@ -659,13 +679,32 @@ def _softcapped(model_dir: str | Path) -> bool:
         return False  # a model prefill does not run: transformers' defaults
 
 
+def dequantized_kwargs(model_dir: str | Path) -> dict:
+    """from_pretrained's keywords that load an FP8 checkpoint as its dequantized bf16 model, each weight q x scale
+    rounded to bf16 as prefill computes it (SPEC 15): the model the losses are defined on. {} for any other
+    checkpoint. Without them transformers dequantizes only on a CPU or a GPU below compute capability 8.9; on an H100
+    or H200 it keeps the weights FP8 and quantizes the activations per token too (W8A8: other losses), through a
+    Triton kernel it downloads from the Hub."""
+    if not fp8_checkpoint(model_dir):
+        return {}
+    import transformers
+
+    try:
+        return {"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)}
+    except (AttributeError, TypeError) as e:  # a transformers without FineGrainedFP8Config or its dequantize
+        print(f"reference: transformers {transformers.__version__} cannot be asked to dequantize the FP8 checkpoint "
+              f"({type(e).__name__}: {e}); loaded with its defaults, which on a GPU of compute capability >= 8.9 "
+              "run FP8 matmuls (W8A8), not the dequantized model", flush=True)
+        return {}
+
+
 def load_reference_model(model_dir: str | Path, device: str | None = None, gpu_gib: float | None = None):
     placement = reference_placement(model_dir, device, gpu_gib)  # a UserError comes before transformers' import
     print(placement.summary, flush=True)
     import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs = {dtype_kwarg(): torch.bfloat16, **placement.kwargs}
+    kwargs = {dtype_kwarg(): torch.bfloat16, **placement.kwargs, **dequantized_kwargs(model_dir)}
     if _softcapped(model_dir):  # SDPA has no softcap: transformers' SDPA path would leave Gemma 2's out
         kwargs["attn_implementation"] = "eager"
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
