@@ -71,7 +71,8 @@ QWEN2_5_32B = {  # Qwen/Qwen2.5-32B: q/k/v biases, no window (use_sliding_window
     "hidden_act": "silu", "tie_word_embeddings": False, "max_position_embeddings": 32768,
 }
 LLAMA_3_1_70B = {  # meta-llama/Llama-3.1-70B's layers (RoPE llama3), run with --layers N: 80 of them (141 GB) fit
-    # neither the H200 machine's RAM nor its disk. Vocabulary 151936, not 128256: the Qwen3 tokenizer's ids reach
+    # neither the H200 machine's RAM nor its disk (in FP8, 73.4 GB: its RAM, if /dev/shm may grow that large; not its
+    # 64 GiB disk). Vocabulary 151936, not 128256: the Qwen3 tokenizer's ids reach
     # 151668 (its chat template's <|im_start|> is 151644), and the bench's texts are chats
     "model_type": "llama", "vocab_size": 151936, "hidden_size": 8192, "intermediate_size": 28672,
     "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
@@ -230,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     verb = "reused" if info["reused"] else f"wrote in {info['seconds']:.1f} s"
     rate = f" ({info['bytes'] / info['seconds'] / 1e9:.2f} GB/s)" if info["seconds"] else ""
     print(f"{args.out}: {info['bytes'] / 1e9:.2f} GB {verb}{rate}; "
-          f"{cfg['num_hidden_layers']} layers{', FP8' if args.fp8 else ''}, {flops_per_token(cfg) / 1e9:.2f} GFLOP/token")
+          f"{cfg['num_hidden_layers']} layers{', FP8' if args.fp8 else ''}, "
+          f"{flops_per_token(cfg) / 1e9:.2f} GFLOP/token")
     print(json.dumps(info))
     return 0
 

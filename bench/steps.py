@@ -449,7 +449,8 @@ def cmd_baseline(args) -> int:
     # An FP8 checkpoint is loaded dequantized, as the reference is: transformers' FP8 matmuls would need a kernel from
     # the Hub, which the device machine cannot reach, and would compute other losses (W8A8)
     model = AutoModelForCausalLM.from_pretrained(args.model, **{interact.dtype_kwarg(): torch.bfloat16}, device_map="auto",
-                                                 max_memory=max_memory, **interact.dequantized_kwargs(args.model)).eval()
+                                                 max_memory=max_memory,
+                                                 **interact.dequantized_kwargs(args.model)).eval()
     tok = AutoTokenizer.from_pretrained(args.model)
     record["load_s"] = time.perf_counter() - t0
     # accelerate's placement, module -> device (absent when everything landed on one device).

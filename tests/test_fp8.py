@@ -232,7 +232,8 @@ def test_a_bench_fp8_checkpoint_is_the_bf16_one_quantized_and_read_as_transforme
                               tokenizer=qwen_tokenizer_dir, reuse=True, fp8=True)
     fp8, bf16 = tmp_path / "fp8", tmp_path / "bf16"
     for folder, quantized in ((fp8, True), (bf16, False)):
-        make_checkpoint.build(folder, cfg, seed=3, device="cpu", tokenizer=qwen_tokenizer_dir, reuse=True, fp8=quantized)
+        make_checkpoint.build(folder, cfg, seed=3, device="cpu", tokenizer=qwen_tokenizer_dir, reuse=True,
+                              fp8=quantized)
         # --reuse takes a folder only for the format asked for
         assert make_checkpoint.existing_matches(folder, cfg, 3, quantized)
         assert not make_checkpoint.existing_matches(folder, cfg, 3, not quantized)
