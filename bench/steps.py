@@ -396,7 +396,8 @@ def cmd_host_blocker(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# reference: transformers, the whole model on one device, one forward per text (the loss's definition, README)
+# reference: transformers, the whole model on one device, one forward per text (the loss's definition, README); an
+# FP8 checkpoint's model dequantized to bf16 (interact.dequantized_kwargs)
 # ---------------------------------------------------------------------------------------------------------
 
 def _sync(device: str) -> None:
@@ -445,8 +446,11 @@ def cmd_baseline(args) -> int:
     max_memory = {"cpu": f"{args.cpu_gib}GiB"}
     if args.device == "cuda":
         max_memory[0] = f"{args.gpu_gib}GiB"
+    # An FP8 checkpoint is loaded dequantized, as the reference is: transformers' FP8 matmuls would need a kernel from
+    # the Hub, which the device machine cannot reach, and would compute other losses (W8A8)
     model = AutoModelForCausalLM.from_pretrained(args.model, **{interact.dtype_kwarg(): torch.bfloat16}, device_map="auto",
-                                                 max_memory=max_memory).eval()
+                                                 max_memory=max_memory,
+                                                 **interact.dequantized_kwargs(args.model)).eval()
     tok = AutoTokenizer.from_pretrained(args.model)
     record["load_s"] = time.perf_counter() - t0
     # accelerate's placement, module -> device (absent when everything landed on one device).

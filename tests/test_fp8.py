@@ -204,3 +204,79 @@ def test_the_protocol_serves_an_fp8_checkpoint(fp8_checkpoint, monkeypatch, caps
     lines = protocol.getvalue().splitlines()
     assert rc == 0 and lines[0] == "ready", capsys.readouterr().err
     assert max_rel_err([float(x) for x in lines[1:]], reference) < TOLERANCE
+
+
+# ----------------------------------------------------------------------------- the bench's FP8 checkpoints
+
+def test_the_bench_quantizes_every_block_at_once_as_the_loop_does():
+    import interact
+    gen = torch.Generator().manual_seed(2)
+    factor = 2.0 ** torch.randint(-6, 7, (3, 2), generator=gen).float()  # blocks of very different ranges
+    w = (torch.randn(384, 256, generator=gen) * factor.repeat_interleave(128, 0).repeat_interleave(128, 1)).bfloat16()
+    q, s = interact.quantize_fp8_blocks(w)
+    want_q, want_s = quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_a_bench_fp8_checkpoint_is_the_bf16_one_quantized_and_read_as_transformers_dequantizes_it(
+        tmp_path, qwen_tokenizer_dir, monkeypatch):
+    # a tiny Qwen3-MoE (attention, experts, a bf16 router): written as bench/run.py --fp8 writes its checkpoints, with
+    # the bf16 one of the same seed beside it
+    import interact
+    from bench import make_checkpoint
+    cfg = make_checkpoint.geometry("tiny-moe")
+    cfg["moe_intermediate_size"] = 128  # whole 128x128 blocks, as in every real geometry
+    with pytest.raises(interact.UserError, match=r"experts\.0\.gate_proj\.weight has shape \[64, 128\], not a whole"):
+        make_checkpoint.build(tmp_path / "partial", make_checkpoint.geometry("tiny-moe"), seed=3, device="cpu",
+                              tokenizer=qwen_tokenizer_dir, reuse=True, fp8=True)
+    fp8, bf16 = tmp_path / "fp8", tmp_path / "bf16"
+    for folder, quantized in ((fp8, True), (bf16, False)):
+        make_checkpoint.build(folder, cfg, seed=3, device="cpu", tokenizer=qwen_tokenizer_dir, reuse=True,
+                              fp8=quantized)
+        # --reuse takes a folder only for the format asked for
+        assert make_checkpoint.existing_matches(folder, cfg, 3, quantized)
+        assert not make_checkpoint.existing_matches(folder, cfg, 3, not quantized)
+    assert make_checkpoint.build(fp8, cfg, seed=3, device="cpu", tokenizer=None, reuse=True, fp8=True)["reused"]
+    assert json.loads((fp8 / "config.json").read_text())["quantization_config"] == FP8_CONFIG
+
+    files, plain = load_file(fp8 / "model.safetensors"), load_file(bf16 / "model.safetensors")
+    assert sum(t.nbytes for t in files.values()) == make_checkpoint.checkpoint_bytes(cfg, fp8=True)
+    dequantized = {}
+    for name, t in plain.items():
+        if not prefill.is_fp8_weight(name):
+            assert files[name].dtype == torch.bfloat16 and torch.equal(files[name], t), name
+            continue
+        q, s = files[name], files[name + "_scale_inv"]
+        assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == prefill.scale_grid(t.shape)
+        out = torch.empty(q.shape, dtype=torch.bfloat16)
+        prefill.dequantize_fp8(q, s, out)
+        # the same draw, rounded to FP8's 3 mantissa bits (and its subnormals' steps, 2^-9 of a block's scale)
+        step = s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        assert ((out.float() - t.float()).abs() <= t.float().abs() / 16 + step / 2**9 + 1e-6).all(), name
+        dequantized[name] = out
+    assert len(dequantized) == 2 * (4 + 3 * 8)
+
+    # transformers as the reference loads it holds prefill's weights bit for bit, even where it would otherwise keep
+    # them FP8 (a GPU of compute capability 8.9 or more, here pretended)
+    assert interact.dequantized_kwargs(fp8)["quantization_config"].dequantize and not interact.dequantized_kwargs(bf16)
+    assert interact.checkpoint_bytes(fp8) == make_checkpoint.checkpoint_bytes(cfg)  # its bf16 size in memory
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    model = interact.load_reference_model(fp8, "cpu")
+    monkeypatch.undo()
+    theirs = model.state_dict()
+    for i in range(2):
+        layer = f"model.layers.{i}."
+        assert torch.equal(theirs[layer + "self_attn.q_proj.weight"], dequantized[layer + "self_attn.q_proj.weight"])
+        experts = f"{layer}mlp.experts."
+        gate_up = torch.stack([torch.cat([dequantized[f"{experts}{e}.gate_proj.weight"],
+                                          dequantized[f"{experts}{e}.up_proj.weight"]]) for e in range(8)])
+        assert torch.equal(theirs[experts + "gate_up_proj"], gate_up)
+        assert torch.equal(theirs[layer + "mlp.gate.weight"], plain[layer + "mlp.gate.weight"])
+
+    # and prefill scores it as that reference does (5e-4 apart: both in bf16, the same weights)
+    r = runner(fp8)
+    assert r.cfg.fp8_scales == "float"
+    reference = interact.reference_losses(model, interact.load_tokenizer(fp8), TEXTS[:4])
+    assert max_rel_err(r.losses(r.tokenize(TEXTS[:4])), reference) < TOLERANCE
