@@ -29,6 +29,13 @@ def gqa_checkpoint(tmp_path_factory, qwen_tokenizer_dir):
     return checkpoint_with_reference(tmp_path_factory, qwen_tokenizer_dir, "gqa", sharded=True)
 
 
+@pytest.fixture(scope="session")
+def fp8_folder(tmp_path_factory, qwen_tokenizer_dir):
+    """test_fp8's tiny block-wise FP8 Qwen3 (3 layers, hidden 256, tied), which test_dist runs too."""
+    from test_fp8 import write_fp8_checkpoint
+    return write_fp8_checkpoint(tmp_path_factory.mktemp("fp8"), qwen_tokenizer_dir)
+
+
 # ----------------------------------------------------------------------------- the start-up attention check, once
 # Every Runner checks its attention backend against float32 attention on texts of up to 4500 tokens (pick_attention,
 # and pick_tree_attention at its first prefix tree): 2-3 s a Runner on two idle CPU cores, and the suite makes dozens

@@ -30,50 +30,60 @@ def quantize(w, block=128):
     return q, s
 
 
+def quantize_checkpoint(folder, scales="float32", **quantization):
+    """Rewrites the bf16 checkpoint a builder saved in folder (this file's, test_families', test_moe's) in the official
+    block-wise FP8 layout: each projection of a layer (an expert's too) quantized per 128x128 block, with its scale
+    grid. Each block's weights are first scaled by its own power of two, so that scales applied to the wrong blocks
+    (a transposed grid, another expert's) change the numbers."""
+    folder = Path(folder)
+    gen = torch.Generator().manual_seed(1)
+    tensors = load_file(folder / "model.safetensors")
+    for name in list(tensors):
+        if ".layers." not in name or not name.endswith("_proj.weight"):
+            continue
+        w = tensors[name].float()
+        factor = 2.0 ** torch.randint(-2, 3, prefill.scale_grid(w.shape), generator=gen).float()
+        q, s = quantize(w * factor.repeat_interleave(128, 0)[:w.shape[0]].repeat_interleave(128, 1)[:, :w.shape[1]])
+        tensors[name], tensors[name + "_scale_inv"] = q, {
+            "float32": s, "bf16": s.to(torch.bfloat16), "ue8m0": (torch.log2(s).ceil() + 127).to(torch.uint8)}[scales]
+    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {**FP8_CONFIG, **quantization}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 def write_fp8_checkpoint(out, tokenizer_dir, scales="float32", **quantization):
-    """A tiny random Qwen3 (every projection a multiple of 128, or one block smaller), each projection quantized per
-    128x128 block, in the official layout. Each block's weights are scaled by its own power of two, so that scales
-    applied to the wrong blocks (a transposed grid) change the numbers."""
+    """A tiny random Qwen3 with the real tokenizer (every projection a multiple of 128, or one block smaller), in the
+    official FP8 layout (quantize_checkpoint)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     config = Qwen3Config(vocab_size=151936, hidden_size=256, intermediate_size=384, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=1, head_dim=64, rope_theta=1e6,
                          rms_norm_eps=1e-6, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).eval()
-    gen = torch.Generator().manual_seed(1)
-    tensors = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2 and name.endswith("_proj.weight"):
                 p.normal_(0, (10 if ("q_proj" in name or "k_proj" in name) else 2) / p.shape[1] ** 0.5)
-                grid = prefill.scale_grid(p.shape)
-                factor = 2.0 ** torch.randint(-2, 3, grid, generator=gen).float()
-                w = p * factor.repeat_interleave(128, 0)[:p.shape[0]].repeat_interleave(128, 1)[:, :p.shape[1]]
-                q, s = quantize(w)
-                tensors[name], tensors[name + "_scale_inv"] = q, {
-                    "float32": s, "bf16": s.to(torch.bfloat16),
-                    "ue8m0": (torch.log2(s).ceil() + 127).to(torch.uint8)}[scales]
             elif p.dim() == 2:
                 p.normal_(0, 0.5)
-                tensors[name] = p.to(torch.bfloat16)
             else:
                 p.normal_(3 if ("q_norm" in name or "k_norm" in name) else 1, 0.2)
-                tensors[name] = p.to(torch.bfloat16)
-    out = Path(out)
-    out.mkdir(exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})
-    cfg = config.to_dict()
-    cfg["quantization_config"] = {**FP8_CONFIG, **quantization}
-    (out / "config.json").write_text(json.dumps(cfg))
+    model.to(torch.bfloat16).save_pretrained(out)
     for f in Path(tokenizer_dir).iterdir():
         shutil.copy(f, out)
-    return out
+    return quantize_checkpoint(out, scales, **quantization)
 
 
 @pytest.fixture(scope="module")
-def fp8_checkpoint(tmp_path_factory, qwen_tokenizer_dir):
-    out = write_fp8_checkpoint(tmp_path_factory.mktemp("fp8"), qwen_tokenizer_dir)
-    return out, transformers_losses(out, TEXTS)
+def fp8_checkpoint(fp8_folder):
+    return fp8_folder, transformers_losses(fp8_folder, TEXTS)
+
+
+@pytest.fixture(scope="module")
+def fp8_runner(fp8_folder):
+    return runner(fp8_folder)
 
 
 def test_dequantized_weights_are_transformers_bit_for_bit(fp8_checkpoint):
@@ -91,9 +101,9 @@ def test_dequantized_weights_are_transformers_bit_for_bit(fp8_checkpoint):
     assert compared == 7 * cfg.num_hidden_layers
 
 
-def test_matches_transformers_and_an_ablation_fails(fp8_checkpoint, monkeypatch):
+def test_matches_transformers_and_an_ablation_fails(fp8_checkpoint, fp8_runner, monkeypatch):
     path, reference = fp8_checkpoint
-    r = runner(path)
+    r = fp8_runner
     ids = r.tokenize(TEXTS)
     assert max_rel_err(r.losses(ids), reference) < TOLERANCE
     dequantize = prefill.dequantize_fp8
@@ -104,9 +114,9 @@ def test_matches_transformers_and_an_ablation_fails(fp8_checkpoint, monkeypatch)
     monkeypatch.setattr(prefill, "dequantize_fp8", dequantize)
 
 
-def test_held_as_fp8_and_every_layer_streamed_equals_resident(fp8_checkpoint):
+def test_held_as_fp8_and_every_layer_streamed_equals_resident(fp8_checkpoint, fp8_runner):
     path, _ = fp8_checkpoint
-    resident, streamed = runner(path), runner(path, gpu_memory_gib=0, load="copy")
+    resident, streamed = fp8_runner, runner(path, gpu_memory_gib=0, load="copy")
     cfg = resident.cfg
     bf16_layer = 2 * sum(math.prod(shape) for _, shape in cfg.layouts["mlp"].values())
     assert cfg.layer_bytes < 0.6 * bf16_layer  # FP8 bytes and their scales
