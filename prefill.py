@@ -383,6 +383,17 @@ FP8_CONFIG = {"fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size"
 FP8_SCALE_FORMATS = ("float", "ue8m0")
 
 
+def compressed_tensors(quantized):
+    # llm-compressor's checkpoints in a few words: the format (its FP8-dynamic is "float-quantized", each weight
+    # scaled per output channel or per tensor, in weight_scale) and how each group's weights are scaled
+    groups = quantized.get("config_groups")
+    weights = [group.get("weights") for group in groups.values() if isinstance(group, dict)] \
+        if isinstance(groups, dict) else []
+    scaled = sorted({shown(w.get("strategy")) for w in weights if isinstance(w, dict) and "strategy" in w})
+    return "compressed-tensors" + (f" in format {shown(quantized['format'])}" if "format" in quantized else "") + (
+        f", weights scaled per {' and per '.join(scaled)}" if scaled else "")
+
+
 def fp8_fields(quantized, path):
     """The scales' format of a quantization_config (None: none, unquantized weights): block-wise FP8 is read,
     everything else refused with one line naming what it is. modules_to_not_convert is not read: which tensors are
@@ -390,6 +401,10 @@ def fp8_fields(quantized, path):
     if quantized is None:
         return None
     method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+    if method == "compressed-tensors" and isinstance(quantized, dict):
+        raise UserError(f"{path}: quantization_config is {compressed_tensors(quantized)}: llm-compressor's layout, "
+                        "which prefill does not read; it reads BF16, F16 or F32 weights, or block-wise FP8 "
+                        "(quant_method fp8, weight_scale_inv per 128x128 block)")
     if method != "fp8":
         raise UserError(f"{path}: quantized weights (quantization_config {shown(method)}); prefill reads BF16, F16 "
                         "or F32 weights, or block-wise FP8 (quant_method fp8)")

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import prefill
-from test_prefill import TEXTS, TOLERANCE, max_rel_err, runner, transformers_losses
+from test_prefill import TEXTS, TOLERANCE, Fault, main_in_process, max_rel_err, runner, transformers_losses
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -138,7 +138,6 @@ def test_scales_in_bf16_and_ue8m0(tmp_path, qwen_tokenizer_dir, scales):
 
 @pytest.mark.parametrize("change, says", [
     ({"quant_method": "gptq"}, "quantization_config 'gptq'"),
-    ({"quant_method": "compressed-tensors"}, "quantization_config 'compressed-tensors'"),
     ({"activation_scheme": "static"}, "activation_scheme is \"static\""),
     ({"weight_block_size": [64, 64]}, "weight_block_size is [64, 64]"),
     ({"weight_block_size": None, "fmt": "e5m2"}, "fmt is \"e5m2\""),
@@ -214,3 +213,26 @@ def test_the_protocol_serves_an_fp8_checkpoint(fp8_checkpoint, monkeypatch, caps
     lines = protocol.getvalue().splitlines()
     assert rc == 0 and lines[0] == "ready", capsys.readouterr().err
     assert max_rel_err([float(x) for x in lines[1:]], reference) < TOLERANCE
+
+
+# ----------------------------------------------------------------------------- compressed-tensors
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_llm_compressor_s_fp8_dynamic_is_refused_in_one_line_naming_its_format(strategy, fp8_folder, tmp_path,
+                                                                                monkeypatch, capsys):
+    # llm-compressor's FP8-dynamic (compressed-tensors, format float-quantized: weight_scale per output channel or
+    # per tensor, activations quantized per token) is another layout than block-wise FP8: refused by name, from
+    # config.json alone
+    config = json.loads((fp8_folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "kv_cache_scheme": None, "config_groups": {"group_0": {
+            "targets": ["Linear"], "output_activations": None,
+            "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy},
+            "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                                  "strategy": "token"}}}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rc, out, err = main_in_process(monkeypatch, capsys, tmp_path, Fault(""))
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert (f"quantization_config is compressed-tensors in format 'float-quantized', weights scaled per '{strategy}': "
+            "llm-compressor's layout, which prefill does not read") in err
