@@ -1,5 +1,7 @@
 """Block-wise FP8 checkpoints (the official Qwen3-*-FP8 layout): read, dequantized bit for bit as transformers does,
-held and streamed as FP8, and everything else in a quantization_config refused."""
+held and streamed as FP8 (a projection modules_to_not_convert names held bf16 in its own layer), in Gemma 3's and
+Qwen3-MoE's shapes, and every way in (corpus mode, continuations, lm-eval; torchrun is test_dist's); everything else
+in a quantization_config refused."""
 import json
 import math
 import re
@@ -13,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import prefill
-from test_prefill import (TEXTS, TOLERANCE, Fault, main_in_process, max_rel_err, reference_losses, runner,
-                          transformers_losses)
+from test_prefill import (TEXTS, TOLERANCE, Fault, corpus_file, corpus_in_process, main_in_process, max_rel_err,
+                          reference_losses, runner, transformers_losses)
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -395,3 +397,84 @@ def test_gemma3_and_qwen3_moe_in_fp8_match_transformers_and_an_ablation_fails(fa
     else:
         monkeypatch.setattr(r.cfg, "held", expert_scales_rotated(r.cfg))
     assert max_rel_err(r.losses(ids), reference) > 3 * TOLERANCE
+
+
+# ----------------------------------------------------------------------------- every way in
+
+@pytest.fixture(scope="module")
+def bf16_copy(fp8_folder, tmp_path_factory):
+    return dequantized_copy(fp8_folder, tmp_path_factory.mktemp("bf16-copy") / "model")
+
+
+def numbers(output):  # an --output file's records but for their digests
+    return [{k: v for k, v in json.loads(line).items() if k != "digest"} for line in output.read_text().splitlines()]
+
+
+def linked(folder, source):
+    # folder (made if need be) holding links to source's files, in place of what it held
+    folder.mkdir(exist_ok=True)
+    for f in folder.iterdir():
+        f.unlink()
+    for f in source.iterdir():
+        (folder / f.name).symlink_to(f)
+    return folder
+
+
+def test_corpus_resume_and_continuations_score_an_fp8_checkpoint_as_its_bf16_copy(fp8_folder, bf16_copy, tmp_path,
+                                                                                   monkeypatch, capsys):
+    # corpus mode, texts and continuations (score_requests: the prefix trees under Runner.loglikelihoods, which the
+    # lm-eval test below calls), in-process on a shared Runner per checkpoint: the FP8 checkpoint's records are its
+    # dequantized bf16 copy's, bit for bit; a cut output resumes to the whole one; and the bf16 copy's output is
+    # never resumed with the FP8 checkpoint put in its folder
+    texts = corpus_file(tmp_path / "texts.jsonl", 8)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"context": "Question: which river is longest?\nAnswer:", "continuation": ending})
+                             + "\n" for ending in (" the Nile", " the Rhine, then the Danube", " none")))
+    folder = linked(tmp_path / "model", bf16_copy)  # where the FP8 checkpoint replaces the bf16 copy below
+    out = {}
+    for name, model in (("fp8", fp8_folder), ("bf16", folder)):
+        for source in (texts, pairs):
+            out[name, source] = tmp_path / f"{name}-{source.name}"
+            rc, err = corpus_in_process(monkeypatch, capsys, model, "--input", source, "--output", out[name, source])
+            assert rc == 0, err
+    for source in (texts, pairs):
+        assert numbers(out["fp8", source]) == numbers(out["bf16", source])
+    assert all("logprob" in record for record in numbers(out["fp8", pairs]))
+    whole = out["fp8", texts].read_bytes()
+    out["fp8", texts].write_bytes(whole[:len(whole) // 2])
+    rc, err = corpus_in_process(monkeypatch, capsys, fp8_folder, "--input", texts, "--output", out["fp8", texts],
+                                "--resume")
+    assert rc == 0 and out["fp8", texts].read_bytes() == whole, err
+    # the settings kept beside the output name the checkpoint changed, before any load; without them the records'
+    # digests, which cover the checkpoint's fingerprint (config.json, the safetensors headers), refuse it
+    linked(folder, fp8_folder)
+    rc, err = corpus_in_process(monkeypatch, capsys, folder, "--input", texts, "--output", out["bf16", texts],
+                                "--resume")
+    assert rc == 2 and err.count("\n") == 1 and "was made with other settings (checkpoint " in err, err
+    Path(f"{out['bf16', texts]}.settings.json").unlink()
+    rc, err = corpus_in_process(monkeypatch, capsys, folder, "--input", texts, "--output", out["bf16", texts],
+                                "--resume")
+    assert rc == 2 and "line 1 does not match" in err and "another checkpoint or setting" in err, err
+    # the scales ignored
+    dequantize = prefill.dequantize_fp8
+    monkeypatch.setattr(prefill, "dequantize_fp8", lambda q, s, out: dequantize(q, torch.ones_like(s), out))
+    ablated = tmp_path / "ablated.jsonl"
+    assert corpus_in_process(monkeypatch, capsys, fp8_folder, "--input", texts, "--output", ablated)[0] == 0
+    assert max_rel_err(*([r["loss"] for r in numbers(output) if r["loss"] is not None]
+                         for output in (ablated, out["bf16", texts]))) > 3 * TOLERANCE
+
+
+def test_lm_eval_scores_an_fp8_checkpoint_as_its_bf16_copy(fp8_folder, bf16_copy, monkeypatch):
+    # prefill_eval's model, as lm-eval makes it from model_args, on each checkpoint: the same answers, bit for bit
+    from lm_eval.api.instance import Instance
+    import prefill_eval
+    pairs = [Instance("loglikelihood", {}, ("Question: which river is longest?\nAnswer:", ending), i)
+             for i, ending in enumerate([" the Nile", " the Rhine", " none of them"])]
+    documents = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(TEXTS[:2])]
+    models = [prefill_eval.PrefillLM(pretrained=str(path), device="cpu", attention="sdpa", max_length=16)
+              for path in (fp8_folder, bf16_copy)]
+    answers = [(lm.loglikelihood(pairs), lm.loglikelihood_rolling(documents)) for lm in models]
+    assert answers[0] == answers[1]
+    dequantize = prefill.dequantize_fp8  # the scales ignored
+    monkeypatch.setattr(prefill, "dequantize_fp8", lambda q, s, out: dequantize(q, torch.ones_like(s), out))
+    assert max_rel_err([x for x, _ in models[0].loglikelihood(pairs)], [x for x, _ in answers[1][0]]) > 3 * TOLERANCE
