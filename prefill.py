@@ -14,7 +14,7 @@ huge request is split into waves).
 This file alone is the engine: the protocol and the Python API need nothing beside it. Its sections, in reading
 order, with their main definitions (no definition reads a name defined further down; tests/test_layout.py checks
 both):
-  config: Rope, AttentionSettings, Family, FAMILIES, ConfigFields, fp8_fields, ModelConfig
+  config: Rope, AttentionSettings, Family, FAMILIES, ConfigFields, fp8_fields, held_layout, ModelConfig
   checkpoint loading: header_tensors, Workers, pinned_empty, Checkpoint, check_tensors, LayerWeights, layer_views,
       Stager
   memory plan: MemoryPlan, plan_memory, layer_flops, plan_wave, HostPlan, plan_host
@@ -55,6 +55,7 @@ import math
 import mmap
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -383,13 +384,27 @@ FP8_CONFIG = {"fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size"
 FP8_SCALE_FORMATS = ("float", "ue8m0")
 
 
+def compressed_tensors(quantized):
+    # llm-compressor's checkpoints in a few words: the format (its FP8-dynamic is "float-quantized", each weight
+    # scaled per output channel or per tensor, in weight_scale) and how each group's weights are scaled
+    groups = quantized.get("config_groups")
+    weights = [group.get("weights") for group in groups.values() if isinstance(group, dict)] \
+        if isinstance(groups, dict) else []
+    scaled = sorted({shown(w.get("strategy")) for w in weights if isinstance(w, dict) and "strategy" in w})
+    return "compressed-tensors" + (f" in format {shown(quantized['format'])}" if "format" in quantized else "") + (
+        f", weights scaled per {' and per '.join(scaled)}" if scaled else "")
+
+
 def fp8_fields(quantized, path):
-    """The scales' format of a quantization_config (None: none, unquantized weights): block-wise FP8 is read,
-    everything else refused with one line naming what it is. modules_to_not_convert is not read: which tensors are
-    FP8 the checkpoint's dtypes say, checked against is_fp8_weight before loading."""
+    """ModelConfig's FP8 fields from a quantization_config (None: none, unquantized weights): block-wise FP8's scale
+    format and modules_to_not_convert. Everything else is refused with one line naming what it is."""
     if quantized is None:
-        return None
+        return {}
     method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+    if method == "compressed-tensors" and isinstance(quantized, dict):
+        raise UserError(f"{path}: quantization_config is {compressed_tensors(quantized)}: llm-compressor's layout, "
+                        "which prefill does not read; it reads BF16, F16 or F32 weights, or block-wise FP8 "
+                        "(quant_method fp8, weight_scale_inv per 128x128 block)")
     if method != "fp8":
         raise UserError(f"{path}: quantized weights (quantization_config {shown(method)}); prefill reads BF16, F16 "
                         "or F32 weights, or block-wise FP8 (quant_method fp8)")
@@ -400,18 +415,68 @@ def fp8_fields(quantized, path):
     scales = quantized.get("scale_fmt", "float")
     if scales not in FP8_SCALE_FORMATS:
         raise UserError(f"{path}: quantization_config scale_fmt is {shown(scales)}; expected float or ue8m0")
-    return scales
+    kept = quantized.get("modules_to_not_convert") or []
+    if not (isinstance(kept, list) and all(isinstance(pattern, str) for pattern in kept)):
+        raise UserError(f"{path}: quantization_config modules_to_not_convert is {shown(kept)}; expected a list of "
+                        "module names")
+    for pattern in kept:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise UserError(f"{path}: quantization_config modules_to_not_convert holds {shown(pattern)}, which "
+                            f"transformers reads as a regular expression, and it is not one ({e})") from None
+    return dict(fp8_scales=scales, fp8_not_converted=tuple(kept))
 
 
 def is_fp8_weight(name):
-    # a layer's projections (attention, MLP, experts) are FP8 in a block-wise FP8 checkpoint; norms, biases and the
-    # MoE router (mlp.gate) stay bf16, as do the embedding and lm_head
+    # a layer's projections (attention, MLP, experts) are FP8 in a block-wise FP8 checkpoint, but for those
+    # modules_to_not_convert names (not_converted); norms, biases and the MoE router (mlp.gate) stay bf16, as do the
+    # embedding and lm_head
     return name.endswith("_proj.weight")
+
+
+def not_converted(patterns, prefixes=()):
+    """The test of whether modules_to_not_convert's patterns name a module (its tensor's name less ".weight"), as
+    transformers reads them: from the name's start as a regular expression ending at a module boundary
+    ("model.layers.1" names model.layers.1.mlp.up_proj, not model.layers.11's), or as a plain suffix ("mlp.gate"
+    names the router, not mlp.gate_proj). prefixes: the config's tensor_prefixes, whose spellings in the files are
+    tried too. All patterns in one expression: a 128-expert model of 94 layers asks for 36k modules."""
+    if not patterns:
+        return lambda module: False
+    start = re.compile("(?:" + "|".join(f"(?:{pattern})" for pattern in patterns) + ")(?:(?<=\\.)|(?=\\.|$))")
+    suffixes = tuple(patterns)
+    return lambda module: any(start.match(name) or name.endswith(suffixes) for name in [module] + [
+        file + module[len(read):] for file, read in prefixes if module.startswith(read)])
 
 
 def scale_grid(shape):
     # the scales of a weight [out, in]: one per FP8_BLOCK x FP8_BLOCK block, the last row and column of blocks partial
     return tuple(-(-n // FP8_BLOCK) for n in shape)
+
+
+def held_layout(layout, numel, fp8):
+    """How a layer is held (resident, in host memory, in a slot): [(name, byte offset, shape, dtype)], and its bytes.
+    layout: its bf16 layout, {name: (element offset, shape)}, numel elements long; fp8: the names of its weights held
+    as FP8, each one's float8 bytes then its scales (float32, one per FP8_BLOCK x FP8_BLOCK block), dequantized into
+    the bf16 layout just before the layer runs. With none, the bf16 layout itself."""
+    if not fp8:
+        return [(name, offset * DTYPE.itemsize, shape, DTYPE) for name, (offset, shape) in layout.items()], \
+            numel * DTYPE.itemsize
+    held, offset = [], 0
+    for name, (_, shape) in layout.items():
+        parts = [(name, shape, DTYPE)]
+        if name in fp8:
+            parts = [(name, shape, FP8), (name + "_scale_inv", scale_grid(shape), torch.float32)]
+            if any(n > FP8_BLOCK and n % FP8_BLOCK for n in shape):
+                # transformers takes the block from the weight's shape over its scale grid (Fp8Dequantize), which
+                # is FP8_BLOCK only where each side is a multiple of it, or one block smaller than it
+                raise UserError(f"an FP8 weight's shape {list(shape)} ({name}) is not a multiple of the "
+                                f"{FP8_BLOCK}x{FP8_BLOCK} blocks: transformers would read its scales otherwise")
+        for part, part_shape, dtype in parts:
+            offset = -(-offset // 128) * 128
+            held.append((part, offset, part_shape, dtype))
+            offset += math.prod(part_shape) * dtype.itemsize
+    return held, -(-offset // 128) * 128
 
 
 @dataclass
@@ -446,6 +511,7 @@ class ModelConfig:
     dense_layers: tuple = ()        # Qwen3-MoE: layers whose feed-forward is the dense MLP, intermediate_size wide
     fp8_scales: str = None          # block-wise FP8 weights (fp8_fields): their scales' format, "float" or "ue8m0";
     #                                 None: the weights are bf16 (or f16, f32) in the files
+    fp8_not_converted: tuple = ()   # its modules_to_not_convert: patterns naming modules kept bf16 (not_converted)
 
     def __post_init__(self):
         D = self.head_dim
@@ -470,37 +536,25 @@ class ModelConfig:
                 self.layouts[kind][name] = (offset, shape)
                 offset += math.prod(shape)
             numels[kind] = offset
-        # How a layer is held (resident, in host memory, in a slot): kind -> [(name, byte offset, shape, dtype)]. The
-        # bf16 layout itself, or with FP8 weights each projection's float8 bytes then its scales (float32, one per
-        # FP8_BLOCK x FP8_BLOCK block), dequantized into the bf16 layout just before the layer runs (the plan counts
-        # that scratch: dequantized_bytes).
-        self.held, held_bytes = {}, {}
-        for kind, layout in self.layouts.items():
-            if not self.fp8_scales:
-                self.held[kind] = [(name, offset * DTYPE.itemsize, shape, DTYPE) for name, (offset, shape)
-                                   in layout.items()]
-                held_bytes[kind] = numels[kind] * DTYPE.itemsize
-                continue
-            self.held[kind], offset = [], 0
-            for name, (_, shape) in layout.items():
-                parts = [(name, shape, DTYPE)]
-                if is_fp8_weight(name):
-                    parts = [(name, shape, FP8), (name + "_scale_inv", scale_grid(shape), torch.float32)]
-                if is_fp8_weight(name) and any(n > FP8_BLOCK and n % FP8_BLOCK for n in shape):
-                    # transformers takes the block from the weight's shape over its scale grid (Fp8Dequantize), which
-                    # is FP8_BLOCK only where each side is a multiple of it, or one block smaller than it
-                    raise UserError(f"an FP8 weight's shape {list(shape)} ({name}) is not a multiple of the "
-                                    f"{FP8_BLOCK}x{FP8_BLOCK} blocks: transformers would read its scales otherwise")
-                for part, part_shape, dtype in parts:
-                    offset = -(-offset // 128) * 128
-                    self.held[kind].append((part, offset, part_shape, dtype))
-                    offset += math.prod(part_shape) * dtype.itemsize
-            held_bytes[kind] = -(-offset // 128) * 128
-        self.layer_nbytes = tuple(held_bytes[kind] for kind in self.layer_kinds)  # per layer
+        # How each layer is held (held_layout), a list shared by the layers held alike: the bf16 layout itself, or
+        # with FP8 weights each projection's float8 bytes and scales, but for those modules_to_not_convert names,
+        # which stay bf16 in their own layers alone (a checkpoint may keep its first layers in bf16); each is
+        # dequantized into the bf16 layout just before the layer runs (the plan counts that scratch:
+        # dequantized_bytes).
+        held, alike, kept = [], {}, not_converted(self.fp8_not_converted, self.tensor_prefixes)
+        for layer, kind in enumerate(self.layer_kinds):
+            fp8 = frozenset(name for name in self.layouts[kind] if self.fp8_scales and is_fp8_weight(name)
+                            and not kept(f"model.layers.{layer}.{name[:-len('.weight')]}"))
+            if (kind, fp8) not in alike:
+                alike[kind, fp8] = held_layout(self.layouts[kind], numels[kind], fp8)
+            held.append(alike[kind, fp8])
+        self.held = tuple(parts for parts, _ in held)
+        self.layer_nbytes = tuple(nbytes for _, nbytes in held)
         # the largest layer's: what a streaming slot and a storage ring's buffer hold (a model of one kind: every
         # layer's), in bytes and in bf16 elements
-        self.largest_kind = max(held_bytes, key=held_bytes.get)
-        self.layer_bytes = held_bytes[self.largest_kind]
+        largest = self.layer_nbytes.index(max(self.layer_nbytes))
+        self.largest_kind = self.layer_kinds[largest]
+        self.layer_bytes = self.layer_nbytes[largest]
         self.layer_layout = self.layouts[self.largest_kind]  # its bf16 layout (an FP8 layer's once dequantized)
         self.layer_numel = self.layer_bytes // DTYPE.itemsize
         self.dequantized_bytes = max(numels.values()) * DTYPE.itemsize if self.fp8_scales else 0
@@ -556,7 +610,7 @@ class ModelConfig:
         """The config of config.json's contents (path names it in errors). Whatever transformers would compute
         otherwise than prefill implements is refused here with one line naming it, never ignored."""
         fields = ConfigFields(raw, path)
-        fp8_scales = fp8_fields(raw.get("quantization_config"), path)
+        fp8 = fp8_fields(raw.get("quantization_config"), path)
         prefixes = ()
         if raw.get("model_type") == "gemma3" and "text_config" in raw:
             tied = raw.get("tie_word_embeddings")
@@ -611,7 +665,7 @@ class ModelConfig:
             mlp_bias=family.mlp_bias and fields.flag("mlp_bias"), embed_scale=family.embed_scale,
             final_softcap=fields.off_or(fields.positive, "final_logit_softcapping", family.softcaps[1])
             if family.softcaps else None,
-            tensor_prefixes=prefixes, fp8_scales=fp8_scales, **(moe_fields(fields, path, layers) if family.experts else {}),
+            tensor_prefixes=prefixes, **fp8, **(moe_fields(fields, path, layers) if family.experts else {}),
             max_position_embeddings=fields.get("max_position_embeddings", 0, lambda v: type(v) is int and v >= 0,
                                                "a non-negative integer"),
         )
@@ -1000,15 +1054,16 @@ def layer_tensors(cfg, layer):
     # (checkpoint name, byte offset, element count, dtype) of each tensor inside the layer's flat buffer as it is held
     # (cfg.held), in layout order
     return [(f"model.layers.{layer}.{name}", offset, math.prod(shape), dtype)
-            for name, offset, shape, dtype in cfg.held[cfg.layer_kinds[layer]]]
+            for name, offset, shape, dtype in cfg.held[layer]]
 
 
 def check_tensors(ckpt, cfg, fixed):
     """Every missing, misshapen or mistyped tensor, before heavy work: each layer's as cfg.held holds them (an FP8
     weight's scale grid included), and fixed, [(name, shape)]: the embedding, final norm and head."""
     fp8 = "block-wise FP8" if cfg.fp8_scales else "unquantized (no quantization_config)"
-    for layer, kind in enumerate(cfg.layer_kinds):
-        for name, _, shape, held in cfg.held[kind]:
+    for layer, parts in enumerate(cfg.held):
+        for name, _, shape, held in parts:
+            kept = cfg.fp8_scales and held == DTYPE and is_fp8_weight(name)  # by modules_to_not_convert
             name = f"model.layers.{layer}.{name}"
             ckpt.get(name, shape)
             dtype = ckpt.tensors[name][1]
@@ -1016,8 +1071,10 @@ def check_tensors(ckpt, cfg, fixed):
                 (torch.uint8,) if cfg.fp8_scales == "ue8m0" else ())
             wanted = {FP8: (FP8,), torch.float32: scales}.get(held, FLOATS)
             if dtype not in wanted:
-                raise UserError(f"checkpoint tensor {name} is {str(dtype)[6:]}; the model is {fp8}, which makes it "
-                                f"{' or '.join(str(d)[6:] for d in wanted)}")
+                raise UserError(f"checkpoint tensor {name} is {str(dtype)[6:]}; the model is {fp8}" + (
+                    ", its modules_to_not_convert naming this one" if kept else "") + ", which makes it "
+                    f"{' or '.join(str(d)[6:] for d in wanted)}" + (
+                    " (or modules_to_not_convert would name it)" if held == FP8 else ""))
     for name, shape in fixed:
         ckpt.get(name, shape)
         if ckpt.tensors[name][1] not in FLOATS:
@@ -1519,10 +1576,10 @@ def dequantize_fp8(q, scales, out):
         out[g * bm:(g + n) * bm].copy_(blocks.view(n * bm, C))
 
 
-def dequantize_layer(held, out, cfg, kind, dequantize):
-    # a layer held with FP8 weights (held: its flat buffer, as cfg.held[kind] places it) -> out: the bf16 layer, as
-    # cfg.layouts[kind] places it (each FP8 weight's scales follow it in cfg.held)
-    layout, parts = cfg.layouts[kind], cfg.held[kind]
+def dequantize_layer(held, out, cfg, layer, dequantize):
+    # a layer held with FP8 weights (held: its flat buffer, as cfg.held[layer] places it) -> out: the bf16 layer, as
+    # its kind's layout places it (each FP8 weight's scales follow it in cfg.held; a weight held bf16 is copied)
+    layout, parts = cfg.layouts[cfg.layer_kinds[layer]], cfg.held[layer]
     for i, (name, offset, shape, dtype) in enumerate(parts):
         if name not in layout:
             continue  # scales, read with their weight
@@ -1603,9 +1660,8 @@ class WeightStreamer:
         self.host.done(layer, self.copy_stream)
 
     def dequantized(self, held, layer):
-        kind = self.kinds[layer]
-        dequantize_layer(held, self.scratch, self.cfg, kind, self.dequantize)
-        return self.scratch_views[kind]
+        dequantize_layer(held, self.scratch, self.cfg, layer, self.dequantize)
+        return self.scratch_views[self.kinds[layer]]
 
     def acquire(self, layer):
         if layer in self.resident:
@@ -3140,7 +3196,7 @@ def kernel_checks(device, cfg):
         check("combine", f"{k} experts a token", got,
               x_moe.float() + (weights.float()[..., None] * out.float()[row_of].view(T, k, H)).sum(1))
     if cfg.fp8_scales:  # every FP8 weight shape of the layers, every byte value (NaN's but), bit for bit
-        shapes = {shape for kind in cfg.held for _, _, shape, dtype in cfg.held[kind] if dtype == FP8}
+        shapes = {shape for parts in cfg.held for _, _, shape, dtype in parts if dtype == FP8}
         for shape in sorted(shapes):
             q = torch.randint(256, shape, generator=gen, dtype=torch.uint8)
             q[(q & 127) == 127] = 0
@@ -4442,14 +4498,14 @@ class Runner:
     def warm_up(self, trees=False):
         """Runs every kernel at the timed pass's shapes (a chunk-sized batch through a layer, the loss, each
         flash-attn max_seqlen bucket; with trees, a prefix tree's wave and its pick, for continuations) so
-        compilation and allocator growth stay out of the timed window. One layer of each kind (a Qwen3-MoE's dense
-        layers run the MLP's kernels, not the experts'): every layer of a kind runs the same kernels at the same
-        shapes, and all 64 took 0.56 s of the H200's time to ready
+        compilation and allocator growth stay out of the timed window. One layer of each kind held alike (a Qwen3-MoE's
+        dense layers run the MLP's kernels, not the experts'; an FP8 layer whose projections modules_to_not_convert
+        names dequantizes fewer shapes): every layer of those runs the same kernels at the same shapes, and all 64 took 0.56 s of the H200's time to ready
         (0.02 s for one; bench/results/primitives/2026-12-01-h200-load-phases-probe.json). It runs on a streamer of its
         own that copies nothing, streamed layers on the weights their slots already hold: the warm-up's numbers are
         thrown away, and the copy path itself ran when the slots were filled."""
         gen = torch.Generator().manual_seed(0)
-        layers = tuple(sorted(map(self.cfg.layer_kinds.index, self.cfg.layouts)))  # the first of each kind
+        layers = tuple(sorted(set(map(self.cfg.held.index, self.cfg.held))))  # the first of each kind held alike
         # a MoE model's texts fill one expert slice: its buffers are the largest a layer allocates
         n = min(self.plan.chunk_tokens, 4096) * (MOE_CHUNK_FACTOR if self.cfg.num_experts else 1) \
             if self.device.type == "cuda" else 64

@@ -1,6 +1,7 @@
 # Shared fixtures for the test suite (the runner's tests use them too).
 
 import copy
+import dataclasses
 import threading
 
 import pytest
@@ -27,6 +28,13 @@ def gqa_checkpoint(tmp_path_factory, qwen_tokenizer_dir):
     test_prefill and test_dist run, built once per session."""
     from test_prefill import checkpoint_with_reference
     return checkpoint_with_reference(tmp_path_factory, qwen_tokenizer_dir, "gqa", sharded=True)
+
+
+@pytest.fixture(scope="session")
+def fp8_folder(tmp_path_factory, qwen_tokenizer_dir):
+    """test_fp8's tiny block-wise FP8 Qwen3 (3 layers, hidden 256, tied), which test_dist runs too."""
+    from test_fp8 import write_fp8_checkpoint
+    return write_fp8_checkpoint(tmp_path_factory.mktemp("fp8"), qwen_tokenizer_dir)
 
 
 # ----------------------------------------------------------------------------- the start-up attention check, once
@@ -68,7 +76,9 @@ def memoized(pick, key_of):
 
 def sdpa_on_cpu(requested, device, cfg, *picks):
     if requested == "sdpa" and torch.device(device).type == "cpu":
-        return repr(cfg)  # pick_attention's picks play no part for SDPA on the CPU
+        # pick_attention's picks play no part for SDPA on the CPU, nor do the weights' dtypes (the checks make
+        # their own activations): an FP8 checkpoint and its bf16 copy share a check
+        return repr(dataclasses.replace(cfg, fp8_scales=None, fp8_not_converted=()))
     return None
 
 
