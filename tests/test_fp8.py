@@ -199,7 +199,8 @@ for i, (name, offset, shape, dtype) in enumerate(parts):
         held[offset:offset + n][(held[offset:offset + n] & 127) == 127] = 0  # no NaN
         _, at, grid, _ = parts[i + 1]
         scales = prefill.typed(held, at, math.prod(grid), torch.float32)
-        scales.copy_(torch.rand(scales.shape, generator=gen) * 2.0 ** torch.randint(-24, 4, scales.shape, generator=gen))
+        exponents = torch.randint(-24, 4, scales.shape, generator=gen)
+        scales.copy_(torch.rand(scales.shape, generator=gen) * 2.0 ** exponents)
         out = torch.empty(shape, dtype=torch.bfloat16)
         prefill.dequantize_fp8(prefill.typed(held, offset, n, dtype).view(shape), scales.view(grid), out)
     elif name in layout:
@@ -209,7 +210,8 @@ for i, (name, offset, shape, dtype) in enumerate(parts):
 layer = prefill.fp8_layer(parts, layout, cpu)
 got = torch.zeros_like(want)
 prefill.dequantize_layer_triton(held, got.view(torch.bfloat16), layer)
-report = {"tensors": len(layer.tensors), "fp8": sum(d == prefill.FP8 for *_, d in parts), "equal": torch.equal(got, want)}
+report = {"tensors": len(layer.tensors), "fp8": sum(d == prefill.FP8 for *_, d in parts),
+          "equal": torch.equal(got, want)}
 
 good = prefill.dequantize_layer_triton
 def changed(column, change):  # the tables with one column changed
