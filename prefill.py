@@ -18,11 +18,11 @@ both):
   checkpoint loading: header_tensors, Workers, pinned_empty, Checkpoint, check_tensors, LayerWeights, layer_views,
       Stager
   memory plan: MemoryPlan, plan_memory, layer_flops, plan_wave, HostPlan, plan_host
-  weight streaming: HeldLayers, StorageRing, dequantize_fp8, dequantize_layer, WeightStreamer
+  weight streaming: HeldLayers, StorageRing, dequantize_fp8, FP8Layer, fp8_layer, dequantize_layer, WeightStreamer
   model math: rms_norm, rope_tables, apply_rope, gated_act, token_nll, combine, Kernels, TORCH_KERNELS, Chunk,
       attention_block, mlp_block
-  fused kernels (Triton, optional): rms_norm_triton, head_norm_rope_triton, dequantize_triton, token_nll_triton,
-      TRITON_KERNELS
+  fused kernels (Triton, optional): rms_norm_triton, head_norm_rope_triton, dequantize_layer_triton,
+      token_nll_triton, TRITON_KERNELS
   attention backends: attention_sdpa, attention_triton, make_attention, ATTENTION_TILES, gpu_family,
       attention_candidates
   mixture of experts: route, expert_rows, moe_ffn, moe_block, grouped_loop, grouped_triton, expert_candidates
@@ -1576,18 +1576,56 @@ def dequantize_fp8(q, scales, out):
         out[g * bm:(g + n) * bm].copy_(blocks.view(n * bm, C))
 
 
-def dequantize_layer(held, out, cfg, layer, dequantize):
-    # a layer held with FP8 weights (held: its flat buffer, as cfg.held[layer] places it) -> out: the bf16 layer, as
-    # its kind's layout places it (each FP8 weight's scales follow it in cfg.held; a weight held bf16 is copied)
-    layout, parts = cfg.layouts[cfg.layer_kinds[layer]], cfg.held[layer]
+@dataclass
+class FP8Layer:
+    """One held layout of FP8 layers as its dequantization reads it (fp8_layer builds it once, before `ready`): its
+    tensors as held (parts: cfg.held[layer], shared by the layers held alike) and once dequantized (layout: its kind's
+    cfg.layouts), and the same as two device
+    tables for the one launch that dequantizes the whole layer (dequantize_layer_triton). Tensor by tensor, a
+    Qwen3-30B-A3B layer took 393 launches (388 FP8 weights, 5 bf16 copies), 18.9k a wave, issued from Python: its
+    FP8 run took T 1.23 s (a repeat 1.78 s) where bf16 took 0.91 s with twice the bytes to stream (H200, 22fbe37)."""
+    parts: list       # (name, byte offset, shape, dtype) as held: each FP8 weight followed by its scales
+    layout: dict      # name -> (offset, shape) in the bf16 layer
+    tensors: object   # int64 [tensors, FP8_COLUMNS]: one row per tensor of the bf16 layer, FP8 or copied
+    programs: object  # int32 [programs]: each program's tensor, one program per FP8_BLOCK x FP8_BLOCK block
+
+
+# A row of FP8Layer.tensors: where the tensor starts in the held buffer (in elements of its own dtype: bytes for
+# FP8, bf16 elements for a tensor copied as it is), its scales (float32 elements; -1: a bf16 tensor, copied), where
+# it starts in the bf16 layer, its rows and columns (a vector: one row), its blocks per row of blocks, and its first
+# program. int64: a big MoE layer's held bytes pass 2^31 (Qwen3-235B-A22B's: 2.5 GB in FP8).
+FP8_COLUMNS = 7
+
+
+def fp8_layer(parts, layout, device):
+    """The FP8Layer of a kind's held tensors (parts) and bf16 layout, its tables on device. One program per block:
+    Qwen3-235B-A22B's layer has 152k, far below both CUDA's limit on grid axis 0 (2^31 - 1 programs) and HIP's
+    (gridDim.x times blockDim.x below 2^32 threads, hipModuleLaunchKernel's documentation: 2^24 programs of 256)."""
+    rows, programs = [], []
     for i, (name, offset, shape, dtype) in enumerate(parts):
         if name not in layout:
             continue  # scales, read with their weight
-        start, n = layout[name][0], math.prod(shape)
+        R, C = shape if len(shape) == 2 else (1, shape[0])
+        grid = scale_grid((R, C))
+        scales = parts[i + 1][1] // 4 if dtype == FP8 else -1
+        rows.append([offset // dtype.itemsize, scales, layout[name][0], R, C, grid[1], len(programs)])
+        programs += [len(rows) - 1] * math.prod(grid)
+    assert len(programs) < 2**24, "more programs than HIP launches on one grid axis"
+    return FP8Layer(parts, layout, torch.tensor(rows, dtype=torch.int64).to(device),
+                    torch.tensor(programs, dtype=torch.int32).to(device))
+
+
+def dequantize_layer(held, out, layer):
+    # a layer held with FP8 weights (held: its flat buffer, as layer.parts places it) -> out: the bf16 layer, as
+    # layer.layout places it (each FP8 weight's scales follow it in layer.parts), tensor by tensor
+    for i, (name, offset, shape, dtype) in enumerate(layer.parts):
+        if name not in layer.layout:
+            continue  # scales, read with their weight
+        start, n = layer.layout[name][0], math.prod(shape)
         dst, src = out[start:start + n].view(shape), typed(held, offset, n, dtype).view(shape)
         if dtype == FP8:
-            _, scale_offset, grid, _ = parts[i + 1]
-            dequantize(src, typed(held, scale_offset, math.prod(grid), torch.float32).view(grid), dst)
+            _, scale_offset, grid, _ = layer.parts[i + 1]
+            dequantize_fp8(src, typed(held, scale_offset, math.prod(grid), torch.float32).view(grid), dst)
         else:
             dst.copy_(src)
 
@@ -1602,8 +1640,8 @@ class WeightStreamer:
     only the compute that needs the layer waits, not the issuing of the layers before it. On the CPU the same code
     does plain copies. A slot holds the largest layer; a smaller one (a Qwen3-MoE's dense layer) fills its start,
     viewed by its own kind's layout. FP8 layers (cfg.fp8_scales), resident and streamed alike, stay FP8 on the device
-    and are dequantized (dequantize: Kernels.dequantize) into one bf16 scratch when acquired: the layer before has
-    run by then, in stream order, as it has read the scratch."""
+    and are dequantized (dequantize: Kernels.dequantize_layer, by each kind's FP8Layer) into one bf16 scratch when
+    acquired: the layer before has run by then, in stream order, as it has read the scratch."""
 
     def __init__(self, cfg, resident, host, order, device, dequantize=None, scratch=None):
         self.buffers = resident  # layer -> its flat device buffer
@@ -1620,6 +1658,13 @@ class WeightStreamer:
             if scratch is None else scratch
         self.scratch_views = {kind: layer_views(self.scratch, cfg, kind) for kind in cfg.layouts} \
             if cfg.fp8_scales else None
+        self.fp8_layers = None  # layer -> its FP8Layer, one per distinct held layout (cfg.held shares them)
+        if cfg.fp8_scales:
+            tables = {}
+            for parts, kind in zip(cfg.held, cfg.layer_kinds):
+                if id(parts) not in tables:
+                    tables[id(parts)] = fp8_layer(parts, cfg.layouts[kind], device)
+            self.fp8_layers = [tables[id(parts)] for parts in cfg.held]
         self.slot_bytes = [s.view(torch.uint8) for s in self.slots]
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -1660,7 +1705,7 @@ class WeightStreamer:
         self.host.done(layer, self.copy_stream)
 
     def dequantized(self, held, layer):
-        dequantize_layer(held, self.scratch, self.cfg, layer, self.dequantize)
+        self.dequantize(held, self.scratch, self.fp8_layers[layer])
         return self.scratch_views[self.kinds[layer]]
 
     def acquire(self, layer):
@@ -1808,13 +1853,13 @@ class Kernels:
     gated_act: object       # (gate_up [tokens, 2 intermediate], activation) -> [tokens, intermediate]
     token_nll: object       # (logits [tokens, vocab], targets [tokens]) -> [tokens] float32
     combine: object         # (x [tokens, hidden] += each token's k expert rows of out, weighted: see combine)
-    dequantize: object      # (q [rows, cols] FP8, scales [grid], out [rows, cols] bf16): see dequantize_fp8
+    dequantize_layer: object  # (held [a layer's bytes], out [its bf16 elements], FP8Layer): see dequantize_layer
     head: object = head_upcast  # (x [tokens, hidden], lm_head [vocab, hidden]) -> float32 logits: pick_head's
 
 
 # late-bound, so that tests can swap a piece of the math for a broken one
 TORCH_KERNELS = Kernels("torch", lambda *a: rms_norm(*a), lambda *a: head_norm_rope(*a), lambda *a: gated_act(*a),
-                        lambda *a: token_nll(*a), lambda *a: combine(*a), lambda *a: dequantize_fp8(*a))
+                        lambda *a: token_nll(*a), lambda *a: combine(*a), lambda *a: dequantize_layer(*a))
 
 
 @dataclass
@@ -2136,23 +2181,42 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
-    def _dequantize_kernel(q_ptr, s_ptr, out_ptr, cols, grid_cols, block_m, block_n, BLOCK: tl.constexpr):
-        # float8_e4m3fn bytes decoded by integer arithmetic (exact, and on GPUs without FP8 conversions: gfx1100),
-        # times the block's float32 scale, rounded to bf16 to nearest even by integer arithmetic too, so that the
-        # interpreter (which truncates) gives the same bits as a GPU
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = c < cols
-        b = tl.load(q_ptr + row * cols + c, mask=mask, other=0).to(tl.int32)
-        e, m = (b >> 3) & 15, b & 7
-        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # 2^(e - 7) (1 + m/8)
-        v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m 2^-9
-        v = tl.where((e == 15) & (m == 7), float("nan"), v)
-        v = tl.where(b >= 128, -v, v)
-        s = tl.load(s_ptr + (row // block_m) * grid_cols + c // block_n, mask=mask, other=1.0)
-        u = (v * s).to(tl.uint32, bitcast=True)
-        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        tl.store(out_ptr + row * cols + c, r.to(tl.int16), mask=mask)
+    def _dequantize_layer_kernel(q_ptr, copy_ptr, s_ptr, out_ptr, tensors_ptr, programs_ptr, COLUMNS: tl.constexpr,
+                                 BLOCK: tl.constexpr, ROWS: tl.constexpr):
+        # One program: one BLOCK x BLOCK block of one tensor of a layer (FP8Layer's tables: the tensor's row, the
+        # block's index within it), ROWS rows at a time; a side below BLOCK is one block, whole. An FP8 weight's
+        # block: float8_e4m3fn bytes decoded by integer arithmetic (exact, and on GPUs without FP8 conversions:
+        # gfx1100), times the block's one float32 scale, rounded to bf16 to nearest even by integer arithmetic too, so
+        # that the interpreter (which truncates) gives the same bits as a GPU. A bf16 tensor's (a norm, a bias, the
+        # router): copied as it is. q_ptr, copy_ptr, s_ptr: the held layer as bytes, int16 and float32.
+        p = tl.program_id(0)
+        row = tensors_ptr + tl.load(programs_ptr + p).to(tl.int64) * COLUMNS
+        src, scale, dst = tl.load(row), tl.load(row + 1), tl.load(row + 2)
+        rows, cols, grid_cols, block = tl.load(row + 3), tl.load(row + 4), tl.load(row + 5), p - tl.load(row + 6)
+        r0 = block // grid_cols * BLOCK
+        row_end = tl.minimum(r0 + BLOCK, rows)
+        c = block % grid_cols * BLOCK + tl.arange(0, BLOCK)
+        if scale < 0:
+            for r in range(r0, row_end, ROWS):
+                rs = r + tl.arange(0, ROWS)
+                at = rs[:, None] * cols + c[None, :]  # [ROWS, BLOCK]
+                mask = (rs[:, None] < row_end) & (c[None, :] < cols)
+                tl.store(out_ptr + dst + at, tl.load(copy_ptr + src + at, mask=mask), mask=mask)
+        else:
+            s = tl.load(s_ptr + scale + block)  # the scale grid is row-major, as the blocks are numbered
+            for r in range(r0, row_end, ROWS):
+                rs = r + tl.arange(0, ROWS)
+                at = rs[:, None] * cols + c[None, :]  # [ROWS, BLOCK]
+                mask = (rs[:, None] < row_end) & (c[None, :] < cols)
+                b = tl.load(q_ptr + src + at, mask=mask, other=0).to(tl.int32)
+                e, m = (b >> 3) & 15, b & 7
+                normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # 2^(e - 7) (1 + m/8)
+                v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m 2^-9
+                v = tl.where((e == 15) & (m == 7), float("nan"), v)
+                v = tl.where(b >= 128, -v, v)
+                u = (v * s).to(tl.uint32, bitcast=True)
+                rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+                tl.store(out_ptr + dst + at, rounded.to(tl.int16), mask=mask)
 
 
 def rms_norm_triton(x, weight, eps, offset=False):
@@ -2194,12 +2258,12 @@ def combine_triton(x, out, row_of, weights):
                                                 num_warps=max(1, block // 256))
 
 
-def dequantize_triton(q, scales, out):
-    (R, C), (gr, gc) = q.shape, scales.shape
-    assert q.is_contiguous() and scales.is_contiguous() and out.is_contiguous()
-    block = 1024
-    _dequantize_kernel[(R, triton.cdiv(C, block))](q.view(torch.uint8), scales, out.view(torch.int16), C, gc,
-                                                   R // gr, C // gc, BLOCK=block, num_warps=4)
+def dequantize_layer_triton(held, out, layer):
+    # dequantize_layer in one launch (layer: an FP8Layer): its tables on the device, nothing read on the host.
+    # [32, 128] tiles on 8 warps: 16 elements a thread, a 128-row block in 4 steps
+    _dequantize_layer_kernel[(layer.programs.numel(),)](
+        held.view(torch.uint8), held.view(torch.int16), held.view(torch.float32), out.view(torch.int16),
+        layer.tensors, layer.programs, COLUMNS=FP8_COLUMNS, BLOCK=FP8_BLOCK, ROWS=32, num_warps=8)
 
 
 def token_nll_triton(logits, targets):
@@ -2212,7 +2276,7 @@ def token_nll_triton(logits, targets):
 
 
 TRITON_KERNELS = Kernels("triton", rms_norm_triton, head_norm_rope_triton, gated_act_triton, token_nll_triton,
-                         combine_triton, dequantize_triton)
+                         combine_triton, dequantize_layer_triton)
 
 
 # ----------------------------------------------------------------------------- attention backends
@@ -3144,6 +3208,41 @@ def rms_norm_f32(x, weight, eps, offset):
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + offset)
 
 
+# The layer-level dequantization's check (kernel_checks) dequantizes the layer of this tiny FP8 Qwen3-MoE, held as a
+# real one is: vectors and the router copied as bf16, projections of 2 x 2 whole blocks and of a side below FP8_BLOCK
+# (one partial block: the experts' 40), and 8 experts' 24. Whatever the model, its launches are this one's: the
+# shapes are in the tables, not in the kernel's arguments. (A dense layer would add nothing but time: 1 s in the
+# interpreter.)
+FP8_CHECK_MODEL = dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=384, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=64, vocab_size=64, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
+                       quantization_config={"quant_method": "fp8", **FP8_CONFIG})
+
+
+def dequantize_checks(device):
+    """kernel_checks' [(kernel, launch, error)] of dequantize_layer_triton: FP8_CHECK_MODEL's layer in one launch
+    against dequantize_layer, bit for bit (0 or inf), each held byte random (but FP8's NaN), the scales from 2^-24
+    to 2^4 (products over bf16's whole range of exponents); every element of the bf16 layer compared, the gaps
+    between its tensors included (both start zeroed: nothing may be written there)."""
+    gen, tiny = torch.Generator().manual_seed(3), ModelConfig.from_json(FP8_CHECK_MODEL)
+    parts, layout = tiny.held[tiny.layer_kinds.index(tiny.largest_kind)], tiny.layer_layout
+    held = torch.randint(256, (tiny.layer_bytes,), generator=gen, dtype=torch.uint8)
+    for _, offset, shape, dtype in parts:
+        n = math.prod(shape)
+        if dtype == FP8:
+            q = held[offset:offset + n]
+            q[(q & 127) == 127] = 0
+        elif dtype == torch.float32:
+            scales = torch.rand(n, generator=gen) * 2.0 ** torch.randint(-24, 4, (n,), generator=gen)
+            typed(held, offset, n, dtype).copy_(scales)
+    layer, held = fp8_layer(parts, layout, device), held.to(device)
+    got, want = (torch.zeros(tiny.dequantized_bytes // 2, dtype=torch.int16, device=device) for _ in range(2))
+    dequantize_layer_triton(held, got.view(DTYPE), layer)
+    dequantize_layer(held, want.view(DTYPE), layer)
+    return [("dequantize", f"a layer of {len(layer.tensors)} tensors in one launch, bit for bit",
+             0.0 if torch.equal(got, want) else math.inf)]
+
+
 def kernel_checks(device, cfg):
     """[(kernel, launch, relative error)]: each fused Triton kernel in every launch configuration this model's run
     makes, against float32 math on random inputs. A configuration is what Triton compiles a kernel for: its
@@ -3152,7 +3251,7 @@ def kernel_checks(device, cfg):
     base pointer into the same qkv rows, each checked; gated_act at the dense MLP's width and at the experts';
     rms_norm with the model's norm offset and, for the experts' input, without. Every input is laid out as in a run
     (q and k views of one qkv tensor, its row stride) so that each launch matches a run's but for the token count,
-    which only the grid sees."""
+    which only the grid sees. An FP8 model's layer-level dequantization: dequantize_checks."""
     gen = torch.Generator().manual_seed(1)
     T, H, D, eps, offset = 67, cfg.hidden_size, cfg.head_dim, 1e-6, cfg.norm_offset
     Q, KV = cfg.q_size, cfg.kv_size
@@ -3195,17 +3294,8 @@ def kernel_checks(device, cfg):
         combine_triton(got, out, row_of, weights)
         check("combine", f"{k} experts a token", got,
               x_moe.float() + (weights.float()[..., None] * out.float()[row_of].view(T, k, H)).sum(1))
-    if cfg.fp8_scales:  # every FP8 weight shape of the layers, every byte value (NaN's but), bit for bit
-        shapes = {shape for parts in cfg.held for _, _, shape, dtype in parts if dtype == FP8}
-        for shape in sorted(shapes):
-            q = torch.randint(256, shape, generator=gen, dtype=torch.uint8)
-            q[(q & 127) == 127] = 0
-            q = q.view(FP8).to(device)
-            scales = torch.rand(scale_grid(shape), generator=gen).mul(2**-4).to(device)
-            got, want = (torch.empty(shape, dtype=DTYPE, device=device) for _ in range(2))
-            dequantize_triton(q, scales, got)
-            dequantize_fp8(q, scales, want)
-            results.append(("dequantize", f"{list(shape)}, bit for bit", 0.0 if torch.equal(got, want) else math.inf))
+    if cfg.fp8_scales:
+        results += dequantize_checks(device)
     if "bf16" in LOGITS.values():  # the same kernel reading bf16 logits, where a switch asks for them
         rounded = logits.to(DTYPE)
         check("token_nll", f"vocabulary {cfg.vocab_size}, bf16 logits", token_nll_triton(rounded, targets),
@@ -4165,7 +4255,7 @@ class Runner:
         self.embed, self.final_norm = on_device["model.embed_tokens.weight"], on_device["model.norm.weight"]
         self.lm_head = on_device.get("lm_head.weight", self.embed)
         self.streamer = WeightStreamer(cfg, {i: on_device[i] for i in plan.resident_layers}, host,
-                                       plan.streamed_layers, self.device, self.kernels.dequantize)
+                                       plan.streamed_layers, self.device, self.kernels.dequantize_layer)
         weakref.finalize(self, self.streamer.stop)  # its threads end with this Runner, or before the process exits
         self.stats = {}
         self.requested_attention, self.tree_attend = attention, None  # the latter picked at the first prefix tree

@@ -175,7 +175,9 @@ def doctor(runner):
     if cfg.fp8_scales:
         lines.append(f"weights    block-wise FP8 ({cfg.fp8_scales} scales): held and streamed as FP8 (a layer "
                      f"{cfg.layer_bytes / 1e9:.2f} GB), dequantized on {dev} into a bf16 scratch before each layer "
-                     f"runs, by the {runner.kernels.name} kernel (checked bit for bit against transformers' math)")
+                     f"runs, by the {runner.kernels.name} kernel "
+                     + ("in one launch a layer" if runner.kernels.name == "triton" else "tensor by tensor")
+                     + " (checked bit for bit against transformers' math)")
     if cfg.num_experts:
         lines.append(f"experts    {runner.experts} (checked against float32 experts on uneven routing)"
                      + (f"; ms and TFLOP/s of a {plan.moe_chunk_tokens}-token slice's two grouped GEMMs, * picked"

@@ -32,7 +32,7 @@ def main():
             r = prefill.Runner(path, device="cuda", kernels=kernels, gpu_memory_gib=budget)
             got = r.losses(ids)
             report[f"{kernels} {'streamed' if budget == 0 else 'resident'}"] = {
-                "kernels": r.kernels.name, "dequantize": r.kernels.dequantize.__name__,
+                "kernels": r.kernels.name, "dequantize": r.kernels.dequantize_layer.__name__,
                 "kernel_errors": r.kernel_errors, "streamed_layers": len(r.plan.streamed_layers),
                 "max_rel_err_vs_cpu": max_rel_err(got, want), "losses": got}
     runs = [v for k, v in report.items() if k != "cpu_losses"]

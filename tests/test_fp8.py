@@ -224,6 +224,89 @@ def test_checkpoint_faults(fp8_checkpoint, tmp_path, fault):
         runner(tmp_path)
 
 
+# The one-launch dequantization in Triton's interpreter (a child process: test_prefill.interpreted). On a layer of
+# its own, held bytes random: 16 experts whose sides (24, 96) are all below a block, each tensor against
+# dequantize_fp8 (or the bf16 copy) as transformers computes it, every element of the layer compared. Then the
+# start-up check passes it and refuses two bugs planted in its tables, and a Runner whose dequantization alone is the
+# interpreted kernel (the rest PyTorch) scores the bits of the PyTorch one, every layer streamed, in one launch a
+# layer.
+FP8_LAYER_KERNEL = """
+import dataclasses, json, math, sys, torch, prefill
+cpu = torch.device("cpu")
+cfg = prefill.ModelConfig.from_json(json.loads(sys.argv[2]))
+parts, layout = cfg.held[cfg.layer_kinds.index("moe")], cfg.layouts["moe"]
+gen = torch.Generator().manual_seed(5)
+held = torch.randint(256, (cfg.layer_bytes,), generator=gen, dtype=torch.uint8)
+want = torch.zeros(cfg.dequantized_bytes // 2, dtype=torch.int16)
+for i, (name, offset, shape, dtype) in enumerate(parts):
+    n = math.prod(shape)
+    if dtype == prefill.FP8:
+        held[offset:offset + n][(held[offset:offset + n] & 127) == 127] = 0  # no NaN
+        _, at, grid, _ = parts[i + 1]
+        scales = prefill.typed(held, at, math.prod(grid), torch.float32)
+        exponents = torch.randint(-24, 4, scales.shape, generator=gen)
+        scales.copy_(torch.rand(scales.shape, generator=gen) * 2.0 ** exponents)
+        out = torch.empty(shape, dtype=torch.bfloat16)
+        prefill.dequantize_fp8(prefill.typed(held, offset, n, dtype).view(shape), scales.view(grid), out)
+    elif name in layout:
+        out = prefill.typed(held, offset, n, dtype)
+    if name in layout:
+        want[layout[name][0]:layout[name][0] + n] = out.view(torch.int16).flatten()
+layer = prefill.fp8_layer(parts, layout, cpu)
+got = torch.zeros_like(want)
+prefill.dequantize_layer_triton(held, got.view(torch.bfloat16), layer)
+report = {"tensors": len(layer.tensors), "fp8": sum(d == prefill.FP8 for *_, d in parts),
+          "equal": torch.equal(got, want)}
+
+good = prefill.dequantize_layer_triton
+def changed(column, change):  # the tables with one column changed
+    def planted(held, out, layer):
+        tensors = layer.tensors.clone()
+        tensors[:, column] = change(tensors[:, column])
+        good(held, out, dataclasses.replace(layer, tensors=tensors))
+    return planted
+planted = {"the next block's scale": changed(1, lambda s: torch.where(s >= 0, s + 1, s)),
+           "sides below a block dropped": changed(3, lambda rows: rows // 128 * 128)}
+report["check"] = [e for _, _, e in prefill.dequantize_checks(cpu)]
+for name, bug in planted.items():
+    prefill.dequantize_layer_triton = bug
+    report[name] = [e for _, _, e in prefill.dequantize_checks(cpu)]
+prefill.dequantize_layer_triton = good
+
+launches, kernel = [], prefill._dequantize_layer_kernel
+class Counted:
+    def __getitem__(self, grid):
+        launches.append(grid)
+        return kernel[grid]
+prefill._dequantize_layer_kernel = Counted()
+prefill.TORCH_KERNELS.dequantize_layer = prefill.dequantize_layer_triton
+r = prefill.Runner(sys.argv[1], device="cpu", attention="sdpa", kernels="torch", gpu_memory_gib=0)
+ids, before = r.tokenize(json.loads(sys.argv[3])), len(launches)
+report["triton"] = r.losses(ids)
+report["launches"], report["layers"] = len(launches) - before, len(r.plan.streamed_layers)
+r.streamer.dequantize = prefill.dequantize_layer  # the same Runner with PyTorch's dequantization
+report["torch"] = r.losses(ids)
+print(json.dumps(report))
+"""
+MANY_EXPERTS = {"model_type": "qwen3_moe", "hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 64,
+                "num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                "quantization_config": FP8_CONFIG}
+
+
+def test_one_launch_a_layer_is_dequantize_fp8_bit_for_bit_and_its_planted_bugs_refused(fp8_checkpoint):
+    from test_prefill import interpreted
+    path, _ = fp8_checkpoint
+    p = interpreted(FP8_LAYER_KERNEL, path, json.dumps(MANY_EXPERTS), json.dumps(TEXTS[:4]))
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = json.loads(p.stdout)
+    assert report["equal"] and report["tensors"] == 9 + 3 * 16 and report["fp8"] == 4 + 3 * 16, report
+    assert report["check"] == [0.0], report
+    assert report["the next block's scale"] == report["sides below a block dropped"] == [math.inf], report
+    assert report["triton"] == report["torch"], report
+    assert report["layers"] == 3 and report["launches"] == 3, report
+
+
 def test_the_doctor_says_what_it_dequantizes_and_where(fp8_checkpoint, tmp_path, monkeypatch, capsys):
     import io
     report = io.StringIO()
@@ -413,14 +496,13 @@ def test_projections_modules_to_not_convert_keeps_in_bf16_are_held_so_in_their_l
     losses = resident.losses(ids)
     assert losses == fp8_runner.losses(ids) == streamed.losses(ids) and max_rel_err(losses, reference) < TOLERANCE
     # the projections held bf16 left out of the scratch: the layer before's stay there in their places
-    dequantize_layer = prefill.dequantize_layer
+    dequantize_layer = resident.streamer.dequantize
 
-    def bf16_projections_left_out(held, out, cfg, layer, dequantize):
-        parts = [part for part in cfg.held[layer] if part[3] != torch.bfloat16 or not prefill.is_fp8_weight(part[0])]
-        dequantize_layer(held, out, SimpleNamespace(layouts=cfg.layouts, layer_kinds=cfg.layer_kinds,
-                                                    held={layer: parts}), layer, dequantize)
+    def bf16_projections_left_out(held, out, layer):
+        parts = [part for part in layer.parts if part[3] != torch.bfloat16 or not prefill.is_fp8_weight(part[0])]
+        dequantize_layer(held, out, prefill.fp8_layer(parts, layer.layout, torch.device("cpu")))
     with monkeypatch.context() as patch:
-        patch.setattr(prefill, "dequantize_layer", bf16_projections_left_out)
+        patch.setattr(resident.streamer, "dequantize", bf16_projections_left_out)
         assert max_rel_err(resident.losses(ids), reference) > 3 * TOLERANCE
     # a listed projection that the files hold in FP8: one line naming it
     config = json.loads((mixed / "config.json").read_text())
@@ -479,7 +561,9 @@ def test_gemma3_and_qwen3_moe_in_fp8_match_transformers_and_an_ablation_fails(fa
         dequantize = prefill.dequantize_fp8
         monkeypatch.setattr(prefill, "dequantize_fp8", lambda q, s, out: dequantize(q, torch.ones_like(s), out))
     else:
-        monkeypatch.setattr(r.cfg, "held", expert_scales_rotated(r.cfg))
+        monkeypatch.setattr(r.streamer, "fp8_layers", [  # the tables the streamer dequantizes by, built at its start
+            prefill.fp8_layer(parts, r.cfg.layouts[kind], torch.device("cpu"))
+            for parts, kind in zip(expert_scales_rotated(r.cfg), r.cfg.layer_kinds)])
     assert max_rel_err(r.losses(ids), reference) > 3 * TOLERANCE
 
 

@@ -144,6 +144,14 @@ def model_config(geometry):
     return prefill.ModelConfig.from_json(interact.config_json(geometry))
 
 
+def fp8_config(cfg):
+    # the model as a block-wise FP8 checkpoint, or None where its shapes are not in whole blocks (SmolLM2's 576)
+    try:
+        return dataclasses.replace(cfg, fp8_scales="float")
+    except prefill.UserError:
+        return None
+
+
 @contextlib.contextmanager
 def launches_recorded(target, model, into):
     """prefill's kernels record their launches instead of running, and F.linear answers with an empty output."""
@@ -201,13 +209,13 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
         head = lambda x, w: torch.empty(x.shape[0], w.shape[0])  # float32 logits, by shape only, as F.linear's
         prefill.sequence_nll(x, lm_head, final_norm, targets, torch.zeros(TOKENS, dtype=torch.int64), 1,
                              cfg, TOKENS, prefill.dataclasses.replace(prefill.TRITON_KERNELS, head=head))
-        # the model as a block-wise FP8 checkpoint would hold it: each projection dequantized by its own launch
-        shapes = {shape for layout in cfg.layouts.values() for name, (_, shape) in layout.items()
-                  if prefill.is_fp8_weight(name) and len(shape) == 2}
-        for shape in sorted(shapes):
-            prefill.dequantize_triton(torch.empty(shape, dtype=prefill.FP8),
-                                      torch.ones(prefill.scale_grid(shape), dtype=torch.float32),
-                                      torch.empty(shape, dtype=prefill.DTYPE))
+        # the model as a block-wise FP8 checkpoint would hold it (where its shapes allow one): each kind of layer
+        # dequantized in one launch, its tables built as the streamer builds them
+        fp8 = fp8_config(cfg)
+        for layer, kind in {kind: layer for layer, kind in enumerate(fp8.layer_kinds)}.items() if fp8 else ():
+            prefill.dequantize_layer_triton(torch.empty(fp8.layer_numel, dtype=prefill.DTYPE),
+                                            torch.empty(fp8.dequantized_bytes // 2, dtype=prefill.DTYPE),
+                                            prefill.fp8_layer(fp8.held[layer], fp8.layouts[kind], "cpu"))
     return list(dict.fromkeys(launches)), kernels
 
 
@@ -327,6 +335,20 @@ def test_every_kernel_prefill_launches_compiles_for_gfx1100_without_spills(fresh
             == set(prefill.EXPERT_TILES["rdna3"]))
     # a launch that several models make alike (Qwen3-32B's and Llama-3.1-70B's attention) is compiled once
     compiles = {dataclasses.replace(launch, model=""): launch for launch in reversed(launches)}.values()
+    failures = [p for launch in compiles for p in problems(launch, gfx1100_registers(launch))]
+    assert not failures, f"gfx1100, Triton {triton.__version__}:\n" + "\n".join(failures)
+
+
+def test_the_fp8_layer_dequantization_compiles_for_gfx1100_without_spills(fresh_triton_cache):
+    # the test above compiles it with the rest; here alone (-k fp8), for every model an FP8 checkpoint can hold.
+    # The shapes are in its tables, so its configurations are its pointers' alone: within 2 GiB, over, and as in
+    # Qwen3-235B-A22B's run (the held layer and its scratch over, the tables within)
+    triton, target = amd_backend()
+    launches = [launch for model in MODELS for launch in prefill_launches(target, model, ())[0]
+                if launch.kernel == "_dequantize_layer_kernel"]
+    assert {launch.model for launch in launches} == {m for m in MODELS if fp8_config(model_config(MODELS[m]))}
+    compiles = {dataclasses.replace(launch, model=""): launch for launch in launches}.values()
+    assert len(compiles) == 3
     failures = [p for launch in compiles for p in problems(launch, gfx1100_registers(launch))]
     assert not failures, f"gfx1100, Triton {triton.__version__}:\n" + "\n".join(failures)
 
