@@ -557,8 +557,12 @@ def demo_model_dir() -> Path:
 
 
 def load_tokenizer(model_dir: str | Path):
+    import transformers
     from transformers import AutoTokenizer
 
+    # no transformers chatter on stderr, as prefill's own tokenizer load: its warnings (a "Mistral regex" guess about
+    # a config.json without model_type or transformers_version) were lines a one-line error gained
+    transformers.logging.set_verbosity_error()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     # a folder without tokenizer files gets an empty tokenizer: every text 0 tokens, every reference loss nan
     if not tokenizer("Hello, world.")["input_ids"]:

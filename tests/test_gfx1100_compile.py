@@ -212,7 +212,7 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
         # the model as a block-wise FP8 checkpoint would hold it (where its shapes allow one): each kind of layer
         # dequantized in one launch, its tables built as the streamer builds them
         fp8 = fp8_config(cfg)
-        for layer, kind in {kind: layer for layer, kind in enumerate(fp8.layer_kinds)}.items() if fp8 else ():
+        for kind, layer in {kind: layer for layer, kind in enumerate(fp8.layer_kinds)}.items() if fp8 else ():
             prefill.dequantize_layer_triton(torch.empty(fp8.layer_numel, dtype=prefill.DTYPE),
                                             torch.empty(fp8.dequantized_bytes // 2, dtype=prefill.DTYPE),
                                             prefill.fp8_layer(fp8.held[layer], fp8.layouts[kind], "cpu"))

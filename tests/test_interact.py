@@ -202,6 +202,17 @@ def test_demo_model_is_built_once_in_the_cache(tmp_path, monkeypatch):
 GIB = 2**30
 
 
+@pytest.fixture(autouse=True)
+def accelerate_looked_up_afresh():
+    # transformers caches whether accelerate is importable (an lru_cache) the first time it asks: in a test that hides
+    # accelerate (fake_accelerate), that answer would stay for every test after it in the process, and the order of
+    # tests in a pytest-xdist worker is not the file's
+    from transformers.utils import import_utils
+    import_utils.is_accelerate_available.cache_clear()
+    yield
+    import_utils.is_accelerate_available.cache_clear()
+
+
 def fake_accelerate(monkeypatch, present: bool):
     """accelerate installed or not, as importlib.util.find_spec sees it (None in sys.modules: not importable)."""
     if present:
