@@ -2,10 +2,17 @@
 
 import copy
 import dataclasses
+import os
 import threading
 
-import pytest
-import torch
+# Under pytest-xdist each worker takes its share of the cores for torch's threads (set before torch is imported, and
+# inherited by the prefill.py, torchrun and lm-eval processes the tests start, so that a test's in-process numbers and
+# its subprocesses' run alike): two workers of two threads each on two cores made every torch op contend.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import interact
 import prefill
