@@ -1579,9 +1579,9 @@ def dequantize_fp8(q, scales, out):
 @dataclass
 class FP8Layer:
     """One held layout of FP8 layers as its dequantization reads it (fp8_layer builds it once, before `ready`): its
-    tensors as held (parts: cfg.held[layer], shared by the layers held alike) and once dequantized (layout: its kind's
-    cfg.layouts), and the same as two device
-    tables for the one launch that dequantizes the whole layer (dequantize_layer_triton). Tensor by tensor, a
+    tensors as held (parts: cfg.held[layer], shared by the layers held alike) and once dequantized (layout: its
+    kind's cfg.layouts), and the same as two device tables for the one launch that dequantizes the whole layer
+    (dequantize_layer_triton). Tensor by tensor, a
     Qwen3-30B-A3B layer took 393 launches (388 FP8 weights, 5 bf16 copies), 18.9k a wave, issued from Python: its
     FP8 run took T 1.23 s (a repeat 1.78 s) where bf16 took 0.91 s with twice the bytes to stream (H200, 22fbe37)."""
     parts: list       # (name, byte offset, shape, dtype) as held: each FP8 weight followed by its scales
@@ -1598,7 +1598,7 @@ FP8_COLUMNS = 7
 
 
 def fp8_layer(parts, layout, device):
-    """The FP8Layer of a kind's held tensors (parts) and bf16 layout, its tables on device. One program per block:
+    """The FP8Layer of a held layout's tensors (parts) and its bf16 layout, its tables on device. One program per block:
     Qwen3-235B-A22B's layer has 152k, far below both CUDA's limit on grid axis 0 (2^31 - 1 programs) and HIP's
     (gridDim.x times blockDim.x below 2^32 threads, hipModuleLaunchKernel's documentation: 2^24 programs of 256)."""
     rows, programs = [], []
@@ -1640,7 +1640,7 @@ class WeightStreamer:
     only the compute that needs the layer waits, not the issuing of the layers before it. On the CPU the same code
     does plain copies. A slot holds the largest layer; a smaller one (a Qwen3-MoE's dense layer) fills its start,
     viewed by its own kind's layout. FP8 layers (cfg.fp8_scales), resident and streamed alike, stay FP8 on the device
-    and are dequantized (dequantize: Kernels.dequantize_layer, by each kind's FP8Layer) into one bf16 scratch when
+    and are dequantized (dequantize: Kernels.dequantize_layer, by each layer's FP8Layer) into one bf16 scratch when
     acquired: the layer before has run by then, in stream order, as it has read the scratch."""
 
     def __init__(self, cfg, resident, host, order, device, dequantize=None, scratch=None):
@@ -3220,11 +3220,9 @@ FP8_CHECK_MODEL = dict(model_type="qwen3_moe", hidden_size=256, intermediate_siz
                        quantization_config={"quant_method": "fp8", **FP8_CONFIG})
 
 
-def dequantize_checks(device):
-    """kernel_checks' [(kernel, launch, error)] of dequantize_layer_triton: FP8_CHECK_MODEL's layer in one launch
-    against dequantize_layer, bit for bit (0 or inf), each held byte random (but FP8's NaN), the scales from 2^-24
-    to 2^4 (products over bf16's whole range of exponents); every element of the bf16 layer compared, the gaps
-    between its tensors included (both start zeroed: nothing may be written there)."""
+def fp8_check_layer():
+    """FP8_CHECK_MODEL's config, its layer's held parts and bf16 layout, and the layer's held bytes (on the CPU):
+    each byte random (but FP8's NaN), the scales from 2^-24 to 2^4 (products over bf16's whole range of exponents)."""
     gen, tiny = torch.Generator().manual_seed(3), ModelConfig.from_json(FP8_CHECK_MODEL)
     parts, layout = tiny.held[tiny.layer_kinds.index(tiny.largest_kind)], tiny.layer_layout
     held = torch.randint(256, (tiny.layer_bytes,), generator=gen, dtype=torch.uint8)
@@ -3236,6 +3234,14 @@ def dequantize_checks(device):
         elif dtype == torch.float32:
             scales = torch.rand(n, generator=gen) * 2.0 ** torch.randint(-24, 4, (n,), generator=gen)
             typed(held, offset, n, dtype).copy_(scales)
+    return tiny, parts, layout, held
+
+
+def dequantize_checks(device):
+    """kernel_checks' [(kernel, launch, error)] of dequantize_layer_triton: fp8_check_layer's layer in one launch
+    against dequantize_layer, bit for bit (0 or inf); every element of the bf16 layer compared, the gaps between its
+    tensors included (both start zeroed: nothing may be written there)."""
+    tiny, parts, layout, held = fp8_check_layer()
     layer, held = fp8_layer(parts, layout, device), held.to(device)
     got, want = (torch.zeros(tiny.dequantized_bytes // 2, dtype=torch.int16, device=device) for _ in range(2))
     dequantize_layer_triton(held, got.view(DTYPE), layer)
@@ -4589,12 +4595,13 @@ class Runner:
     def warm_up(self, trees=False):
         """Runs every kernel at the timed pass's shapes (a chunk-sized batch through a layer, the loss, each
         flash-attn max_seqlen bucket; with trees, a prefix tree's wave and its pick, for continuations) so
-        compilation and allocator growth stay out of the timed window. One layer of each kind held alike (a Qwen3-MoE's
-        dense layers run the MLP's kernels, not the experts'; an FP8 layer whose projections modules_to_not_convert
-        names dequantizes fewer shapes): every layer of those runs the same kernels at the same shapes, and all 64 took 0.56 s of the H200's time to ready
-        (0.02 s for one; bench/results/primitives/2026-12-01-h200-load-phases-probe.json). It runs on a streamer of its
-        own that copies nothing, streamed layers on the weights their slots already hold: the warm-up's numbers are
-        thrown away, and the copy path itself ran when the slots were filled."""
+        compilation and allocator growth stay out of the timed window. One layer of each kind held alike (a
+        Qwen3-MoE's dense layers run the MLP's kernels, not the experts'; an FP8 layer whose projections
+        modules_to_not_convert names dequantizes fewer shapes): every layer of those runs the same kernels at the same
+        shapes, and all 64 took 0.56 s of the H200's time to ready (0.02 s for one;
+        bench/results/primitives/2026-12-01-h200-load-phases-probe.json). It runs on a streamer of its own that
+        copies nothing, streamed layers on the weights their slots already hold: the warm-up's numbers are thrown
+        away, and the copy path itself ran when the slots were filled."""
         gen = torch.Generator().manual_seed(0)
         layers = tuple(sorted(set(map(self.cfg.held.index, self.cfg.held))))  # the first of each kind held alike
         # a MoE model's texts fill one expert slice: its buffers are the largest a layer allocates

@@ -380,8 +380,8 @@ print(json.dumps(report))
 
 
 # The interpreter runs the Triton kernel ~1000x slower than a GPU: each family's variant (Qwen3's too: the check's own
-# tree took it 50 s more) on a tree of the check's shape at a tenth of its size (nodes in earlier chunks of 64, two ranges apart, ranges ending mid-tile, a root beside
-# them), with windows of 24 and 30 keys against paths of 150 tokens
+# tree took it 50 s more) on a tree of the check's shape at a tenth of its size (nodes in earlier chunks of 64, two
+# ranges apart, ranges ending mid-tile, a root beside them), with windows of 24 and 30 keys against paths of 150 tokens
 SMALL_TREE = [[[40, 7], [40, 20, 90], [40, 20, 3], [12, 9], [12, 1]], 64]
 KERNEL_CASES = {"qwen3": (TINY, SMALL_TREE),
                 "gemma2": (dict(TREE_CONFIGS["gemma2"], sliding_window=24), SMALL_TREE),
