@@ -458,9 +458,10 @@ def task_dir(tmp_path_factory, eval_checkpoint, float32_model):
 def evaluate(model, model_args, task_dir):
     import lm_eval
     import prefill_eval  # noqa: F401 (registers "prefill")
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # the test's tasks alone: indexing lm-eval's ~10k built-in ones takes ~9 s
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=TASKS, device="cpu", log_samples=True,
-                                   task_manager=TaskManager(include_path=str(task_dir)), batch_size=4)
+                                   task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+                                   batch_size=4)
 
 
 @pytest.fixture(scope="session")
@@ -543,10 +544,13 @@ def test_help_lists_prefill_s_model_args_and_lm_eval_s_own():
 # ----------------------------------------------------------------------------- corpus mode, torchrun
 
 def run_prefill(*args, ranks=1, timeout=300):
+    # every process with this one's threads (its share of the cores under pytest-xdist), one rank or two alike: the
+    # runs are compared bit for bit, and torchrun would give each rank one thread
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
         if ranks > 1 else [sys.executable]
+    env = dict(__import__("os").environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
     return subprocess.run([*launcher, str(ROOT / "prefill.py"), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=dict(__import__("os").environ, OMP_NUM_THREADS="2"))
+                          timeout=timeout, env=env)
 
 
 def continuation_corpus(path):
@@ -609,8 +613,9 @@ DATA_PARALLEL = """
 import json, sys
 import lm_eval, prefill_eval
 from lm_eval.tasks import TaskManager
+tasks = TaskManager(include_path=sys.argv[2], include_defaults=False)  # the test's tasks, not lm-eval's ~10k
 r = lm_eval.simple_evaluate(model="prefill", model_args=sys.argv[1], tasks=sys.argv[3].split(","), device="cpu",
-                            log_samples=True, task_manager=TaskManager(include_path=sys.argv[2]))
+                            log_samples=True, task_manager=tasks)
 if r is not None:  # rank 0
     # each request's first response: lm-eval pads a rank's requests with copies of its last, whose extra responses
     # land on that same request

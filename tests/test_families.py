@@ -801,12 +801,13 @@ def test_smollm2_mmlu_style_through_lm_eval_has_no_ties_and_beats_bf16_logits(tm
     import lm_eval
     import prefill_eval  # noqa: F401 (registers "prefill")
     from lm_eval.tasks import TaskManager
-    path, tasks = smollm2_dir(), mmlu_style_task(tmp_path)
+    # the test's own task alone: lm-eval's index of its ~10k built-in task files takes ~9 s a TaskManager here
+    path, tasks = smollm2_dir(), TaskManager(include_path=str(mmlu_style_task(tmp_path)), include_defaults=False)
 
     def evaluate(model, model_args):
         result = lm_eval.simple_evaluate(model=model, model_args=f"pretrained={path},{model_args}",
                                          tasks=["mmlu_style"], device="cpu", log_samples=True, batch_size=8,
-                                         task_manager=TaskManager(include_path=str(tasks)))
+                                         task_manager=tasks)
         samples = sorted(result["samples"]["mmlu_style"], key=lambda s: s["doc_id"])
         return result["results"]["mmlu_style"]["acc,none"], [[float(r[0][0]) for r in s["resps"]] for s in samples]
     runs = {"prefill": evaluate("prefill", "attention=sdpa"),
