@@ -657,10 +657,15 @@ def interpreted(script, *args):
                           env=env)
 
 
+# the interpreter runs the fused kernels a program a token (~0.13 s a token through this model and its 151k-word
+# loss): three texts, the one-token and the empty one; the other four are 128 of TEXTS' 173 tokens
+INTERPRETED_TEXTS = [0, 1, 2, 7, 8]
+
+
 @pytest.fixture(scope="module")
 def kernels_interpreted(gqa_checkpoint):
     # one interpreted process for both variants (its start-up, imports and load cost as much as the broken run itself)
-    return interpreted(KERNEL_CHECK, gqa_checkpoint[0], json.dumps(TEXTS))
+    return interpreted(KERNEL_CHECK, gqa_checkpoint[0], json.dumps([TEXTS[i] for i in INTERPRETED_TEXTS]))
 
 
 @pytest.mark.parametrize("variant", ["good", "broken"])
@@ -672,7 +677,7 @@ def test_triton_kernels_match_transformers(gqa_checkpoint, kernels_interpreted, 
         assert p.returncode != 0 and "--kernels triton is unusable" in p.stderr and len(lines) <= 1, p.stderr[-2000:]
     else:  # the good Runner's losses, printed before the broken kernels were planted
         assert lines and lines[0].startswith("["), p.stderr[-2000:]
-        assert max_rel_err(json.loads(lines[0]), reference) < TOLERANCE
+        assert max_rel_err(json.loads(lines[0]), [reference[i] for i in INTERPRETED_TEXTS]) < TOLERANCE
 
 
 ATTENTION_CHECK = """
