@@ -314,16 +314,27 @@ def offered_launches(target):
                        for launch in moe_launches(target, prefill.EXPERT_TILES["rdna3"], model)], kernels
 
 
-def test_every_kernel_prefill_launches_compiles_for_gfx1100_without_spills(fresh_triton_cache):
-    triton, target = amd_backend()
-    launches, kernels = offered_launches(target)
+@pytest.fixture(scope="module")
+def offered():
+    """(every launch offered on RDNA3, prefill's JIT functions), recorded once for the module's tests."""
+    _, target = amd_backend()
+    return offered_launches(target)
+
+
+def distinct_compiles(launches):
+    # a launch that several models make alike (Qwen3-32B's and Llama-3.1-70B's attention) is compiled once
+    return list({dataclasses.replace(launch, model=""): launch for launch in reversed(launches)}.values())
+
+
+def test_every_kernel_prefill_launches_is_recorded_in_every_offered_variant(offered):
+    launches, kernels = offered
     launched = {launch.kernel for launch in launches}
     # each JIT function is launched, or is a helper that a launched kernel calls: a new kernel cannot go unchecked
     called = {name for name in kernels for k in launched if re.search(rf"\b{name}\(", getattr(prefill, k).src)}
     assert set(kernels) == launched | called, f"never launched by prefill's layers: {set(kernels) - launched - called}"
-    for kernel, offered in (("_attention_kernel", offered_tiles), ("_tree_attention_kernel", offered_tree_tiles)):
+    for kernel, offers in (("_attention_kernel", offered_tiles), ("_tree_attention_kernel", offered_tree_tiles)):
         tiles = {(launch.model, attention_tile(launch)) for launch in launches if launch.kernel == kernel}
-        assert tiles == {(model, tile) for model in MODELS for tile in offered(model)}, kernel
+        assert tiles == {(model, tile) for model in MODELS for tile in offers(model)}, kernel
         variants = {tuple(launch.named_constexprs()[k] for k in ("WINDOW", "SOFTCAP")) for launch in launches
                     if launch.kernel == kernel}
         assert variants == {(False, False), (True, False), (False, True), (True, True)}, kernel  # every one launched
@@ -333,8 +344,18 @@ def test_every_kernel_prefill_launches_compiles_for_gfx1100_without_spills(fresh
     assert norms == {0, 1, 2}
     assert ({expert_tile(launch) for launch in launches if launch.kernel == "_grouped_gemm_kernel"}
             == set(prefill.EXPERT_TILES["rdna3"]))
-    # a launch that several models make alike (Qwen3-32B's and Llama-3.1-70B's attention) is compiled once
-    compiles = {dataclasses.replace(launch, model=""): launch for launch in reversed(launches)}.values()
+    assert len(distinct_compiles(launches)) > 100  # the parts below compile them all
+
+
+# The ~140 compiles take ~2 minutes of one core: a part each of PARTS tests, every PARTS-th launch of the recorded
+# order (each part a share of every kernel), so that pytest-xdist's workers share them
+PARTS = 6
+
+
+@pytest.mark.parametrize("part", range(PARTS))
+def test_every_kernel_prefill_launches_compiles_for_gfx1100_without_spills(fresh_triton_cache, offered, part):
+    triton, _ = amd_backend()
+    compiles = distinct_compiles(offered[0])[part::PARTS]
     failures = [p for launch in compiles for p in problems(launch, gfx1100_registers(launch))]
     assert not failures, f"gfx1100, Triton {triton.__version__}:\n" + "\n".join(failures)
 
@@ -347,7 +368,7 @@ def test_the_fp8_layer_dequantization_compiles_for_gfx1100_without_spills(fresh_
     launches = [launch for model in MODELS for launch in prefill_launches(target, model, ())[0]
                 if launch.kernel == "_dequantize_layer_kernel"]
     assert {launch.model for launch in launches} == {m for m in MODELS if fp8_config(model_config(MODELS[m]))}
-    compiles = {dataclasses.replace(launch, model=""): launch for launch in launches}.values()
+    compiles = distinct_compiles(launches)
     assert len(compiles) == 3
     failures = [p for launch in compiles for p in problems(launch, gfx1100_registers(launch))]
     assert not failures, f"gfx1100, Triton {triton.__version__}:\n" + "\n".join(failures)
