@@ -461,7 +461,7 @@ lens = [1, 37, 200, 64, 129, 2]  # a 1-token text, tile-size multiples, several 
 bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
 chunk = prefill.Chunk(0, bounds[-1], bounds, torch.tensor(bounds, dtype=torch.int32), max(lens))
 gen = torch.Generator().manual_seed(0)
-q, k, v = (torch.randn(bounds[-1], h, 16, generator=gen, dtype=torch.float16) for h in (8, 2, 2))
+q, k, v = (torch.randn(bounds[-1], h, 16, generator=gen, dtype=torch.float16) for h in (4, 2, 2))  # a program a head
 q = q * 6  # sharp: the window's edge and the cap both show
 A = prefill.AttentionSettings
 cases = {"window 5": A(0.25, 5), "window 100 (past 2 key tiles)": A(0.25, 100), "softcap 2": A(0.3, None, 2.0),

@@ -687,7 +687,7 @@ lens = [1, 37, 200, 64, 129, 2]  # a 1-token text, tile-size multiples, several 
 bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
 chunk = prefill.Chunk(0, bounds[-1], bounds, torch.tensor(bounds, dtype=torch.int32), max(lens))
 gen = torch.Generator().manual_seed(0)
-q, k, v = (torch.randn(bounds[-1], h, 16, generator=gen, dtype=torch.float16) * 3 for h in (8, 2, 2))
+q, k, v = (torch.randn(bounds[-1], h, 16, generator=gen, dtype=torch.float16) * 3 for h in (4, 2, 2))
 how = prefill.AttentionSettings(0.25)
 want = prefill.attention_sdpa(q.float(), k.float(), v.float(), chunk, how)
 def err(out):
