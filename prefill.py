@@ -1581,9 +1581,9 @@ class FP8Layer:
     """One held layout of FP8 layers as its dequantization reads it (fp8_layer builds it once, before `ready`): its
     tensors as held (parts: cfg.held[layer], shared by the layers held alike) and once dequantized (layout: its
     kind's cfg.layouts), and the same as two device tables for the one launch that dequantizes the whole layer
-    (dequantize_layer_triton). Tensor by tensor, a
-    Qwen3-30B-A3B layer took 393 launches (388 FP8 weights, 5 bf16 copies), 18.9k a wave, issued from Python: its
-    FP8 run took T 1.23 s (a repeat 1.78 s) where bf16 took 0.91 s with twice the bytes to stream (H200, 22fbe37)."""
+    (dequantize_layer_triton). Tensor by tensor, a Qwen3-30B-A3B layer took 393 launches (388 FP8 weights, 5 bf16
+    copies), 18.9k a wave, issued from Python: its FP8 run took T 1.23 s (a repeat 1.78 s) where bf16 took 0.91 s
+    with twice the bytes to stream (H200, 22fbe37)."""
     parts: list       # (name, byte offset, shape, dtype) as held: each FP8 weight followed by its scales
     layout: dict      # name -> (offset, shape) in the bf16 layer
     tensors: object   # int64 [tensors, FP8_COLUMNS]: one row per tensor of the bf16 layer, FP8 or copied

@@ -486,7 +486,7 @@ def test_triton_attention_honours_windows_and_softcaps_in_every_tile(family):
     # every tile a GPU family offers a model with a window or a softcap (on RDNA3 its variant tiles, no others); the
     # planted bugs in NVIDIA's first
     cfg = prefill.ModelConfig.from_json(config_of("gemma2", sliding_window=5, attn_logit_softcapping=2.0))
-    offered = {family: prefill.attention_tiles(family, cfg) for family in prefill.ATTENTION_TILES}
+    offered = {name: prefill.attention_tiles(name, cfg) for name in prefill.ATTENTION_TILES}
     assert offered["rdna3"] == offered["amd"] == prefill.RDNA3_VARIANT_TILES and offered["cpu"] == offered["nvidia"]
     p = interpreted(TRITON_ATTENTION, json.dumps(offered[family]), "planted" if family == "nvidia" else "")
     assert p.returncode == 0, p.stderr[-2000:]
