@@ -306,8 +306,11 @@ def tiny_checkpoint(tmp_path_factory, qwen_tokenizer_dir, qwen_tokenizer):
     return out, texts
 
 
-def plain_losses(model_dir, texts):
-    """The reference as interact computed it before placements: from_pretrained in bf16 on the CPU, one forward."""
+@pytest.fixture(scope="module")
+def plain_losses(tiny_checkpoint):
+    """The reference as interact computed it before placements: from_pretrained in bf16 on the CPU, one forward a
+    text; once for the three tests that compare against it (16 s on an AVX2 CPU, whose bf16 GEMMs are slow)."""
+    model_dir, texts = tiny_checkpoint
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, **{interact.dtype_kwarg(): torch.bfloat16}).eval()
@@ -320,14 +323,13 @@ def plain_losses(model_dir, texts):
     return losses
 
 
-def test_reference_losses_on_the_cpu_are_the_plain_forward(tiny_checkpoint, monkeypatch, capsys):
+def test_reference_losses_on_the_cpu_are_the_plain_forward(tiny_checkpoint, plain_losses, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     model_dir, texts = tiny_checkpoint
     model = interact.load_reference_model(model_dir)
     assert "reference: transformers on the CPU" in capsys.readouterr().out
     got = interact.reference_losses(model, interact.load_tokenizer(model_dir), texts)
-    want = plain_losses(model_dir, texts)
-    assert got[:-1] == want[:-1] and math.isnan(got[-1]) and math.isnan(want[-1])
+    assert got[:-1] == plain_losses[:-1] and math.isnan(got[-1]) and math.isnan(plain_losses[-1])
 
 
 # accelerate's own placement at 2 MiB of "host" memory: everything offloaded, the embedding too; and a given map
@@ -339,7 +341,8 @@ SPREADS = {
 
 
 @pytest.mark.parametrize("spread", list(SPREADS))
-def test_reference_losses_of_a_model_accelerate_spread(tiny_checkpoint, tmp_path, monkeypatch, capsys, spread):
+def test_reference_losses_of_a_model_accelerate_spread(tiny_checkpoint, plain_losses, tmp_path, monkeypatch, capsys,
+                                                      spread):
     """load_reference_model with accelerate's placement, as on a small GPU: the losses are the plain forward's.
     The CPU stands in for the GPU and disk for host memory; an offloaded embedding's weight is on the meta
     device, so the inputs start on the host. Skipped where the `reference` extra is not installed."""
@@ -355,8 +358,7 @@ def test_reference_losses_of_a_model_accelerate_spread(tiny_checkpoint, tmp_path
     else:
         assert "reference: modules per device: cpu: 1, disk: 1" in out
     got = interact.reference_losses(model, interact.load_tokenizer(model_dir), texts)
-    want = plain_losses(model_dir, texts)
-    assert got[:-1] == pytest.approx(want[:-1], rel=1e-6) and math.isnan(got[-1])
+    assert got[:-1] == pytest.approx(plain_losses[:-1], rel=1e-6) and math.isnan(got[-1])
 
 
 # ---------------------------------------------------------------------------
