@@ -150,6 +150,8 @@ def test_random_checkpoint_loads_in_transformers(tmp_path, qwen_tokenizer_dir, q
         assert torch.equal(params[name], t), name
     assert torch.equal(model.lm_head.weight, written["lm_head.weight" if not tied else "model.embed_tokens.weight"])
 
+    if shard_bytes < 2**30:
+        return  # the weights were just shown to be what was written; their losses are the one-file case's (10 s)
     texts = interact.demo_texts(qwen_tokenizer, 2, seed=0)
     losses = []
     with torch.inference_mode():
