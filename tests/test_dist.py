@@ -42,6 +42,7 @@ def own_lines(stderr):  # prefill's lines, not torchrun's report of a failed wor
     return [line for line in stderr.splitlines() if line.startswith("prefill:")]
 
 
+@pytest.mark.slow
 def test_two_ranks_give_the_one_process_protocol_output(fp8_folder, tmp_path, monkeypatch, capsys):
     # the protocol, 2 ranks started by interact.py --nproc 2 as the contest harness would talk to them (the corpus
     # mode's file: the killed run below, resumed, is the one process's file). The one process is prefill.main() in
@@ -62,6 +63,7 @@ def test_two_ranks_give_the_one_process_protocol_output(fp8_folder, tmp_path, mo
     assert [repr(x) for x in record["losses"]] == solo.splitlines()[1:]  # nan too: repr(nan) == 'nan'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, stdin, message", [
     (("--input", "missing.jsonl"), "", "cannot read missing.jsonl"),  # before the load, on every rank
     ((), '["a", 3]\n', "stdin: element 1 is int"),                    # after `ready`, on every rank
@@ -88,6 +90,7 @@ def rank_pid(marker, rank, timeout=60):
     raise AssertionError(f"no rank {rank} worker found")
 
 
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_run_in_seconds_with_one_line_and_the_output_resumes(model, tmp_path, monkeypatch,
                                                                                      capsys):
     texts = corpus_file(tmp_path / "in.jsonl", 200)

@@ -565,6 +565,7 @@ def continuation_corpus(path):
     return rows
 
 
+@pytest.mark.slow
 def test_a_corpus_of_continuations_scores_resumes_and_runs_on_two_ranks(eval_checkpoint, eval_runner, tmp_path):
     rows = continuation_corpus(tmp_path / "in.jsonl")
     out, args = tmp_path / "out.jsonl", ["--model", eval_checkpoint, "--input", tmp_path / "in.jsonl", "--device",
@@ -626,6 +627,7 @@ if r is not None:  # rank 0
 """
 
 
+@pytest.mark.slow
 def test_lm_eval_data_parallel_equals_one_process(eval_checkpoint, task_dir, tmp_path):
     args = [f"pretrained={eval_checkpoint},max_length={MAX_LENGTH},attention=sdpa,chunk_tokens=48,wave_tokens=200",
             str(task_dir), "t_ll,t_roll"]  # not t_mc: lm-eval draws each rank's few-shot examples anew (its own

@@ -639,6 +639,7 @@ def smollm2_dir():
     return interact.cached_checkpoint(f"smollm2-135m-bf16-{SMOLLM2_VERSION}", build)
 
 
+@pytest.mark.slow
 def test_smollm2_real_weights_match_transformers_within_bf16s_own_error():
     # a real Llama-architecture model (tied, 30 layers) on English text: losses of real activations, whose outliers
     # random weights lack. With its logits rounded to bf16 prefill gives transformers' bf16 numbers (the network is
@@ -805,6 +806,7 @@ def mmlu_style_task(folder):
     return folder
 
 
+@pytest.mark.slow
 def test_smollm2_mmlu_style_through_lm_eval_has_no_ties_and_beats_bf16_logits(tmp_path):
     # 20 questions, 5-shot, through lm-eval: prefill (bf16 network, float32 logits) against its HF backend in float32,
     # each set against the HF backend in bf16 (logits rounded to bf16, then a float32 log-softmax): no two choices of

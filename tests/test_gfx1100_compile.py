@@ -83,7 +83,8 @@ KNOWN_SPILLING_TILE = (64, 64, 4, 2)  # spills 205 VGPRs under Triton 3.9, 16 un
 LDS_BYTES = 65536  # per workgroup on RDNA3
 TOKENS = 3  # no launch parameter depends on the token count
 
-pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # prefill keeps the default
+# prefill keeps the default fusion; the whole module is `slow` (docs/testing.md)
+pytestmark = [pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset"), pytest.mark.slow]
 
 
 def amd_backend():
