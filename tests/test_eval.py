@@ -9,6 +9,7 @@ in the wave instead of depths) move requests by 10-30%.
 import collections
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -393,7 +394,7 @@ KERNEL_CASES = {"qwen3": (dict(TINY, **KERNEL_HEADS), SMALL_TREE),
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_triton_tree_kernel_matches_the_reference_and_misses_are_caught(name):
     pytest.importorskip("triton")
-    env = dict(__import__("os").environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     config, tree = KERNEL_CASES[name]
     p = subprocess.run([sys.executable, "-c", TREE_KERNEL_CHECK, json.dumps(config), json.dumps(tree)],
                        capture_output=True, text=True, timeout=900, env=env)
@@ -550,7 +551,7 @@ def run_prefill(*args, ranks=1, timeout=300):
     # runs are compared bit for bit, and torchrun would give each rank one thread
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
         if ranks > 1 else [sys.executable]
-    env = dict(__import__("os").environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
     return subprocess.run([*launcher, str(ROOT / "prefill.py"), *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -638,7 +639,7 @@ def test_lm_eval_data_parallel_equals_one_process(eval_checkpoint, task_dir, tmp
             if ranks > 1 else [sys.executable]
         p = subprocess.run([*launcher, "-c" if ranks == 1 else str(tmp_path / "dp.py"), *(
             [DATA_PARALLEL] if ranks == 1 else []), *args], capture_output=True, text=True, timeout=600,
-            cwd=ROOT, env=dict(__import__("os").environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
         assert p.returncode == 0, p.stderr[-3000:]
         runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
         (tmp_path / "dp.py").write_text(DATA_PARALLEL)
