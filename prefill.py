@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""prefill: the per-text language-modelling loss of a Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3 or Qwen3-MoE model
-whose weights need not fit in GPU memory.
+"""prefill: the per-text language-modelling loss of a Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3 model, or of a
+mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5), whose weights need not fit in GPU memory.
 
     python prefill.py --model DIR      prints `ready`, reads one JSON array of texts from stdin,
                                        prints one loss per text (in order) and exits.
@@ -14,18 +14,20 @@ huge request is split into waves).
 This file alone is the engine: the protocol and the Python API need nothing beside it. Its sections, in reading
 order, with their main definitions (no definition reads a name defined further down; tests/test_layout.py checks
 both):
-  config: Rope, AttentionSettings, Family, FAMILIES, ConfigFields, fp8_fields, held_layout, ModelConfig
+  config: Rope, AttentionSettings, Router, moe_fields, sigmoid_moe_fields, Family, FAMILIES, ConfigFields, fp8_fields,
+      held_layout, ModelConfig
   checkpoint loading: header_tensors, Workers, pinned_empty, Checkpoint, check_tensors, LayerWeights, layer_views,
       Stager
   memory plan: MemoryPlan, plan_memory, layer_flops, plan_wave, HostPlan, plan_host
   weight streaming: HeldLayers, StorageRing, dequantize_fp8, FP8Layer, fp8_layer, dequantize_layer, WeightStreamer
   model math: rms_norm, rope_tables, apply_rope, gated_act, token_nll, combine, Kernels, TORCH_KERNELS, Chunk,
-      attention_block, mlp_block
+      attention_block, gated_mlp, mlp_block
   fused kernels (Triton, optional): rms_norm_triton, head_norm_rope_triton, dequantize_layer_triton,
       token_nll_triton, TRITON_KERNELS
   attention backends: attention_sdpa, attention_triton, make_attention, ATTENTION_TILES, gpu_family,
       attention_candidates
-  mixture of experts: route, expert_rows, moe_ffn, moe_block, grouped_loop, grouped_triton, expert_candidates
+  mixture of experts: route_softmax, route_sigmoid, route, expert_rows, moe_ffn, shared_experts, moe_block,
+      grouped_loop, grouped_triton, expert_candidates
   start-up checks and picks: check_attention, pick_attention, check_experts, pick_experts, check_kernels,
       pick_kernels, pick_blas, Picks
   packing and loss: Wave, batches, wave_of, Score, sequence_nll
@@ -156,17 +158,23 @@ def json_array(data, source):
 class Rope:
     """One RoPE (transformers' modeling_rope_utils): "default"; "linear" (positions / factor: Gemma 3's full layers);
     "llama3" (Llama 3.1-3.3: wavelengths beyond the original context slowed by factor, a smooth band between them;
-    static, so short texts change too)."""
+    static, so short texts change too). partial: partial_rotary_factor, the share of each head's channels that rotate,
+    the first int(head_dim * partial) of them (GLM-4.5: half); the others pass through."""
     theta: float
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    partial: float = 1.0
+
+    def rotary_dim(self, head_dim):
+        return int(head_dim * self.partial)  # as transformers rounds it
 
     def inv_freq(self, head_dim):
-        # [head_dim / 2] float32 on the CPU, in transformers' own float32 steps
-        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        # [rotary_dim / 2] float32 on the CPU, in transformers' own float32 steps
+        dim = self.rotary_dim(head_dim)
+        inv = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         if self.kind == "linear":
             return inv / self.factor
         if self.kind == "llama3":
@@ -189,8 +197,35 @@ class AttentionSettings:
     softcap: float | None = None
 
 
+@dataclass(frozen=True)
+class Router:
+    """How a mixture of experts' router picks each token's top_k experts and weighs them (transformers 5.24's
+    *TopKRouter, *TopkRouter). "softmax" (Qwen3-MoE, Qwen2-MoE, Mixtral): a float32 softmax over the bf16 router's
+    logits, top-k, renormalised to sum 1 when renormalize. "sigmoid" (DeepSeek-V3, GLM-4.5): every step in float32,
+    the router's weight too; sigmoid scores; e_score_correction_bias added to them for the choice only; the top-k
+    among the experts of the topk_group groups (of n_group, consecutive experts) whose two best biased scores sum
+    highest; weighed by their unbiased scores, renormalised (+1e-20) when renormalize, times scale
+    (routed_scaling_factor)."""
+    kind: str = "softmax"
+    top_k: int = 1
+    renormalize: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
+
+    def describe(self):
+        groups = f" among the best {self.topk_group} of {self.n_group} groups" if self.topk_group < self.n_group else ""
+        return (f"{self.kind} top-{self.top_k}{groups}" + (", correction bias" if self.kind == "sigmoid" else "")
+                + (", renormalised" if self.renormalize else "") + (f", times {self.scale:g}" if self.scale != 1 else ""))
+
+
 def every_layer(fields, layers):  # Mistral: sliding_window (default 4096; null: none) slides every layer
     window = fields.off_or(fields.count, "sliding_window", 4096)
+    return ["sliding_attention" if window else "full_attention"] * layers, window
+
+
+def every_layer_when_given(fields, layers):  # Mixtral: sliding_window (default null: none) slides every layer
+    window = fields.off_or(fields.count, "sliding_window", None)
     return ["sliding_attention" if window else "full_attention"] * layers, window
 
 
@@ -220,6 +255,102 @@ def every_layer_when_used(fields, layers):  # Qwen3-MoE: with use_sliding_window
     return ["sliding_attention" if window else "full_attention"] * layers, window
 
 
+def even_below_max_window_layers(fields, layers):  # Qwen2-MoE: with use_sliding_window, the even layers below
+    #                                                  max_window_layers (Qwen2MoeConfig's layer_types)
+    used = fields.flag("use_sliding_window")
+    window = fields.off_or(fields.count, "sliding_window", 4096) if used else None
+    given = fields.source.get("layer_types")
+    if not used and isinstance(given, list) and "sliding_attention" in given:
+        raise UserError(f"{fields.where}: layer_types names sliding layers but use_sliding_window is off, which makes "
+                        "transformers' window 0 (no key seen); not supported")
+    first = fields.get("max_window_layers", 28, lambda v: type(v) is int and v >= 0, "a non-negative integer")
+    return ["sliding_attention" if window and i % 2 == 0 and i < first else "full_attention"
+            for i in range(layers)], window
+
+
+def expert_count(fields, path, spellings, defaults):
+    """(experts, top_k): the experts' count from the spelling that config.json gives (where it gives several, they
+    must agree: transformers maps one onto the other, its attribute_map), num_experts_per_tok of them a token;
+    defaults: the family's, by the first spelling (none: the field is required)."""
+    given = {key: fields.source[key] for key in spellings if fields.source.get(key) is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise UserError(f"{path}: {' and '.join(given)} disagree ({given})")
+    experts = fields.count(next(iter(given), spellings[0]), defaults.get(spellings[0]))
+    top_k = fields.count("num_experts_per_tok", defaults.get("num_experts_per_tok"))
+    if top_k > experts:
+        raise UserError(f"{path}: num_experts_per_tok is {top_k}, more than the {experts} experts")
+    return experts, top_k
+
+
+def moe_fields(fields, path, layers, defaults, spellings=("num_experts", "num_local_experts")):
+    """Qwen3-MoE's fields of config.json, checked (transformers 5.24, models/qwen3_moe): num_experts (Hub configs
+    say num_experts, configs that transformers 5 saves say num_local_experts), num_experts_per_tok,
+    moe_intermediate_size, norm_topk_prob (false when absent, as transformers' default), and which layers keep the
+    dense MLP: Qwen3MoeDecoderLayer makes layer i a mixture of experts iff i is not in mlp_only_layers and (i + 1) %
+    decoder_sparse_step == 0 (both must hold: the config's docstring says mlp_only_layers overrides the step, its
+    code ANDs them). output_router_logits only adds the router's auxiliary loss to HF's .loss; prefill's loss is the
+    language-modelling loss alone, so it is not read."""
+    experts, top_k = expert_count(fields, path, spellings, defaults)
+    step, only = fields.count("decoder_sparse_step", 1), fields.source.get("mlp_only_layers")
+    only = [] if only is None else only
+    # transformers would ignore an index past the last layer; here it is a mistake named, as is a repeated one
+    if not (isinstance(only, list) and all(type(i) is int and 0 <= i < layers for i in only)
+            and len(set(only)) == len(only)):
+        raise UserError(f"{path}: mlp_only_layers is {json.dumps(only)[:60]}; expected a list of distinct layer "
+                        f"indices from 0 to {layers - 1}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=fields.count("moe_intermediate_size"),
+                norm_topk_prob=fields.flag("norm_topk_prob"),
+                dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step))
+
+
+def qwen2_moe_fields(fields, path, layers, defaults):
+    """Qwen2-MoE's (models/qwen2_moe): Qwen3-MoE's fields and dense-layer rule (Qwen2MoeDecoderLayer's is the same),
+    num_experts its only spelling (Qwen2MoeConfig maps no other), and a shared expert beside the routed ones in every
+    MoE layer, shared_expert_intermediate_size wide, its output times sigmoid(mlp.shared_expert_gate)."""
+    return dict(moe_fields(fields, path, layers, defaults, ("num_experts",)), shared_expert="mlp.shared_expert",
+                shared_intermediate_size=fields.count("shared_expert_intermediate_size"), shared_expert_gate=True)
+
+
+def mixtral_fields(fields, path, layers, defaults):
+    """Mixtral's (models/mixtral): every layer a mixture of num_local_experts (or num_experts, its attribute_map's
+    other spelling) experts intermediate_size wide, num_experts_per_tok of them a token, always renormalised; their tensors under block_sparse_moe, an expert's w1 its gate, w3 its up, w2 its down (the Hub's
+    names, which save_pretrained writes back). router_jitter_noise acts in training only."""
+    experts, top_k = expert_count(fields, path, ("num_local_experts", "num_experts"), defaults)
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=fields.count("intermediate_size"),
+                norm_topk_prob=True, expert_names=("block_sparse_moe", "w1", "w3", "w2"))
+
+
+ROUTER_METHODS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}  # DeepSeek-V3's, the only ones read
+
+
+def sigmoid_moe_fields(fields, path, layers, defaults):
+    """DeepSeek-V3's mixture of experts, which GLM-4.5 shares (models/deepseek_v3, glm4_moe; defaults: the family's
+    configuration class's): n_routed_experts (or num_local_experts) experts moe_intermediate_size wide,
+    num_experts_per_tok of them a token, chosen by the sigmoid Router (n_group, topk_group, norm_topk_prob,
+    routed_scaling_factor, the correction bias in the checkpoint); n_shared_experts beside them as one MLP
+    n_shared_experts * moe_intermediate_size wide, added unweighted; the first first_k_dense_replace layers the dense
+    MLP, intermediate_size wide. scoring_func and topk_method, where a config gives them, must be DeepSeek-V3's."""
+    for key, method in ROUTER_METHODS.items():
+        if fields.source.get(key, method) != method:
+            raise UserError(f"{path}: {key} is {shown(fields.source[key])}; prefill's router reads {key} {method} only")
+    experts, top_k = expert_count(fields, path, ("n_routed_experts", "num_local_experts"), defaults)
+    groups, kept = (fields.count(key, defaults[key]) for key in ("n_group", "topk_group"))
+    # transformers ranks a group by its two best scores and keeps topk_group of them, then takes the top-k there
+    if experts % groups or experts // groups < 2 or kept > groups or top_k > kept * (experts // groups):
+        raise UserError(f"{path}: {experts} experts in n_group {groups} groups, topk_group {kept} of them kept, top-"
+                        f"{top_k}: expected groups of at least 2 experts, and no more experts chosen than kept")
+    J = fields.count("moe_intermediate_size", defaults["moe_intermediate_size"])
+    shared, first = (fields.get(key, defaults[key], lambda v: type(v) is int and v >= 0,
+                                "a non-negative integer") for key in ("n_shared_experts", "first_k_dense_replace"))
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=J,
+                norm_topk_prob=fields.flag("norm_topk_prob", defaults["norm_topk_prob"]), router_kind="sigmoid",
+                n_group=groups, topk_group=kept,
+                routed_scaling_factor=fields.positive("routed_scaling_factor", defaults["routed_scaling_factor"]),
+                shared_expert="mlp.shared_experts" if shared else None, shared_intermediate_size=shared * J,
+                dense_layers=tuple(range(min(first, layers))))
+
+
 @dataclass(frozen=True)
 class Family:
     """What a model_type's config.json leaves to transformers' modeling code (read in transformers 5.24)."""
@@ -230,7 +361,14 @@ class Family:
     sandwich_norms: bool = False   # Gemma: four norms a layer, the attention's and the MLP's outputs normed too
     embed_scale: bool = False      # Gemma: embeddings × √hidden, rounded to bf16
     qkv_bias: bool = False         # Qwen2: q, k and v always have biases, o never
+    qkv_bias_key: tuple = None     # (key, default): config.json's switch of biases on q, k and v, o never (GLM-4.5:
+    #                                attention_bias, Qwen2-MoE: qkv_bias)
     attention_bias: bool = False   # attention_bias is read: biases on q, k, v and o
+    qk_norm_key: str = None        # config.json's switch of the q/k norm, off by default (GLM-4.5: use_qk_norm)
+    partial_rotary: float = None   # partial_rotary_factor's default where the family rotates part of each head
+    #                                (GLM-4.5: 0.5); None: a factor other than 1 is refused
+    rms_norm_eps: float = 1e-6     # its default
+    rope_theta: float = 10000.0    # its default
     mlp_bias: bool = False         # mlp_bias is read: biases on gate, up and down (Llama)
     softcaps: tuple = None         # defaults of attn_logit_softcapping and final_logit_softcapping (None: not read)
     scale_key: str = None          # the key whose value^-½ scales the scores (None: head_dim)
@@ -239,7 +377,9 @@ class Family:
     activation: str = "silu"       # its default
     tied: bool = False             # tie_word_embeddings' default
     two_ropes: bool = False        # Gemma 3: a RoPE for sliding layers and another for full ones
-    experts: bool = False          # Qwen3-MoE: feed-forwards of experts (moe_fields: which layers keep the MLP)
+    experts: object = None         # a mixture of experts: (fields, path, layers, moe_defaults) -> ModelConfig's fields
+    #                                of it (which layers keep the MLP among them too); None: a dense model
+    moe_defaults: tuple = ()       # (key, default) pairs of its configuration class that experts reads (none: required)
 
 
 GEMMA = dict(reads_layer_types=True, norm_offset=True, sandwich_norms=True, embed_scale=True, attention_bias=True,
@@ -254,10 +394,21 @@ FAMILIES = {
     "gemma2": Family(layer_types=alternate, softcaps=(50.0, 30.0), **GEMMA),
     "gemma3_text": Family(layer_types=one_full_in_pattern, qk_norm=True, softcaps=(None, None), two_ropes=True,
                           **GEMMA),
-    "qwen3_moe": Family(layer_types=every_layer_when_used, qk_norm=True, attention_bias=True, experts=True),
+    "qwen3_moe": Family(layer_types=every_layer_when_used, qk_norm=True, attention_bias=True, experts=moe_fields),
+    "qwen2_moe": Family(layer_types=even_below_max_window_layers, reads_layer_types=True,
+                        qkv_bias_key=("qkv_bias", True), experts=qwen2_moe_fields),
+    "mixtral": Family(layer_types=every_layer_when_given, rms_norm_eps=1e-5, rope_theta=1e6, experts=mixtral_fields,
+                      moe_defaults=(("num_local_experts", 8), ("num_experts_per_tok", 2))),
+    # GLM-4.5, 4.6, 4.5-Air: Glm4MoeConfig's defaults. Its MTP layers (num_nextn_predict_layers, tensors of layer
+    # index num_hidden_layers) are not part of the causal LM: transformers drops them, and prefill never reads them
+    "glm4_moe": Family(qkv_bias_key=("attention_bias", False), qk_norm_key="use_qk_norm", partial_rotary=0.5,
+                       rms_norm_eps=1e-5, experts=sigmoid_moe_fields, moe_defaults=(
+                           ("n_routed_experts", 128), ("num_experts_per_tok", 8), ("moe_intermediate_size", 1408),
+                           ("n_shared_experts", 1), ("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0),
+                           ("norm_topk_prob", True), ("first_k_dense_replace", 1))),
 }
 # keys that mark a config.json as a mixture of experts (Mixtral, GPT-OSS: num_local_experts; Qwen2-MoE, OLMoE:
-# num_experts; DeepSeek: n_routed_experts): of those, prefill runs Qwen3-MoE only
+# num_experts; DeepSeek: n_routed_experts): of those, prefill runs the families whose row has experts
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' ACT2FN names
 ROPE_KINDS = ("default", "linear", "llama3")
@@ -305,22 +456,25 @@ class ConfigFields:
         return None if self.source.get(key, default) is None else read(key, default)
 
 
-def rope_of(params, where):
+def rope_of(params, where, partial=None):
+    # partial: partial_rotary_factor's default where the family reads it (None: a factor other than 1 is refused)
     fields = ConfigFields(params, where)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_KINDS:
         raise UserError(f"{where}: RoPE type {shown(kind)} is not supported (only {', '.join(ROPE_KINDS)})")
-    if params.get("partial_rotary_factor") is not None and not (type(params["partial_rotary_factor"]) in (int, float)
-                                                                and params["partial_rotary_factor"] == 1):
+    if partial is None and params.get("partial_rotary_factor") is not None and not (
+            type(params["partial_rotary_factor"]) in (int, float) and params["partial_rotary_factor"] == 1):
         raise UserError(f"{where}: partial_rotary_factor is {shown(params['partial_rotary_factor'])}; RoPE on part of "
                         "a head is not supported")
+    part = fields.get("partial_rotary_factor", partial or 1.0, lambda v: type(v) in (int, float) and 0 < v <= 1,
+                      "a number in (0, 1]")
     theta = fields.positive("rope_theta")
     if kind == "default":
-        return Rope(theta)
+        return Rope(theta, partial=part)
     if kind == "linear":
-        return Rope(theta, kind, fields.positive("factor"))
+        return Rope(theta, kind, fields.positive("factor"), partial=part)
     return Rope(theta, kind, fields.positive("factor"), fields.positive("low_freq_factor"),
-                fields.positive("high_freq_factor"), fields.count("original_max_position_embeddings"))
+                fields.positive("high_freq_factor"), fields.count("original_max_position_embeddings"), part)
 
 
 def read_ropes(raw, family, path):
@@ -344,35 +498,8 @@ def read_ropes(raw, family, path):
                 "sliding_attention": rope_of(sliding, f"{path}: sliding_attention RoPE")}
     if set(params) & set(LAYER_TYPES):
         raise UserError(f"{path}: rope_parameters nested by layer type: {raw.get('model_type')} has one RoPE")
-    return {None: rope_of({"rope_theta": raw.get("rope_theta", 10000.0), **part, **params}, f"{path}: RoPE")}
-
-
-def moe_fields(fields, path, layers):
-    """Qwen3-MoE's fields of config.json, checked (transformers 5.24, models/qwen3_moe): num_experts (Hub configs
-    say num_experts, configs that transformers 5 saves say num_local_experts), num_experts_per_tok,
-    moe_intermediate_size, norm_topk_prob (false when absent, as transformers' default), and which layers keep the
-    dense MLP: Qwen3MoeDecoderLayer makes layer i a mixture of experts iff i is not in mlp_only_layers and (i + 1) %
-    decoder_sparse_step == 0 (both must hold: the config's docstring says mlp_only_layers overrides the step, its
-    code ANDs them). output_router_logits only adds the router's auxiliary loss to HF's .loss; prefill's loss is the
-    language-modelling loss alone, so it is not read."""
-    spellings = {key: fields.source[key] for key in ("num_experts", "num_local_experts")
-                 if fields.source.get(key) is not None}
-    if len(set(map(repr, spellings.values()))) > 1:
-        raise UserError(f"{path}: num_experts and num_local_experts disagree ({spellings})")
-    experts, top_k = fields.count(next(iter(spellings), "num_experts")), fields.count("num_experts_per_tok")
-    if top_k > experts:
-        raise UserError(f"{path}: num_experts_per_tok is {top_k}, more than the {experts} experts")
-    step, only = fields.count("decoder_sparse_step", 1), fields.source.get("mlp_only_layers")
-    only = [] if only is None else only
-    # transformers would ignore an index past the last layer; here it is a mistake named, as is a repeated one
-    if not (isinstance(only, list) and all(type(i) is int and 0 <= i < layers for i in only)
-            and len(set(only)) == len(only)):
-        raise UserError(f"{path}: mlp_only_layers is {json.dumps(only)[:60]}; expected a list of distinct layer "
-                        f"indices from 0 to {layers - 1}")
-    return dict(num_experts=experts, num_experts_per_tok=top_k,
-                moe_intermediate_size=fields.count("moe_intermediate_size"),
-                norm_topk_prob=fields.flag("norm_topk_prob"),
-                dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step))
+    return {None: rope_of({"rope_theta": raw.get("rope_theta", family.rope_theta), **part, **params}, f"{path}: RoPE",
+                          family.partial_rotary)}
 
 
 FP8 = torch.float8_e4m3fn
@@ -454,17 +581,18 @@ def scale_grid(shape):
     return tuple(-(-n // FP8_BLOCK) for n in shape)
 
 
-def held_layout(layout, numel, fp8):
+def held_layout(layout, numel, fp8, dtypes):
     """How a layer is held (resident, in host memory, in a slot): [(name, byte offset, shape, dtype)], and its bytes.
-    layout: its bf16 layout, {name: (element offset, shape)}, numel elements long; fp8: the names of its weights held
-    as FP8, each one's float8 bytes then its scales (float32, one per FP8_BLOCK x FP8_BLOCK block), dequantized into
-    the bf16 layout just before the layer runs. With none, the bf16 layout itself."""
+    layout: its bf16 layout, {name: (offset in bf16 elements, shape)}, numel bf16 elements long, each tensor bf16 but
+    those dtypes names ({name: dtype}: the V3 router's float32 ones); fp8: the names of its weights held as FP8, each
+    one's float8 bytes then its scales (float32, one per FP8_BLOCK x FP8_BLOCK block), dequantized into the bf16 layout
+    just before the layer runs. With none, the bf16 layout itself."""
     if not fp8:
-        return [(name, offset * DTYPE.itemsize, shape, DTYPE) for name, (offset, shape) in layout.items()], \
-            numel * DTYPE.itemsize
+        return [(name, offset * DTYPE.itemsize, shape, dtypes.get(name, DTYPE)) for name, (offset, shape)
+                in layout.items()], numel * DTYPE.itemsize
     held, offset = [], 0
     for name, (_, shape) in layout.items():
-        parts = [(name, shape, DTYPE)]
+        parts = [(name, shape, dtypes.get(name, DTYPE))]
         if name in fp8:
             parts = [(name, shape, FP8), (name + "_scale_inv", scale_grid(shape), torch.float32)]
             if any(n > FP8_BLOCK and n % FP8_BLOCK for n in shape):
@@ -504,11 +632,20 @@ class ModelConfig:
     final_softcap: float | None = None  # of the logits: cap · tanh(logits / cap), in bf16 as transformers
     tensor_prefixes: tuple = ()  # (prefix in the files, prefix read) pairs: a multimodal Gemma 3
     max_position_embeddings: int = 0  # 0: not given; a longer text is computed all the same, as transformers does
-    num_experts: int = 0            # Qwen3-MoE (0: a dense MLP): each layer's experts, of which a token meets
-    num_experts_per_tok: int = 0    # these, each moe_intermediate_size wide, their weights renormalised to sum 1
-    moe_intermediate_size: int = 0  # when norm_topk_prob
-    norm_topk_prob: bool = False
-    dense_layers: tuple = ()        # Qwen3-MoE: layers whose feed-forward is the dense MLP, intermediate_size wide
+    num_experts: int = 0            # a mixture of experts (0: a dense MLP): each layer's experts, of which a token
+    num_experts_per_tok: int = 0    # meets these, each moe_intermediate_size wide, chosen and weighed by the Router
+    moe_intermediate_size: int = 0  # of these fields (self.router): its kind, renormalised when norm_topk_prob; the
+    norm_topk_prob: bool = False    # sigmoid one's groups and scale
+    router_kind: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    dense_layers: tuple = ()        # layers whose feed-forward is the dense MLP, intermediate_size wide
+    expert_names: tuple = ("mlp", "gate_proj", "up_proj", "down_proj")  # the MoE block's module inside a layer, an
+    #                                 expert's gate, up and down projections (Mixtral: block_sparse_moe, w1, w3, w2)
+    shared_expert: str = None       # the shared experts' module (V3, GLM: mlp.shared_experts, several as one MLP;
+    shared_intermediate_size: int = 0  # Qwen2-MoE: mlp.shared_expert), a gated MLP this wide beside the routed ones
+    shared_expert_gate: bool = False   # Qwen2-MoE: the shared expert's output times sigmoid(mlp.shared_expert_gate)
     fp8_scales: str = None          # block-wise FP8 weights (fp8_fields): their scales' format, "float" or "ue8m0";
     #                                 None: the weights are bf16 (or f16, f32) in the files
     fp8_not_converted: tuple = ()   # its modules_to_not_convert: patterns naming modules kept bf16 (not_converted)
@@ -521,6 +658,18 @@ class ModelConfig:
             raise UserError("num_attention_heads must be a multiple of num_key_value_heads")
         if D < 2 or D % 2:
             raise UserError(f"head_dim is {D}; RoPE rotates pairs of a head's channels: it must be even and positive")
+        for rope in set(self.ropes):
+            if rope.rotary_dim(D) < 2 or rope.rotary_dim(D) % 2:
+                raise UserError(f"partial_rotary_factor {rope.partial} rotates {rope.rotary_dim(D)} of head_dim {D}'s "
+                                "channels; RoPE rotates pairs: it must be even and positive")
+        self.router = Router(self.router_kind, self.num_experts_per_tok, self.norm_topk_prob, self.n_group,
+                             self.topk_group, self.routed_scaling_factor) if self.num_experts else None
+        # tensors held in another dtype than bf16 (the rest): the V3 router's weight and correction bias stay float32
+        # in a bf16 model (transformers' _keep_in_fp32_modules_strict), whatever the files hold (an upcast is exact);
+        # a float32 one takes the room of two bf16 elements an element in the layer's buffer
+        block = self.expert_names[0]
+        self.tensor_dtypes = {f"{block}.gate.{name}": torch.float32 for name in ("weight", "e_score_correction_bias")
+                              } if self.router_kind == "sigmoid" else {}
         # Each layer's kind: "moe" (a mixture of experts) or "mlp" (the gated MLP); a Qwen3-MoE may mix them.
         self.layer_kinds = tuple("moe" if self.num_experts and i not in self.dense_layers else "mlp"
                                  for i in range(self.num_hidden_layers))
@@ -534,7 +683,7 @@ class ModelConfig:
                 if not fused:
                     offset = -(-offset // 64) * 64
                 self.layouts[kind][name] = (offset, shape)
-                offset += math.prod(shape)
+                offset += math.prod(shape) * self.tensor_dtypes.get(name, DTYPE).itemsize // DTYPE.itemsize
             numels[kind] = offset
         # How each layer is held (held_layout), a list shared by the layers held alike: the bf16 layout itself, or
         # with FP8 weights each projection's float8 bytes and scales, but for those modules_to_not_convert names,
@@ -546,7 +695,7 @@ class ModelConfig:
             fp8 = frozenset(name for name in self.layouts[kind] if self.fp8_scales and is_fp8_weight(name)
                             and not kept(f"model.layers.{layer}.{name[:-len('.weight')]}"))
             if (kind, fp8) not in alike:
-                alike[kind, fp8] = held_layout(self.layouts[kind], numels[kind], fp8)
+                alike[kind, fp8] = held_layout(self.layouts[kind], numels[kind], fp8, self.tensor_dtypes)
             held.append(alike[kind, fp8])
         self.held = tuple(parts for parts, _ in held)
         self.layer_nbytes = tuple(nbytes for _, nbytes in held)
@@ -580,13 +729,23 @@ class ModelConfig:
         # the feed-forward half: its input norm, the gated MLP ("mlp") or the mixture of experts ("moe")
         H, I = self.hidden_size, self.intermediate_size
         norm = "pre_feedforward_layernorm" if self.sandwich_norms else "post_attention_layernorm"
-        if kind == "moe":  # the router; each expert's gate rows then its up rows, expert after expert (one
-            # [experts, 2 moe_intermediate, hidden] view, expert e's fused gate_up at [e]); each expert's down
-            E, J = self.num_experts, self.moe_intermediate_size
-            return ([(f"{norm}.weight", (H,), False), ("mlp.gate.weight", (E, H), False)]
-                    + [(f"mlp.experts.{e}.{p}_proj.weight", (J, H), e > 0 or p == "up")
-                       for e in range(E) for p in ("gate", "up")]
-                    + [(f"mlp.experts.{e}.down_proj.weight", (H, J), e > 0) for e in range(E)])
+        if kind == "moe":  # the router (and the V3 router's correction bias); each expert's gate rows then its up
+            # rows, expert after expert (one [experts, 2 moe_intermediate, hidden] view, expert e's fused gate_up at
+            # [e]); each expert's down; the shared experts' gate and up rows, their down, Qwen2-MoE's gate
+            E, J, (block, gate, up, down) = self.num_experts, self.moe_intermediate_size, self.expert_names
+            out = [(f"{norm}.weight", (H,), False), (f"{block}.gate.weight", (E, H), False)]
+            if self.router_kind == "sigmoid":
+                out.append((f"{block}.gate.e_score_correction_bias", (E,), False))
+            out += ([(f"{block}.experts.{e}.{p}.weight", (J, H), e > 0 or p == up) for e in range(E) for p in (gate, up)]
+                    + [(f"{block}.experts.{e}.{down}.weight", (H, J), e > 0) for e in range(E)])
+            if self.shared_expert:
+                S = self.shared_intermediate_size
+                out += [(f"{self.shared_expert}.gate_proj.weight", (S, H), False),
+                        (f"{self.shared_expert}.up_proj.weight", (S, H), True),
+                        (f"{self.shared_expert}.down_proj.weight", (H, S), False)]
+            if self.shared_expert_gate:
+                out.append(("mlp.shared_expert_gate.weight", (1, H), False))
+            return out
         out = [(f"{norm}.weight", (H,), False), ("mlp.gate_proj.weight", (I, H), False),
                ("mlp.up_proj.weight", (I, H), True)]
         if self.mlp_bias:
@@ -622,7 +781,9 @@ class ModelConfig:
         model_type = raw.get("model_type")
         family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
         if family is None:
-            moe = ", a mixture of experts (of those prefill runs qwen3_moe only)" if set(MOE_KEYS) & set(raw) else ""
+            moe = (", a mixture of experts (of those prefill runs "
+                   f"{', '.join(name for name, f in FAMILIES.items() if f.experts)} only)") if set(MOE_KEYS) & set(raw) \
+                else ""
             raise UserError(f"{path}: model_type is {shown(model_type)}{moe}; prefill runs "
                             f"{', '.join(FAMILIES)} (and gemma3 with a text_config) only")
         if raw.get("use_bidirectional_attention") not in (None, False):  # (True == 1 in Python: compared by type too)
@@ -634,6 +795,8 @@ class ModelConfig:
         head_dim = fields.count("head_dim", family.head_dim or hidden // heads)
         activation = fields.get(family.activation_key, family.activation, lambda v: v in ACTIVATIONS,
                                 f"one of {', '.join(ACTIVATIONS)}")
+        if family.experts and ACTIVATIONS[activation] != "silu":
+            raise UserError(f"{path}: {family.activation_key} is {shown(activation)}; prefill's experts are SwiGLU")
         # which layers slide: config.json's own layer_types where the family reads them (transformers does, first)
         types, window = family.layer_types(fields, layers)
         given = raw.get("layer_types")
@@ -652,20 +815,22 @@ class ModelConfig:
                     for t in LAYER_TYPES}
         ropes = read_ropes(raw, family, path)
         attention_bias = family.attention_bias and fields.flag("attention_bias")
+        qkv_bias = family.qkv_bias or attention_bias or bool(family.qkv_bias_key and fields.flag(*family.qkv_bias_key))
         config = dict(
             model_type=model_type, hidden_size=hidden, intermediate_size=fields.count("intermediate_size"),
             num_hidden_layers=layers, num_attention_heads=heads,
             num_key_value_heads=fields.count("num_key_value_heads", heads), head_dim=head_dim,
-            vocab_size=fields.count("vocab_size"), rms_norm_eps=fields.positive("rms_norm_eps", 1e-6),
+            vocab_size=fields.count("vocab_size"), rms_norm_eps=fields.positive("rms_norm_eps", family.rms_norm_eps),
             tie_word_embeddings=fields.flag("tie_word_embeddings", family.tied),
             ropes=tuple(ropes[t if family.two_ropes else None] for t in types),
             attention=tuple(settings[t] for t in types), activation=ACTIVATIONS[activation],
-            qk_norm=family.qk_norm, norm_offset=family.norm_offset, sandwich_norms=family.sandwich_norms,
-            qkv_bias=family.qkv_bias or attention_bias, o_bias=attention_bias,
+            qk_norm=family.qk_norm or bool(family.qk_norm_key and fields.flag(family.qk_norm_key)),
+            norm_offset=family.norm_offset, sandwich_norms=family.sandwich_norms, qkv_bias=qkv_bias, o_bias=attention_bias,
             mlp_bias=family.mlp_bias and fields.flag("mlp_bias"), embed_scale=family.embed_scale,
             final_softcap=fields.off_or(fields.positive, "final_logit_softcapping", family.softcaps[1])
             if family.softcaps else None,
-            tensor_prefixes=prefixes, **fp8, **(moe_fields(fields, path, layers) if family.experts else {}),
+            tensor_prefixes=prefixes, **fp8,
+            **(family.experts(fields, path, layers, dict(family.moe_defaults)) if family.experts else {}),
             max_position_embeddings=fields.get("max_position_embeddings", 0, lambda v: type(v) is int and v >= 0,
                                                "a non-negative integer"),
         )
@@ -1069,7 +1234,7 @@ def check_tensors(ckpt, cfg, fixed):
             dtype = ckpt.tensors[name][1]
             scales = (torch.float32, torch.bfloat16, torch.float8_e8m0fnu) + (
                 (torch.uint8,) if cfg.fp8_scales == "ue8m0" else ())
-            wanted = {FP8: (FP8,), torch.float32: scales}.get(held, FLOATS)
+            wanted = (FP8,) if held == FP8 else scales if name.endswith("_scale_inv") else FLOATS
             if dtype not in wanted:
                 raise UserError(f"checkpoint tensor {name} is {str(dtype)[6:]}; the model is {fp8}" + (
                     ", its modules_to_not_convert naming this one" if kept else "") + ", which makes it "
@@ -1093,12 +1258,16 @@ class LayerWeights:  # None: the family has no such tensor
     o_bias: object = None            # [hidden]
     attn_out_norm: object = None     # [hidden]: Gemma's norm of the attention's output
     mlp_norm: torch.Tensor = None    # [hidden]: the norm before the MLP
-    router: object = None            # [experts, hidden]: Qwen3-MoE's, where gate_up and down are the experts':
+    router: object = None            # [experts, hidden] (float32: Router.kind sigmoid), where gate_up and down are
+    router_bias: object = None       # the experts'; [experts] float32: the sigmoid router's e_score_correction_bias
     gate_up: torch.Tensor = None     # [2 intermediate, hidden]; MoE: [experts, 2 moe_intermediate, hidden]
     gate_up_bias: object = None      # [2 intermediate]
     down: torch.Tensor = None        # [hidden, intermediate]; MoE: [experts, hidden, moe_intermediate]
     down_bias: object = None         # [hidden]
     mlp_out_norm: object = None      # [hidden]: Gemma's norm of the MLP's output
+    shared_gate_up: object = None    # [2 shared_intermediate, hidden]: the shared experts' (V3, GLM, Qwen2-MoE)
+    shared_down: object = None       # [hidden, shared_intermediate]
+    shared_gate: object = None       # [1, hidden]: Qwen2-MoE's shared_expert_gate
 
 
 def layer_views(flat, cfg, kind=None):
@@ -1110,14 +1279,18 @@ def layer_views(flat, cfg, kind=None):
             return None
         offset, own = layout[name]
         shape = shape or ((rows, *own[1:]) if rows else own)
-        return flat[offset:offset + math.prod(shape)].view(shape)
+        return typed(flat, offset * DTYPE.itemsize, math.prod(shape), cfg.tensor_dtypes.get(name, DTYPE)).view(shape)
     qkv, gate_up = cfg.q_size + 2 * cfg.kv_size, 2 * cfg.intermediate_size
     mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
-    if "mlp.gate.weight" in layout:
+    block, gate, _, down = cfg.expert_names
+    if f"{block}.gate.weight" in layout:
         E, H, J = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        experts = dict(router=view("mlp.gate.weight"),
-                       gate_up=view("mlp.experts.0.gate_proj.weight", shape=(E, 2 * J, H)),
-                       down=view("mlp.experts.0.down_proj.weight", shape=(E, H, J)))
+        experts = dict(router=view(f"{block}.gate.weight"), router_bias=view(f"{block}.gate.e_score_correction_bias"),
+                       gate_up=view(f"{block}.experts.0.{gate}.weight", shape=(E, 2 * J, H)),
+                       down=view(f"{block}.experts.0.{down}.weight", shape=(E, H, J)),
+                       shared_gate_up=view(f"{cfg.shared_expert}.gate_proj.weight", 2 * cfg.shared_intermediate_size),
+                       shared_down=view(f"{cfg.shared_expert}.down_proj.weight"),
+                       shared_gate=view("mlp.shared_expert_gate.weight"))
     else:
         experts = dict(gate_up=view("mlp.gate_proj.weight", gate_up), down=view("mlp.down_proj.weight"))
     return LayerWeights(
@@ -1241,11 +1414,16 @@ def held_first(sizes, room):
 
 def moe_scratch_per_token(cfg):
     # device bytes moe_block holds at most per token of a chunk besides the wave's hidden states (an upper bound: all
-    # of it alive at once): the norm's output and its float32 temporaries, the router's bf16 logits and float32
-    # probabilities, the int64 routing indices, k rows of input, gate_up, activation and output (bf16), the output
-    # rows gathered per token (bf16) and their weighted sum
+    # of it alive at once): the norm's output and its float32 temporaries; the router's: softmax's bf16 logits and
+    # float32 probabilities, or the sigmoid one's float32 input, scores, biased and masked scores and group mask; the
+    # int64 routing indices, k rows of input, gate_up, activation and output (bf16), the output rows gathered per
+    # token (bf16) and their weighted sum; with shared experts the routed sum's own buffer and their gate_up,
+    # activation and output (bf16)
     H, J, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
-    return 2 * H + 12 * H + 6 * E + 8 * 8 * k + 2 * k * (2 * H + 3 * J) + 2 * k * H + 2 * H
+    S = cfg.shared_intermediate_size
+    router = 4 * H + 17 * E if cfg.router_kind == "sigmoid" else 6 * E
+    shared = 2 * H + 2 * (3 * S + H) + 2 if S else 0
+    return 2 * H + 12 * H + router + 8 * 8 * k + 2 * k * (2 * H + 3 * J) + 2 * k * H + 2 * H + shared
 
 
 def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_tokens=None):
@@ -1289,10 +1467,12 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_t
 # --- how large a wave hides the copies: a streamed layer's bytes cross PCIe once a wave, its FLOPs grow with the wave
 
 def layer_flops(cfg, kind, tokens, attended=0):
-    # matrix FLOPs of one layer of kind over `tokens` tokens: attention projections, the MLP (a MoE layer: router and
-    # the k active experts' SwiGLU), and attention's scores and values for `attended` keys per query on average
+    # matrix FLOPs of one layer of kind over `tokens` tokens: attention projections, the MLP (a MoE layer: router, the
+    # k active experts' SwiGLU, the shared experts' and Qwen2-MoE's gate of them), and attention's scores and values for
+    # `attended` keys per query on average
     H, Q, KV = cfg.hidden_size, cfg.q_size, cfg.kv_size
-    mlp = (2 * cfg.num_experts * H + cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H if kind == "moe"
+    mlp = (2 * cfg.num_experts * H + cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H
+           + 6 * cfg.shared_intermediate_size * H + 2 * H * cfg.shared_expert_gate if kind == "moe"
            else 6 * cfg.intermediate_size * H)
     return tokens * (2 * H * (2 * Q + 2 * KV) + mlp + 4 * attended * Q)
 
@@ -1590,8 +1770,8 @@ class FP8Layer:
     programs: object  # int32 [programs]: each program's tensor, one program per FP8_BLOCK x FP8_BLOCK block
 
 
-# A row of FP8Layer.tensors: where the tensor starts in the held buffer (in elements of its own dtype: bytes for
-# FP8, bf16 elements for a tensor copied as it is), its scales (float32 elements; -1: a bf16 tensor, copied), where
+# A row of FP8Layer.tensors: where the tensor starts in the held buffer (bytes for FP8, bf16-sized elements for a
+# tensor copied as it is, which a float32 one, the V3 router's, fills two a value of: its columns are doubled), its scales (float32 elements; -1: a bf16 tensor, copied), where
 # it starts in the bf16 layer, its rows and columns (a vector: one row), its blocks per row of blocks, and its first
 # program. int64: a big MoE layer's held bytes pass 2^31 (Qwen3-235B-A22B's: 2.5 GB in FP8).
 FP8_COLUMNS = 7
@@ -1606,9 +1786,11 @@ def fp8_layer(parts, layout, device):
         if name not in layout:
             continue  # scales, read with their weight
         R, C = shape if len(shape) == 2 else (1, shape[0])
+        unit = 1 if dtype == FP8 else DTYPE.itemsize
+        C = C * dtype.itemsize // unit
         grid = scale_grid((R, C))
         scales = parts[i + 1][1] // 4 if dtype == FP8 else -1
-        rows.append([offset // dtype.itemsize, scales, layout[name][0], R, C, grid[1], len(programs)])
+        rows.append([offset // unit, scales, layout[name][0], R, C, grid[1], len(programs)])
         programs += [len(rows) - 1] * math.prod(grid)
     assert len(programs) < 2**24, "more programs than HIP launches on one grid axis"
     return FP8Layer(parts, layout, torch.tensor(rows, dtype=torch.int64).to(device),
@@ -1622,12 +1804,13 @@ def dequantize_layer(held, out, layer):
         if name not in layer.layout:
             continue  # scales, read with their weight
         start, n = layer.layout[name][0], math.prod(shape)
-        dst, src = out[start:start + n].view(shape), typed(held, offset, n, dtype).view(shape)
+        src = typed(held, offset, n, dtype).view(shape)
         if dtype == FP8:
             _, scale_offset, grid, _ = layer.parts[i + 1]
-            dequantize_fp8(src, typed(held, scale_offset, math.prod(grid), torch.float32).view(grid), dst)
-        else:
-            dst.copy_(src)
+            dequantize_fp8(src, typed(held, scale_offset, math.prod(grid), torch.float32).view(grid),
+                           out[start:start + n].view(shape))
+        else:  # copied as it is held: bf16, or a float32 router
+            typed(out, start * DTYPE.itemsize, n, dtype).copy_(src.view(-1))
 
 
 class WeightStreamer:
@@ -1753,7 +1936,8 @@ def rms_norm(x, weight, eps, offset=False):
 
 
 def rope_tables(positions, rope, head_dim):
-    # positions: [tokens] int64 -> cos, sin: [tokens, head_dim]; angles in float32 as transformers, then cast
+    # positions: [tokens] int64 -> cos, sin: [tokens, rotary_dim] (head_dim but for partial RoPE); angles in float32 as
+    # transformers, then cast
     inv_freq = rope.inv_freq(head_dim)  # on the CPU, as transformers computes it
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [tokens, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -1766,7 +1950,11 @@ def wave_rope_tables(positions, cfg):
 
 
 def apply_rope(x, cos, sin):
-    # x: [tokens, heads, head_dim]; half-split (rotate_half) convention
+    # x: [tokens, heads, head_dim]; half-split (rotate_half) convention over the first cos.shape[-1] channels: all of
+    # them, or for partial RoPE (GLM-4.5) the first ones, the rest passed through, as transformers' apply_rotary_pos_emb
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -1907,13 +2095,18 @@ def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels, how, wave_kv=No
     x += o if w.attn_out_norm is None else kernels.rms_norm(o, w.attn_out_norm, eps, offset)
 
 
+def gated_mlp(h, gate_up, down, activation, kernels, gate_up_bias=None, down_bias=None):
+    # h: [tokens, hidden] -> down(act(gate) * up): [tokens, hidden], gate and up one GEMM (gate_up: their rows fused)
+    return F.linear(kernels.gated_act(F.linear(h, gate_up, gate_up_bias), activation), down, down_bias)
+
+
 def mlp_block(x, w, cfg, max_tokens, kernels):
     # x: [tokens, hidden], updated in place, in slices of max_tokens rows
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     for s in range(0, x.shape[0], max_tokens):
         xs = x[s:s + max_tokens]
-        gate_up = F.linear(kernels.rms_norm(xs, w.mlp_norm, eps, offset), w.gate_up, w.gate_up_bias)
-        out = F.linear(kernels.gated_act(gate_up, cfg.activation), w.down, w.down_bias)
+        out = gated_mlp(kernels.rms_norm(xs, w.mlp_norm, eps, offset), w.gate_up, w.down, cfg.activation, kernels,
+                        w.gate_up_bias, w.down_bias)
         xs += out if w.mlp_out_norm is None else kernels.rms_norm(out, w.mlp_out_norm, eps, offset)
 
 
@@ -1951,38 +2144,59 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, y.to(tl.bfloat16), mask=mask)
 
     @triton.jit
+    def _head_norm(x, rstd, w_at, NORM: tl.constexpr):
+        # a block of channels of each head (x [HEADS, n] float32) through the q/k norm of _head_norm_rope_kernel's
+        # NORM (rstd: each head's, over all its channels), rounded to bf16 where rms_norm rounds
+        if NORM == 0:
+            y = x
+        elif NORM == 1:
+            y = ((x * rstd).to(tl.bfloat16).to(tl.float32) * tl.load(w_at).to(tl.float32)).to(tl.bfloat16)
+        else:
+            y = (x * rstd * (1.0 + tl.load(w_at).to(tl.float32))).to(tl.bfloat16)
+        return y.to(tl.float32)
+
+    @triton.jit
+    def _rope_halves(y1, y2, cos_at, sin_at, ROT: tl.constexpr):
+        # the rotating channels' two halves (y1, y2 [HEADS, ROT] float32) -> x * cos + rotate_half(x) * sin, each product
+        # and the sum rounded to bf16 as in PyTorch; cos_at, sin_at: the token's table at the halves' columns
+        cos1, cos2 = tl.load(cos_at).to(tl.float32), tl.load(cos_at + ROT).to(tl.float32)
+        sin1, sin2 = tl.load(sin_at).to(tl.float32), tl.load(sin_at + ROT).to(tl.float32)
+        o1 = ((y1 * cos1).to(tl.bfloat16).to(tl.float32) + (-y2 * sin1).to(tl.bfloat16).to(tl.float32))
+        o2 = ((y2 * cos2).to(tl.bfloat16).to(tl.float32) + (y1 * sin2).to(tl.bfloat16).to(tl.float32))
+        return o1.to(tl.bfloat16), o2.to(tl.bfloat16)
+
+    @triton.jit
     def _head_norm_rope_kernel(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps,
-                               HEADS: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
-        # NORM: 0 RoPE alone (no q/k norm), 1 Qwen3's per-head RMSNorm first, 2 Gemma 3's (x̂·(1 + w))
+                               HEADS: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr):
+        # NORM: 0 RoPE alone (no q/k norm), 1 Qwen3's per-head RMSNorm first, 2 Gemma 3's (x̂·(1 + w)). ROT: half the
+        # channels that rotate (the tables' width / 2): HALF, or less for partial RoPE (GLM-4.5), whose first 2 ROT
+        # channels rotate, reread, and whose others pass through (normed)
         t = tl.program_id(0)
         h = tl.arange(0, HEADS)[:, None]
         c = tl.arange(0, HALF)[None, :]
         mask = h < heads
-        src = x_ptr + t * x_stride + h * (2 * HALF) + c
-        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        if NORM == 0:
-            y1, y2 = x1, x2
-        else:
+        src = x_ptr + t * x_stride + h * (2 * HALF)
+        x1 = tl.load(src + c, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + c, mask=mask, other=0.0).to(tl.float32)
+        rstd = 0.0
+        if NORM != 0:
             rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
-            w1 = tl.load(w_ptr + c).to(tl.float32)
-            w2 = tl.load(w_ptr + HALF + c).to(tl.float32)
-            if NORM == 1:
-                y1 = ((x1 * rstd).to(tl.bfloat16).to(tl.float32) * w1).to(tl.bfloat16).to(tl.float32)
-                y2 = ((x2 * rstd).to(tl.bfloat16).to(tl.float32) * w2).to(tl.bfloat16).to(tl.float32)
-            else:
-                y1 = (x1 * rstd * (1.0 + w1)).to(tl.bfloat16).to(tl.float32)
-                y2 = (x2 * rstd * (1.0 + w2)).to(tl.bfloat16).to(tl.float32)
-        cos1 = tl.load(cos_ptr + t * 2 * HALF + c).to(tl.float32)
-        cos2 = tl.load(cos_ptr + t * 2 * HALF + HALF + c).to(tl.float32)
-        sin1 = tl.load(sin_ptr + t * 2 * HALF + c).to(tl.float32)
-        sin2 = tl.load(sin_ptr + t * 2 * HALF + HALF + c).to(tl.float32)
-        # x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16 as in PyTorch
-        o1 = ((y1 * cos1).to(tl.bfloat16).to(tl.float32) + (-y2 * sin1).to(tl.bfloat16).to(tl.float32))
-        o2 = ((y2 * cos2).to(tl.bfloat16).to(tl.float32) + (y1 * sin2).to(tl.bfloat16).to(tl.float32))
-        dst = out_ptr + (t * heads + h) * (2 * HALF) + c
-        tl.store(dst, o1.to(tl.bfloat16), mask=mask)
-        tl.store(dst + HALF, o2.to(tl.bfloat16), mask=mask)
+        dst = out_ptr + (t * heads + h) * (2 * HALF)
+        if ROT == HALF:
+            o1, o2 = _rope_halves(_head_norm(x1, rstd, w_ptr + c, NORM), _head_norm(x2, rstd, w_ptr + HALF + c, NORM),
+                                  cos_ptr + t * 2 * ROT + c, sin_ptr + t * 2 * ROT + c, ROT)
+            tl.store(dst + c, o1, mask=mask)
+            tl.store(dst + HALF + c, o2, mask=mask)
+        else:
+            y1, y2 = _head_norm(x1, rstd, w_ptr + c, NORM), _head_norm(x2, rstd, w_ptr + HALF + c, NORM)
+            tl.store(dst + c, y1.to(tl.bfloat16), mask=mask & (c >= 2 * ROT))
+            tl.store(dst + HALF + c, y2.to(tl.bfloat16), mask=mask & (HALF + c >= 2 * ROT))
+            r = tl.arange(0, ROT)[None, :]
+            r1 = _head_norm(tl.load(src + r, mask=mask, other=0.0).to(tl.float32), rstd, w_ptr + r, NORM)
+            r2 = _head_norm(tl.load(src + ROT + r, mask=mask, other=0.0).to(tl.float32), rstd, w_ptr + ROT + r, NORM)
+            o1, o2 = _rope_halves(r1, r2, cos_ptr + t * 2 * ROT + r, sin_ptr + t * 2 * ROT + r, ROT)
+            tl.store(dst + r, o1, mask=mask)
+            tl.store(dst + ROT + r, o2, mask=mask)
 
     @triton.jit
     def _gated_act_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, GELU: tl.constexpr):
@@ -2231,12 +2445,14 @@ def rms_norm_triton(x, weight, eps, offset=False):
 
 
 def head_norm_rope_triton(x, weight, cos, sin, eps, offset):
+    # cos, sin: [tokens, rotary_dim], the whole head_dim but for partial RoPE
     T, heads, D = x.shape
     assert x.stride(2) == 1 and x.stride(1) == D and cos.is_contiguous() and sin.is_contiguous()
     out = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
     norm = 0 if weight is None else 2 if offset else 1
     _head_norm_rope_kernel[(T,)](x, x.stride(0), x if weight is None else weight, cos, sin, out, heads, eps,
-                                 HEADS=triton.next_power_of_2(heads), HALF=D // 2, NORM=norm, num_warps=4)
+                                 HEADS=triton.next_power_of_2(heads), HALF=D // 2, ROT=cos.shape[1] // 2, NORM=norm,
+                                 num_warps=4)
     return out
 
 
@@ -2562,12 +2778,17 @@ def attention_candidates(requested, family, cfg=None, tiles=None):
 
 
 # ----------------------------------------------------------------------------- mixture of experts
-# Qwen3-MoE's feed-forward (transformers 5.24, models/qwen3_moe/modeling_qwen3_moe.py), beside mlp_block: the same
-# layer, streamer and plan, the experts part of a layer's flat bytes (ModelConfig.mlp_tensors). The router (mlp.gate)
-# is a bf16 linear whose logits go through a float32 softmax; each token keeps its top-k experts, their probabilities
-# renormalised to sum 1 when norm_topk_prob, cast to bf16. Each expert is a SwiGLU MLP moe_intermediate_size wide, no
-# bias, no shared expert. The loss is the language-modelling loss alone: HF's .loss adds the router's auxiliary loss
+# The feed-forward of Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5 (transformers 5.24, models/<family>/modeling_*.py),
+# beside mlp_block: the same layer, streamer and plan, the experts part of a layer's flat bytes
+# (ModelConfig.mlp_tensors). The router (mlp.gate) picks each token's top-k experts and weighs them as the model's
+# Router says (route: softmax or DeepSeek-V3's sigmoid), the weights cast to bf16 for the combination. Each expert is a
+# SwiGLU MLP moe_intermediate_size wide, no bias. Shared experts (DeepSeek-V3, GLM, Qwen2-MoE) run beside them as one
+# plain gated MLP, their output (Qwen2-MoE: gated) added to the routed experts' bf16 sum before the residual, as
+# transformers adds them. The loss is the language-modelling loss alone: HF's .loss adds the router's auxiliary loss
 # only when output_router_logits is set, and prefill never adds it.
+#
+# Deviation: transformers keeps Mixtral's and the sigmoid router's weights in float32 into the experts' weighted sum
+# (Qwen's it casts to bf16 first, as here); prefill's combination takes bf16 weights, a relative 2^-9 on a weight.
 #
 # Here a chunk's (token, slot) pairs are sorted by expert, stably, the experts run as two grouped GEMMs over those rows
 # (gate_up, then down), and each token's k outputs, in ascending expert order, are weighted and summed in float32 (one
@@ -2577,13 +2798,37 @@ def attention_candidates(requested, family, cfg=None, tiles=None):
 # "eager" experts add in expert order into a bf16 tensor with index_add_, one rounding per expert. Every output row
 # here is written by one program and every sum has an order fixed by its shape: no atomics, the same bits every run.
 
-def route(h, router, k, renormalize):
-    # h: [tokens, hidden] -> (weights [tokens, k] in h's dtype, experts [tokens, k] int64, each row's experts ascending)
-    logits = F.linear(h, router)  # [tokens, experts], in bf16 as transformers
+def route_softmax(h, w, router):
+    # Qwen3-MoE's, Qwen2-MoE's, Mixtral's: h [tokens, hidden] -> (weights [tokens, k] float32, experts [tokens, k])
+    logits = F.linear(h, w.router)  # [tokens, experts], in bf16 as transformers
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top, chosen = torch.topk(probs, k, dim=-1)
-    if renormalize:
+    top, chosen = torch.topk(probs, router.top_k, dim=-1)
+    if router.renormalize:
         top = top / top.sum(dim=-1, keepdim=True)
+    return top, chosen
+
+
+def route_sigmoid(h, w, router):
+    # DeepSeek-V3's and GLM-4.5's (DeepseekV3TopkRouter), step by step in float32: h [tokens, hidden] -> (weights
+    # [tokens, k] float32, experts [tokens, k]). topk unsorted as there: which of two tied scores it keeps is its own rule
+    scores = F.linear(h.float(), w.router).sigmoid()  # [tokens, experts]: the router is held in float32
+    biased = scores + w.router_bias  # the correction bias decides the choice, never the weights
+    if router.topk_group < router.n_group:  # (every group kept: the mask would change nothing)
+        groups = biased.view(h.shape[0], router.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [tokens, groups]
+        best = groups.topk(router.topk_group, dim=-1, sorted=False)[1]
+        kept = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, best, True)
+        biased = biased.masked_fill(~kept.repeat_interleave(biased.shape[1] // router.n_group, dim=1), -math.inf)
+    chosen = torch.topk(biased, router.top_k, dim=-1, sorted=False)[1]
+    top = scores.gather(1, chosen)
+    if router.renormalize:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return top * router.scale, chosen
+
+
+def route(h, w, router):
+    # h: [tokens, hidden] -> (weights [tokens, k] in h's dtype, experts [tokens, k] int64, each row's experts ascending),
+    # by the model's Router (w: the layer's LayerWeights: its router and, for the sigmoid one, its correction bias)
+    top, chosen = (route_sigmoid if router.kind == "sigmoid" else route_softmax)(h, w, router)
     chosen, slot = chosen.sort(dim=-1)  # the order the outputs are summed in
     return top.gather(1, slot).to(h.dtype), chosen
 
@@ -2607,15 +2852,26 @@ def pair_rows(pairs):
     return torch.empty_like(pairs).scatter_(0, pairs, torch.arange(pairs.numel(), device=pairs.device))
 
 
-def moe_ffn(x, h, w, k, renormalize, grouped, kernels):
-    # x: [tokens, hidden] += the experts' weighted sum over h: [tokens, hidden], the post-attention norm's output;
-    # returns x. grouped(a [rows, K] grouped by expert, weights [experts, N, K], bounds) -> [rows, N] is the expert
-    # compute picked at start-up (pick_experts). Each buffer is dropped as soon as the next step has read it.
-    weights, chosen = route(h, w.router, k, renormalize)
+def moe_ffn(x, h, w, router, grouped, kernels):
+    # x: [tokens, hidden] += the experts' weighted sum over h: [tokens, hidden], the post-attention norm's output, as
+    # router (a Router) routes it; returns x. grouped(a [rows, K] grouped by expert, weights [experts, N, K], bounds)
+    # -> [rows, N] is the expert compute picked at start-up (pick_experts). Each buffer is dropped as soon as the next
+    # step has read it.
+    weights, chosen = route(h, w, router)
+    k = router.top_k
     pairs, bounds = expert_rows(chosen, w.router.shape[0])
     act = kernels.gated_act(grouped(h[pairs // k], w.gate_up, bounds), "silu")  # [tokens * k, moe_intermediate]
     kernels.combine(x, grouped(act, w.down, bounds), pair_rows(pairs), weights)
     return x
+
+
+def shared_experts(h, w, kernels):
+    # h: [tokens, hidden] -> the shared experts' output [tokens, hidden]: one gated MLP (V3, GLM: n_shared_experts as
+    # one, moe_intermediate_size wide each), Qwen2-MoE's times sigmoid(h · shared_expert_gate), in bf16 as transformers
+    out = gated_mlp(h, w.shared_gate_up, w.shared_down, "silu", kernels)
+    if w.shared_gate is not None:
+        out *= torch.sigmoid(F.linear(h, w.shared_gate))  # [tokens, 1]
+    return out
 
 
 def moe_block(x, w, cfg, max_tokens, kernels, grouped):
@@ -2623,8 +2879,13 @@ def moe_block(x, w, cfg, max_tokens, kernels, grouped):
     # buffers hold max_tokens * num_experts_per_tok rows (moe_scratch_per_token), whatever the wave
     for s in range(0, x.shape[0], max_tokens):
         xs = x[s:s + max_tokens]
-        moe_ffn(xs, kernels.rms_norm(xs, w.mlp_norm, cfg.rms_norm_eps), w, cfg.num_experts_per_tok,
-                cfg.norm_topk_prob, grouped, kernels)
+        h = kernels.rms_norm(xs, w.mlp_norm, cfg.rms_norm_eps)
+        if w.shared_gate_up is None:
+            moe_ffn(xs, h, w, cfg.router, grouped, kernels)
+        else:  # transformers adds the shared experts to the routed ones' bf16 sum, that to the residual
+            out = moe_ffn(torch.zeros_like(xs), h, w, cfg.router, grouped, kernels)
+            out += shared_experts(h, w, kernels)
+            xs += out
 
 
 # --- expert compute: the grouped GEMM out[rows of e] = a[rows of e] @ w[e].T for every expert e
@@ -3145,9 +3406,10 @@ def check_experts(candidates, device, cfg):
     k = min(cfg.num_experts_per_tok, 2)
     h, w = expert_inputs(device, cfg, seed=0, tokens=600, experts=min(cfg.num_experts, 8))
     want = moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, cfg.norm_topk_prob)
+    router = Router("softmax", k, cfg.norm_topk_prob)  # the expert kernels are under check, not the model's router
     return [checked({"name": name, "grouped": None, "error": None}, "grouped", lambda: make_experts(kind, tile),
-                    lambda grouped: moe_ffn(torch.zeros_like(h), h, w, k, cfg.norm_topk_prob, grouped,
-                                            TORCH_KERNELS), want, "experts")
+                    lambda grouped: moe_ffn(torch.zeros_like(h), h, w, router, grouped, TORCH_KERNELS), want,
+                    "experts")
             for name, kind, tile in candidates]
 
 
@@ -3173,7 +3435,7 @@ def expert_timing_inputs(device, cfg, chunk_tokens, experts=8):
     # one chunk's rows as a run sees them, for `experts` of the model's experts (their shapes decide the speed; all of
     # them would be a layer's bytes of scratch): chunk_tokens * top-k / num_experts rows each on average, uneven
     h, w = expert_inputs(device, cfg, seed=1, tokens=max(2, chunk_tokens * experts // cfg.num_experts), experts=experts)
-    _, chosen = route(h, w.router, min(cfg.num_experts_per_tok, experts), cfg.norm_topk_prob)
+    _, chosen = route(h, w, Router("softmax", min(cfg.num_experts_per_tok, experts), cfg.norm_topk_prob))
     pairs, bounds = expert_rows(chosen, experts)
     rows = h[pairs // chosen.shape[1]]
     act = torch.randn(rows.shape[0], cfg.moe_intermediate_size, device=device).to(DTYPE)
@@ -3255,7 +3517,8 @@ def kernel_checks(device, cfg):
     makes, against float32 math on random inputs. A configuration is what Triton compiles a kernel for: its
     constexprs and its integer arguments' specialisations (divisible by 16, equal to 1). head_norm_rope runs twice a
     layer, on the query heads and on the key heads: another head count, so another lane layout (HEADS) and another
-    base pointer into the same qkv rows, each checked; gated_act at the dense MLP's width and at the experts';
+    base pointer into the same qkv rows, each checked (the RoPE tables as wide as the model's: partial RoPE is a
+    variant); gated_act at the dense MLP's width, the experts' and the shared experts';
     rms_norm with the model's norm offset and, for the experts' input, without. Every input is laid out as in a run
     (q and k views of one qkv tensor, its row stride) so that each launch matches a run's but for the token count,
     which only the grid sees. An FP8 model's layer-level dequantization: dequantize_checks."""
@@ -3283,7 +3546,8 @@ def kernel_checks(device, cfg):
         check("head_norm_rope", f"{heads.shape[1]} {what} heads",
               head_norm_rope_triton(heads, w_qk, cos, sin, eps, offset), want)
     widths = ([(cfg.intermediate_size, cfg.activation)] if "mlp" in cfg.layouts else []) + (
-        [(cfg.moe_intermediate_size, "silu")] if cfg.num_experts else [])
+        [(cfg.moe_intermediate_size, "silu")] if cfg.num_experts else []) + (
+        [(cfg.shared_intermediate_size, "silu")] if cfg.shared_intermediate_size else [])
     for width, activation in dict.fromkeys(widths):
         gate_up = torch.randn(T, 2 * width, generator=gen).to(device, DTYPE)
         gate, up = gate_up.float().chunk(2, dim=-1)

@@ -179,6 +179,10 @@ def doctor(runner):
                      + ("in one launch a layer" if runner.kernels.name == "triton" else "tensor by tensor")
                      + " (checked bit for bit against transformers' math)")
     if cfg.num_experts:
+        dense = cfg.layer_kinds.count("mlp")
+        lines.append(f"routing    {cfg.num_experts} experts a layer, {cfg.router.describe()}"
+                     + (f"; shared experts {cfg.shared_intermediate_size} wide" if cfg.shared_expert else "")
+                     + (f"; {dense} of {cfg.num_hidden_layers} layers dense" if dense else ""))
         lines.append(f"experts    {runner.experts} (checked against float32 experts on uneven routing)"
                      + (f"; ms and TFLOP/s of a {plan.moe_chunk_tokens}-token slice's two grouped GEMMs, * picked"
                         if cuda else ""))

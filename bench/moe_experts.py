@@ -61,7 +61,7 @@ def layer_weights(cfg, device):
 
 
 def chunk_rows(cfg, w, h):
-    weights, chosen = prefill.route(h, w.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    weights, chosen = prefill.route(h, w, cfg.router)
     pairs, bounds = prefill.expert_rows(chosen, cfg.num_experts)
     return weights, chosen, pairs, bounds, h[pairs // chosen.shape[1]]
 

@@ -22,7 +22,8 @@ Steps, in order:
 
 Per run the record holds model_type, cap_gib, t_seconds, tokens, the wave and the plan's bound line, streamed bytes,
 compute_floor_s (each token's FLOPs at the rates of step 3: attention projections, router and lm_head at the dense
-GEMM rate, its k experts at the grouped rate of the kernel the run picked, attention's scores at the dense rate too),
+GEMM rate, its k experts at the grouped rate of the kernel the run picked, the shared experts and attention's scores
+at the dense rate too),
 transfer_floor_s (the run's streamed bytes at the pinned rate), t_over_max_floor and max_rel_err. A table last.
 """
 import argparse
@@ -95,7 +96,7 @@ def measure_rates(cfg, device, chunk_tokens, moe_chunk_tokens):
     h = torch.randn(moe_chunk_tokens, cfg.hidden_size, generator=gen, device=device).to(prefill.DTYPE)
     w.router = (torch.randn(cfg.num_experts, cfg.hidden_size, generator=gen, device=device)
                 / math.sqrt(cfg.hidden_size)).to(prefill.DTYPE)
-    _, chosen = prefill.route(h, w.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    _, chosen = prefill.route(h, w, prefill.Router("softmax", cfg.num_experts_per_tok))  # the rate, any router
     pairs, bounds = prefill.expert_rows(chosen, cfg.num_experts)
     rows = h[pairs // cfg.num_experts_per_tok]
     act = torch.randn(rows.shape[0], cfg.moe_intermediate_size, device=device).to(prefill.DTYPE)
@@ -119,6 +120,8 @@ def compute_floor_s(cfg, geometry, counts, rates, experts):
     per_token = sum((L - moe if name in ("gate_up", "down") else L) * 2 * N * K / (dense[name] * 1e12)
                     for name, _, N, K in prefill.gemm_shapes(cfg)[:-1])
     per_token += moe * 2 * cfg.num_experts * H / (dense["qkv"] * 1e12)  # the router, a thin dense GEMM
+    # the shared experts (DeepSeek-V3, GLM, Qwen2-MoE; and its gate), plain GEMMs
+    per_token += moe * (6 * cfg.shared_intermediate_size + 2 * cfg.shared_expert_gate) * H / (dense["qkv"] * 1e12)
     per_token += moe * cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H / (rates["grouped_tflops"][experts]
                                                                                        * 1e12)
     per_token += 2 * cfg.vocab_size * H / (dense["lm_head"] * 1e12)

@@ -152,10 +152,11 @@ def test_what_is_not_built_is_refused_in_one_line(moe_checkpoint):
                          ({"decoder_sparse_step": True}, "decoder_sparse_step is True; expected a positive integer"),
                          ({"norm_topk_prob": "yes"}, "true or false"),
                          ({"moe_intermediate_size": 0}, "moe_intermediate_size is 0"),
-                         ({"model_type": "mixtral", "num_local_experts": 8}, "'mixtral', a mixture of experts"),
-                         ({"model_type": "qwen2_moe"}, "'qwen2_moe', a mixture of experts"),
+                         ({"model_type": "minimax", "num_local_experts": 8}, "'minimax', a mixture of experts"),
+                         ({"model_type": "qwen3_next"}, "'qwen3_next', a mixture of experts"),
                          ({"model_type": "deepseek_v3", "num_experts": None, "n_routed_experts": 8},
-                          "'deepseek_v3', a mixture of experts (of those prefill runs qwen3_moe only)")]:
+                          "'deepseek_v3', a mixture of experts (of those prefill runs qwen3_moe, qwen2_moe, mixtral, "
+                          "glm4_moe only)")]:
         with pytest.raises(prefill.UserError) as e:
             prefill.ModelConfig.from_json(hub_config(saved, **bad), "hub.json")
         assert message in str(e.value) and str(e.value).startswith("hub.json") and "\n" not in str(e.value)
@@ -207,8 +208,7 @@ def test_moe_block_matches_transformers_mlp(moe_checkpoint, mlp_io, kind):
         w = layer_weights(path, cfg, i)
         xb = x.to(prefill.DTYPE)
         h = prefill.rms_norm(xb, w.mlp_norm, cfg.rms_norm_eps)
-        out = prefill.moe_ffn(torch.zeros_like(h), h, w, cfg.num_experts_per_tok, cfg.norm_topk_prob, grouped,
-                              prefill.TORCH_KERNELS)
+        out = prefill.moe_ffn(torch.zeros_like(h), h, w, cfg.router, grouped, prefill.TORCH_KERNELS)
         with torch.no_grad():
             hf = bf16.model.layers[i].mlp(bf16.model.layers[i].post_attention_layernorm(xb)[None])[0]
             same_routing = prefill.moe_reference(h, torch.nn.functional.linear(h, w.router), w.gate_up, w.down,
@@ -231,18 +231,18 @@ import json, sys, torch, prefill
 from safetensors.torch import load_file
 # the interpreter multiplies bfloat16 tiles as raw integers, so the kernel runs on float16 here (bf16 on a GPU)
 data = load_file(sys.argv[1])
-report = {}
+report, router = {}, prefill.Router("softmax", 2, True)
 for i in json.loads(sys.argv[2]):
     w = prefill.LayerWeights(**{n: data[f"{i}.{n}"].to(torch.float16)
                                 for n in ("mlp_norm", "router", "gate_up", "down")})
     h = data[f"{i}.h"].to(torch.float16)
     want = prefill.moe_reference(h, torch.nn.functional.linear(h, w.router), w.gate_up, w.down, 2, True)
     for tile in sorted({t for family in prefill.EXPERT_TILES.values() for t in family}):
-        out = prefill.moe_ffn(torch.zeros_like(h), h, w, 2, True, prefill.make_experts("triton", tile),
+        out = prefill.moe_ffn(torch.zeros_like(h), h, w, router, prefill.make_experts("triton", tile),
                               prefill.TORCH_KERNELS)
         report[f"{i} {tile}"] = ((out.float() - want).norm() / want.norm()).item()
     wrong = lambda a, w, bounds: prefill.grouped_triton(a, w.roll(1, 0), bounds, prefill.EXPERT_TILES["cpu"][0])
-    out = prefill.moe_ffn(torch.zeros_like(h), h, w, 2, True, wrong, prefill.TORCH_KERNELS)
+    out = prefill.moe_ffn(torch.zeros_like(h), h, w, router, wrong, prefill.TORCH_KERNELS)
     report[f"{i} wrong expert"] = ((out.float() - want).norm() / want.norm()).item()
 print(json.dumps(report))
 """
@@ -534,7 +534,8 @@ def test_start_up_check_passes_torch_experts_and_refuses_planted_bugs(check_cfg,
             prefill.pick_experts("loop", CPU, cfg, prefill.Picks(None, "key"))
     monkeypatch.undo()
     route = prefill.route
-    monkeypatch.setattr(prefill, "route", lambda h, router, k, renormalize: route(h, router, k, False))
+    monkeypatch.setattr(prefill, "route", lambda h, w, router: route(h, w, dataclasses.replace(router,
+                                                                                             renormalize=False)))
     with pytest.raises(prefill.UserError, match="grouped_mm: differs.*loop: differs"):
         prefill.pick_experts("auto", CPU, cfg, prefill.Picks(None, "key"))
 
