@@ -314,8 +314,9 @@ def qwen2_moe_fields(fields, path, layers, defaults):
 
 def mixtral_fields(fields, path, layers, defaults):
     """Mixtral's (models/mixtral): every layer a mixture of num_local_experts (or num_experts, its attribute_map's
-    other spelling) experts intermediate_size wide, num_experts_per_tok of them a token, always renormalised; their tensors under block_sparse_moe, an expert's w1 its gate, w3 its up, w2 its down (the Hub's
-    names, which save_pretrained writes back). router_jitter_noise acts in training only."""
+    other spelling) experts intermediate_size wide, num_experts_per_tok of them a token, always renormalised; their
+    tensors under block_sparse_moe, an expert's w1 its gate, w3 its up, w2 its down (the Hub's names, which
+    save_pretrained writes back). router_jitter_noise acts in training only."""
     experts, top_k = expert_count(fields, path, ("num_local_experts", "num_experts"), defaults)
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=fields.count("intermediate_size"),
                 norm_topk_prob=True, expert_names=("block_sparse_moe", "w1", "w3", "w2"))
@@ -1771,9 +1772,9 @@ class FP8Layer:
 
 
 # A row of FP8Layer.tensors: where the tensor starts in the held buffer (bytes for FP8, bf16-sized elements for a
-# tensor copied as it is, which a float32 one, the V3 router's, fills two a value of: its columns are doubled), its scales (float32 elements; -1: a bf16 tensor, copied), where
-# it starts in the bf16 layer, its rows and columns (a vector: one row), its blocks per row of blocks, and its first
-# program. int64: a big MoE layer's held bytes pass 2^31 (Qwen3-235B-A22B's: 2.5 GB in FP8).
+# tensor copied as it is, two of them a value of a float32 one, the V3 router's, whose columns count double), its
+# scales (float32 elements; -1: a tensor copied), where it starts in the bf16 layer, its rows and columns (a vector:
+# one row), its blocks per row of blocks, and its first program. int64: a big MoE layer's held bytes pass 2^31 (Qwen3-235B-A22B's: 2.5 GB in FP8).
 FP8_COLUMNS = 7
 
 

@@ -1,7 +1,9 @@
-"""Qwen3-30B-A3B (random weights: 48 layers, 61 GB) through prefill on one GPU under GPU memory caps, against both
-floors measured in the same run, in one device command (~5 min on the H200; issue 22).
+"""A mixture of experts (random weights: Qwen3-30B-A3B by default, 48 layers, 61 GB; or another of
+bench/make_checkpoint.py's geometries, --layers cutting one the machine cannot hold) through prefill on one GPU under
+GPU memory caps, against both floors measured in the same run, in one device command (~5 min on the H200; issue 22).
 
     python bench/moe_run.py --out bench/results/2026-12-01-h200-qwen3-30b-a3b.json
+    python bench/moe_run.py --geometry glm-4.5-air --layers 10 --ckpt /dev/shm/prefill-bench/glm-4.5-air-10 --out ...
     python bench/moe_run.py --device cpu --geometry tiny-moe --ckpt /tmp/tiny-moe --texts 12 --corpus-tokens 20000 \
         --caps 0.04,0.02 --reference-texts 6 --out /tmp/moe-run.json            # the same steps, tried on the CPU
 
@@ -190,6 +192,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the record (JSON)")
     ap.add_argument("--geometry", default="qwen3-30b-a3b", choices=sorted(make_checkpoint.GEOMETRIES))
+    ap.add_argument("--layers", type=int, help="the geometry's first N layers (a model the machine cannot hold whole)")
     ap.add_argument("--ckpt", default="/dev/shm/prefill-bench/qwen3-30b-a3b-s0", help="checkpoint folder")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--caps", default="48,24", help="GPU memory caps in GiB, comma-separated")
@@ -204,7 +207,7 @@ def main(argv=None):
                     "of one batch (--wave-tokens 65536): the same numbers, whatever the planned wave")
     args = ap.parse_args(argv)
     t0, device = time.perf_counter(), torch.device(args.device)
-    geometry = make_checkpoint.geometry(args.geometry)
+    geometry = make_checkpoint.geometry(args.geometry, args.layers)
     cfg = prefill.ModelConfig.from_json(interact.config_json(geometry))
 
     built = make_checkpoint.build(Path(args.ckpt), geometry, seed=0, device=args.device, tokenizer=args.tokenizer,
@@ -235,7 +238,8 @@ def main(argv=None):
                         + f": the same losses {runs[-1][2]['same_losses_again']}")
     reference, reference_s = reference_losses(args, args.ckpt, contest[:args.reference_texts])
     log(f"reference: {len(reference)} texts in {reference_s:.0f} s")
-    res = {"geometry": args.geometry, "model_type": cfg.model_type, "device": args.device,
+    res = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "model_type": cfg.model_type,
+           "device": args.device,
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "commit": args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                    text=True, cwd=HERE.parent).stdout.strip(),

@@ -136,10 +136,9 @@ def build(folder, name):
     return model
 
 
-@pytest.fixture(scope="session")
-def family(tmp_path_factory):
-    """name -> (checkpoint folder, transformers' float32 losses of TEXTS, a Runner on it): built once, when first
-    asked for."""
+def built_once(tmp_path_factory, build):
+    """name -> (checkpoint folder, transformers' float32 losses of TEXTS, a Runner on it), build(folder, name) writing
+    the checkpoint: built once, when first asked for."""
     built = {}
 
     def get(name):
@@ -149,6 +148,11 @@ def family(tmp_path_factory):
             built[name] = folder, transformers_losses(folder, TEXTS), runner(folder)
         return built[name]
     return get
+
+
+@pytest.fixture(scope="session")
+def family(tmp_path_factory):
+    return built_once(tmp_path_factory, build)
 
 
 def runner(path, **kw):

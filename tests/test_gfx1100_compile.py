@@ -42,7 +42,8 @@ import torch
 
 import interact
 import prefill
-from bench.make_checkpoint import GEMMA3_27B, LLAMA_3_1_70B, QWEN2_5_32B, QWEN3_30B_A3B, QWEN3_32B
+from bench.make_checkpoint import (GEMMA3_27B, GLM4_5_AIR, LLAMA_3_1_70B, MIXTRAL_8X7B, QWEN1_5_MOE_A2_7B, QWEN2_5_32B,
+                                   QWEN3_30B_A3B, QWEN3_32B)
 
 # Every geometry docs/models.md claims a family by, with its head counts (the query and the key launches of
 # head_norm_rope, the attention kernels' HEADS and KV_HEADS) and head_dim: Qwen3-0.6B's (its config.json) block sizes
@@ -51,7 +52,10 @@ from bench.make_checkpoint import GEMMA3_27B, LLAMA_3_1_70B, QWEN2_5_32B, QWEN3_
 # two) and q/k/v biases; Mistral 7B v0.1 a window on every layer; Llama-3.2-1B a head_dim of 64, SmolLM2-135M (the
 # real checkpoint the tests run) 9 query heads to 3 KV heads. The other families bring the kernels' variants: Gemma 3
 # its (1 + w) norms, q/k norm, GELU and a window (4B: head_dim 256), Gemma 2 a window with a softcap, Llama RoPE
-# without a q/k norm.
+# without a q/k norm. The other mixtures of experts: GLM-4.5-Air's RoPE on half of each head of 128 (the partial
+# variant of head_norm_rope), its dense first layer and shared expert (gated_act at 1408, beside its experts'), 96 query
+# heads; GLM-4.5's the same with its q/k norm (zai-org/GLM-4.5: 5120 wide, 160 experts of 1536, 3 dense layers of
+# 12288); Mixtral's experts 14336 wide; Qwen1.5-MoE-A2.7B's shared expert of 5632, 16 heads of 128 over 2048.
 MODELS = {"Qwen3-32B": QWEN3_32B,
           "Qwen3-0.6B": {**QWEN3_32B, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                          "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True},
@@ -77,8 +81,14 @@ MODELS = {"Qwen3-32B": QWEN3_32B,
                            "head_dim": 64, "tie_word_embeddings": True},
           "SmolLM2-135M": {**LLAMA_3_1_70B, "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
                            "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                           "head_dim": 64, "tie_word_embeddings": True, "rope_scaling": None, "rope_theta": 1e5}}
-MOE_MODELS = ("Qwen3-30B-A3B", "Qwen3-235B-A22B")  # the grouped GEMM's N, K and expert stride differ
+                           "head_dim": 64, "tie_word_embeddings": True, "rope_scaling": None, "rope_theta": 1e5},
+          "GLM-4.5-Air": GLM4_5_AIR,
+          "GLM-4.5": {**GLM4_5_AIR, "hidden_size": 5120, "intermediate_size": 12288, "num_hidden_layers": 92,
+                      "n_routed_experts": 160, "moe_intermediate_size": 1536, "first_k_dense_replace": 3,
+                      "routed_scaling_factor": 2.5, "use_qk_norm": True},
+          "Mixtral-8x7B": MIXTRAL_8X7B, "Qwen1.5-MoE-A2.7B": QWEN1_5_MOE_A2_7B}
+# the grouped GEMM's N, K and expert stride differ; the others' shared experts and routers
+MOE_MODELS = ("Qwen3-30B-A3B", "Qwen3-235B-A22B", "GLM-4.5-Air", "GLM-4.5", "Mixtral-8x7B", "Qwen1.5-MoE-A2.7B")
 KNOWN_SPILLING_TILE = (64, 64, 4, 2)  # spills 205 VGPRs under Triton 3.9, 16 under 3.6 (and 137 with 2 stages in an earlier review of Triton 3.6)
 LDS_BYTES = 65536  # per workgroup on RDNA3
 TOKENS = 3  # no launch parameter depends on the token count
@@ -224,9 +234,15 @@ def moe_launches(target, tiles, model):
     """The distinct kernel launches of one MoE feed-forward (moe_block) with each grouped GEMM tile in tiles."""
     cfg = model_config(MODELS[model])
     E, H, I = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size  # as many experts as a token meets
-    w = prefill.LayerWeights(mlp_norm=torch.ones(H, dtype=prefill.DTYPE), router=torch.zeros(E, H, dtype=prefill.DTYPE),
+    S, router = cfg.shared_intermediate_size, cfg.tensor_dtypes.get("mlp.gate.weight", prefill.DTYPE)
+    cfg = dataclasses.replace(cfg, num_experts=E, n_group=1, topk_group=1)  # (its groups: of the model's experts)
+    w = prefill.LayerWeights(mlp_norm=torch.ones(H, dtype=prefill.DTYPE), router=torch.zeros(E, H, dtype=router),
+                             router_bias=torch.zeros(E) if cfg.router_kind == "sigmoid" else None,
                              gate_up=torch.empty(E, 2 * I, H, dtype=prefill.DTYPE),
-                             down=torch.empty(E, H, I, dtype=prefill.DTYPE))
+                             down=torch.empty(E, H, I, dtype=prefill.DTYPE),
+                             shared_gate_up=torch.empty(2 * S, H, dtype=prefill.DTYPE) if S else None,
+                             shared_down=torch.empty(H, S, dtype=prefill.DTYPE) if S else None,
+                             shared_gate=torch.empty(1, H, dtype=prefill.DTYPE) if cfg.shared_expert_gate else None)
     x = torch.zeros(TOKENS, H, dtype=prefill.DTYPE)
     launches = []
     with launches_recorded(target, model, launches):
@@ -343,6 +359,11 @@ def test_every_kernel_prefill_launches_is_recorded_in_every_offered_variant(offe
     assert not offered_tree_tiles("Gemma-3-4B") and offered_tree_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
     norms = {launch.named_constexprs()["NORM"] for launch in launches if launch.kernel == "_head_norm_rope_kernel"}
     assert norms == {0, 1, 2}
+    partial = {(launch.model, c["ROT"]) for launch in launches if launch.kernel == "_head_norm_rope_kernel"
+               for c in [launch.named_constexprs()] if c["ROT"] < c["HALF"]}
+    assert partial == {("GLM-4.5-Air", 32), ("GLM-4.5", 32)}  # RoPE on half of their heads of 128: 64 channels
+    assert {c["NORM"] for launch in launches if launch.kernel == "_head_norm_rope_kernel"
+            for c in [launch.named_constexprs()] if c["ROT"] < c["HALF"]} == {0, 1}  # without and with a q/k norm
     assert ({expert_tile(launch) for launch in launches if launch.kernel == "_grouped_gemm_kernel"}
             == set(prefill.EXPERT_TILES["rdna3"]))
     assert len(distinct_compiles(launches)) > 100  # the parts below compile them all
