@@ -1630,8 +1630,9 @@ def plan_host(cfg, streamed, budget, requested="auto", device=torch.device("cpu"
     if requested == "map" or (requested == "auto" and bf16_files and not hip and fits(staging_bytes + map_bytes)):
         if not bf16_files:
             raise UserError("--load map: the checkpoint cannot be page-locked in place here (it needs files that "
-                            "hold the layers as the device does, bf16 or FP8 with float32 scales, and read-only "
-                            "host-memory registration); --load copy works everywhere")
+                            "hold the layers as the device does, bf16 (a sigmoid router's tensors float32) or FP8 "
+                            "with float32 scales, and read-only host-memory registration); --load copy works "
+                            "everywhere")
         if not fits(staging_bytes + map_bytes):
             raise UserError(f"--load map would page-lock the streamed layers' pages and the loading buffers "
                             f"({(staging_bytes + map_bytes) / 1e9:.1f} GB) but the host memory budget is "

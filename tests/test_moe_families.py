@@ -57,7 +57,7 @@ QK_NORM = 2.0  # the q/k norms' mean weight
 def build(folder, name):
     """A tiny checkpoint of the variant, saved by transformers in bf16 (the router too: transformers upcasts it on
     loading), with weights of std 1/sqrt(fan-in) (router logits ~ N(0, 1), experts as strong as attention), norms
-    around 1 (q/k norms around 3), biases of std 0.3, and a correction bias."""
+    around 1 (q/k norms around QK_NORM), biases of std 0.3, and a correction bias."""
     import transformers
     prefix, keywords, seed = VARIANTS[name]
     config = getattr(transformers, f"{prefix}Config")(**GEOMETRY, **keywords)
@@ -132,6 +132,8 @@ ABLATIONS = {
 
 @pytest.mark.parametrize("name, ablation", [(v, a) for v, table in ABLATIONS.items() for a in table])
 def test_every_feature_decides_some_loss(family, name, ablation):
+    # measured: the right models 1.7e-3 (mixtral-window) to 6.3e-3 (glm4_moe); the ablations 4.7e-2 (partial RoPE as
+    # whole) to 0.15 (q/k/v biases dropped)
     path, reference, r = family(name)
     fields, weights = ABLATIONS[name][ablation]
     fields = fields(r) if callable(fields) else fields
@@ -142,6 +144,42 @@ def test_every_feature_decides_some_loss(family, name, ablation):
         assert max_rel_err(losses(r), reference) > 3 * TOLERANCE
     finally:
         r.cfg, r.streamer.resident = cfg, resident
+
+
+ROUTERS = {"mixtral": ("MixtralTopKRouter", dict(num_local_experts=16)),
+           "qwen2_moe": ("Qwen2MoeTopKRouter", dict(num_experts=16)),
+           "glm4_moe": ("Glm4MoeTopkRouter", dict(n_routed_experts=16, n_group=4, topk_group=2))}
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_each_router_is_transformers_own_bit_for_bit_ties_included(name):
+    # the family's router in transformers against prefill's on the same input: 16 experts, each two of them with the
+    # same router row (and correction bias), so that every score ties with another; a top-3, so that the third
+    # expert's twin ties with it at the edge of the choice (and GLM's groups of 4, 2 of them kept): the same experts in
+    # the same order, the same weights. Which of two tied scores is kept is torch.topk's rule, and its alone
+    import importlib
+    import transformers
+    prefix, keywords, _ = VARIANTS[name]
+    module, counts = ROUTERS[name]
+    config = getattr(transformers, f"{prefix}Config")(**GEOMETRY, **keywords | counts | dict(num_experts_per_tok=3))
+    cfg = prefill.ModelConfig.from_json(json.loads(config.to_json_string()))
+    sigmoid = cfg.router.kind == "sigmoid"
+    router = getattr(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), module)(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(8, GEOMETRY["hidden_size"], generator=gen).repeat_interleave(2, 0) / 8)
+        if sigmoid:  # float32, as transformers keeps it
+            router.e_score_correction_bias.copy_((torch.rand(8, generator=gen) * 0.2).repeat_interleave(2))
+        else:
+            router.to(torch.bfloat16)
+        h = torch.randn(300, GEOMETRY["hidden_size"], generator=gen).to(torch.bfloat16)
+        _, weights, chosen = router(h)
+    w = prefill.LayerWeights(router=router.weight.detach(),
+                             router_bias=router.e_score_correction_bias if sigmoid else None)
+    top, ours = (prefill.route_sigmoid if sigmoid else prefill.route_softmax)(h, w, cfg.router)
+    assert torch.equal(ours, chosen) and torch.equal(top.to(weights.dtype), weights)
+    twin_left_out = ((chosen ^ 1)[:, :, None] != chosen[:, None, :]).all(-1).any(-1)  # a tie at the choice's edge
+    assert twin_left_out.sum() > 100 and (top[:, :, None] == top[:, None, :]).sum() - top.numel() > 100
 
 
 # ----------------------------------------------------------------------------- the layer as transformers holds it
