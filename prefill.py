@@ -2898,10 +2898,10 @@ if triton is not None:
 
 
 def align_experts(chosen, num_experts, block_m):
-    """chosen [tokens, k] (each (token, slot)'s expert) -> (ids, block_expert). ids [blocks · block_m] int32: each row's
-    flat (token, slot) index, expert by expert from expert 0, each expert's rows in token order from a multiple of
-    block_m, the rest of its last block tokens · k (padding). block_expert [blocks] int32: the expert of each block of
-    block_m rows, -1 past the last (those blocks' ids are not written). blocks = cdiv(tokens · k, block_m) +
+    """chosen [tokens, k] (each (token, slot)'s expert) -> (ids, block_expert). ids [blocks · block_m] int32: each
+    row's flat (token, slot) index, expert by expert from expert 0, each expert's rows in token order from a multiple
+    of block_m, the rest of its last block tokens · k (padding). block_expert [blocks] int32: the expert of each block
+    of block_m rows, -1 past the last (those blocks' ids are not written). blocks = cdiv(tokens · k, block_m) +
     num_experts, the most the padding can need: known without reading anything back. Two launches, no atomics: counts
     per chunk of entries, then each chunk's entries placed after those of the chunks before it."""
     rows, device = chosen.numel(), chosen.device
@@ -2964,15 +2964,17 @@ EXPERT_TILES["amd"] = EXPERT_TILES["rdna3"]
 # offered the tiles of the shape nearest to its own (fused_tiles), and the start-up timing picks among them. The
 # gate+up GEMM's BLOCK_N columns are BLOCK_N of gate and BLOCK_N of up: two accumulators, vLLM's tile of 2 BLOCK_N.
 # bench/tune_fused_moe.py times tiles per shape on a GPU and prints this table's rows. Until it has run on the H200,
-# NVIDIA's are vLLM's for these shapes at a slice's sizes (1,024-4,096 tokens; configs/E=128,N=768,
-# device_name=NVIDIA_H200.json and E=8,N=14336,…H200.json: BLOCK_SIZE_M 128, N 256, K 64, warps 8, stages 4, GROUP_SIZE_M
-# 16), and the same in 3 stages, whose shared memory (144 KiB) the old grouped tile 128x256x64 had, the fastest of ten
-# on the H200. RDNA3's: vLLM's AMD_Radeon_Graphics (E=128,N=384) from 512 tokens on (64, 128, 32, GROUP_SIZE_M 8,
-# warps 8, stages 2) and a smaller one, compiled for gfx1100 without spills (tests/test_gfx1100_compile.py), not run.
+# NVIDIA's are vLLM's for these shapes at their largest sizes (1,024-4,096 tokens; configs/E=128,N=768,
+# device_name=NVIDIA_H200.json and E=8,N=14336,…H200.json: BLOCK_SIZE_M 128, N 256, K 64, warps 8, stages 4,
+# GROUP_SIZE_M 16), and the same in 3 stages, whose shared memory (144 KiB) the old grouped tile 128x256x64 had, the
+# fastest of ten on the H200; both compile for sm_90a to wgmma, 206-209 registers, unspilled. RDNA3's: vLLM's
+# AMD_Radeon_Graphics (E=128,N=384) from 512 tokens on (64, 128, 32, GROUP_SIZE_M 8, warps 8, stages 2), and the same
+# in 128-row blocks, compiled for gfx1100 without spills (gate+up, down: 100 and 99 VGPRs, 143 and 140, under Triton
+# 3.9; 102-154 under 3.6; the alignment 171-189; tests/test_gfx1100_compile.py), not run.
 FUSED_TILES = {
     "nvidia": {(2048, 768, 1024): [(128, 16, (128, 64, 8, 4), (256, 64, 8, 4)),
                                    (128, 16, (128, 64, 8, 3), (256, 64, 8, 3))]},
-    "rdna3": {(2048, 768, 1024): [(64, 8, (64, 32, 8, 2), (128, 32, 8, 2)), (64, 8, (32, 32, 4, 2), (64, 32, 4, 2))]},
+    "rdna3": {(2048, 768, 1024): [(64, 8, (64, 32, 8, 2), (128, 32, 8, 2)), (128, 8, (64, 32, 8, 2), (128, 32, 8, 2))]},
     "cpu": {(2048, 768, 1024): [(64, 2, (32, 32, 4, 1), (32, 32, 4, 1))]},  # Triton's interpreter (tests)
 }
 FUSED_TILES["amd"] = FUSED_TILES["rdna3"]

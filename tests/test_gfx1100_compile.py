@@ -220,8 +220,9 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
     return list(dict.fromkeys(launches)), kernels
 
 
-def moe_launches(target, tiles, model):
-    """The distinct kernel launches of one MoE feed-forward (moe_block) with each grouped GEMM tile in tiles."""
+def moe_launches(target, kind, tiles, model):
+    """The distinct kernel launches of one MoE feed-forward (moe_block) with the expert kernel of kind ("triton": the
+    grouped GEMM, "fused": the fused experts) in each of its tiles."""
     cfg = model_config(MODELS[model])
     E, H, I = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size  # as many experts as a token meets
     w = prefill.LayerWeights(mlp_norm=torch.ones(H, dtype=prefill.DTYPE), router=torch.zeros(E, H, dtype=prefill.DTYPE),
@@ -231,13 +232,22 @@ def moe_launches(target, tiles, model):
     launches = []
     with launches_recorded(target, model, launches):
         for tile in tiles:
-            prefill.moe_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS, prefill.make_experts("triton", tile))
+            prefill.moe_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS, prefill.make_experts(kind, tile))
     return list(dict.fromkeys(launches))
 
 
 def expert_tile(launch):
     c, o = launch.named_constexprs(), dict(launch.options)
     return c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], o["num_warps"], o["num_stages"]
+
+
+def fused_gemm_tile(launch):  # (BLOCK_M, GROUP_M, (BLOCK_N, BLOCK_K, warps, stages)) of a fused experts' GEMM
+    c, o = launch.named_constexprs(), dict(launch.options)
+    return c["BLOCK_M"], c["GROUP_M"], (c["BLOCK_N"], c["BLOCK_K"], o["num_warps"], o["num_stages"])
+
+
+# every fused experts' tile offered on RDNA3, whichever shape a model's is nearest to
+RDNA3_FUSED_TILES = sorted({tile for tiles in prefill.FUSED_TILES["rdna3"].values() for tile in tiles})
 
 
 # ----------------------------------------------------------------------------- compiling and reading the registers
@@ -306,13 +316,14 @@ def offered_tree_tiles(model):
 
 def offered_launches(target):
     """Every distinct launch of prefill's kernels for every model, with the attention tiles offered on RDNA3, and of
-    the MoE feed-forward with the grouped GEMM tiles offered there."""
+    the MoE feed-forward with the grouped GEMM tiles and the fused experts' tiles offered there."""
     launches = []
     for model in MODELS:
         found, kernels = prefill_launches(target, model, offered_tiles(model), offered_tree_tiles(model))
         launches += found
-    return launches + [launch for model in MOE_MODELS
-                       for launch in moe_launches(target, prefill.EXPERT_TILES["rdna3"], model)], kernels
+    return launches + [launch for model in MOE_MODELS for kind, tiles in (("triton", prefill.EXPERT_TILES["rdna3"]),
+                                                                          ("fused", RDNA3_FUSED_TILES))
+                       for launch in moe_launches(target, kind, tiles, model)], kernels
 
 
 @pytest.fixture(scope="module")
@@ -345,6 +356,9 @@ def test_every_kernel_prefill_launches_is_recorded_in_every_offered_variant(offe
     assert norms == {0, 1, 2}
     assert ({expert_tile(launch) for launch in launches if launch.kernel == "_grouped_gemm_kernel"}
             == set(prefill.EXPERT_TILES["rdna3"]))
+    for kernel, gemm in (("_moe_gate_up_kernel", 2), ("_moe_down_kernel", 3)):  # each GEMM in each fused tile
+        assert ({fused_gemm_tile(launch) for launch in launches if launch.kernel == kernel}
+                == {(tile[0], tile[1], tile[gemm]) for tile in RDNA3_FUSED_TILES}), kernel
     assert len(distinct_compiles(launches)) > 100  # the parts below compile them all
 
 

@@ -562,7 +562,8 @@ def test_pick_times_once_keeps_the_fastest_and_later_checks_only_it(check_cfg, t
         timed.append(experts)
         x, h, weights, chosen, w, kernels = inputs  # a slice's routed tokens, the run's kernels
         assert h.shape[1] == cfg.hidden_size and w.down.shape[2] == cfg.moe_intermediate_size
-        assert chosen.shape == weights.shape == (h.shape[0], cfg.num_experts_per_tok) and kernels is prefill.TORCH_KERNELS
+        assert chosen.shape == weights.shape == (h.shape[0], cfg.num_experts_per_tok)
+        assert kernels is prefill.TORCH_KERNELS
         return 1.0 if experts.kind == "loop" else 2.0
 
     experts_of_kind(monkeypatch)
