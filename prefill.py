@@ -2804,23 +2804,23 @@ if triton is not None:
             tl.store(block_expert_ptr + j, tl.zeros_like(j) - 1, mask=(j < j_end) & (j * BLOCK_M >= base))
 
     @triton.jit
-    def _moe_tile_of(blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-        # this program's (block of rows, block of columns): GROUP_M blocks of rows side by side, so that programs
-        # running together share the same columns of weights
-        pid, width = tl.program_id(0), GROUP_M * tl.cdiv(N, BLOCK_N)
-        first = pid // width * GROUP_M
-        size = tl.minimum(blocks - first, GROUP_M)
+    def _moe_tile_of(blocks, group_m, N, BLOCK_N: tl.constexpr):
+        # this program's (block of rows, block of columns): group_m blocks of rows side by side, so that programs
+        # running together share the same columns of weights (an order of the programs alone: a runtime integer)
+        pid, width = tl.program_id(0), group_m * tl.cdiv(N, BLOCK_N)
+        first = pid // width * group_m
+        size = tl.minimum(blocks - first, group_m)
         return first + pid % width % size, pid % width // size
 
-    @triton.jit(do_not_specialize=["rows", "top_k", "blocks"])
-    def _moe_gate_up_kernel(h_ptr, w_ptr, act_ptr, ids_ptr, block_expert_ptr, rows, top_k, blocks, N, K, h_stride,
-                            w_expert, w_col, w_k, up_at, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    @triton.jit(do_not_specialize=["rows", "top_k", "blocks", "group_m"])
+    def _moe_gate_up_kernel(h_ptr, w_ptr, act_ptr, ids_ptr, block_expert_ptr, rows, top_k, blocks, group_m, N, K,
+                            h_stride, w_expert, w_col, w_k, up_at, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         # act[block rows, cols] = SiLU(gate)·up of the block's rows of h (row r: token ids[r] // top_k; an id of rows
         # is padding: a zero row) for its expert; column c's gate weights at w + c·w_col, its up weights up_at further,
         # each K long in steps of w_k (prefill's [experts, 2 N, K] gate rows first: w_col K, up_at N·K, w_k 1).
         # Padding rows are written too (zeros): the down GEMM reads whole blocks.
-        m_block, n_block = _moe_tile_of(blocks, N, BLOCK_N, GROUP_M)
+        m_block, n_block = _moe_tile_of(blocks, group_m, N, BLOCK_N)
         expert = tl.load(block_expert_ptr + m_block)
         if expert >= 0:
             r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -2852,13 +2852,13 @@ if triton is not None:
             tl.store(act_ptr + r[:, None].to(tl.int64) * N + cols[None, :],
                      (act * up.to(dtype).to(tl.float32)).to(dtype), mask=cols[None, :] < N)
 
-    @triton.jit(do_not_specialize=["rows", "blocks"])
-    def _moe_down_kernel(act_ptr, w_ptr, out_ptr, ids_ptr, block_expert_ptr, weights_ptr, rows, blocks, N, K,
+    @triton.jit(do_not_specialize=["rows", "blocks", "group_m"])
+    def _moe_down_kernel(act_ptr, w_ptr, out_ptr, ids_ptr, block_expert_ptr, weights_ptr, rows, blocks, group_m, N, K,
                          w_expert, w_col, w_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                         EVEN_K: tl.constexpr):
         # out[ids[r], cols] = weights[ids[r]] · (act[r] @ the expert's down weights) for the block's rows that are not
         # padding: each (token, slot) row written once, by this program; act: [blocks · BLOCK_M, K], contiguous
-        m_block, n_block = _moe_tile_of(blocks, N, BLOCK_N, GROUP_M)
+        m_block, n_block = _moe_tile_of(blocks, group_m, N, BLOCK_N)
         expert = tl.load(block_expert_ptr + m_block)
         if expert >= 0:
             r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -2916,28 +2916,48 @@ def align_experts(chosen, num_experts, block_m):
     return ids, block_expert
 
 
+def moe_gate_up(h, gate_up, ids, block_expert, k, block_m, gemm):
+    # h [tokens, hidden], gate_up [experts, 2 inter, hidden] (gate rows first) -> act [padded rows, inter]:
+    # SiLU(gate)·up of each aligned row (align_experts' ids, block_expert); gemm: (BLOCK_N, BLOCK_K, GROUP_M, warps,
+    # stages)
+    (E, I2, H), blocks = gate_up.shape, block_expert.shape[0]
+    (n, bk, group_m, warps, stages), I = gemm, I2 // 2
+    act = torch.empty(blocks * block_m, I, dtype=h.dtype, device=h.device)
+    _moe_gate_up_kernel[(blocks * triton.cdiv(I, n),)](
+        h, gate_up, act, ids, block_expert, h.shape[0] * k, k, blocks, group_m, I, H, h.stride(0), gate_up.stride(0),
+        gate_up.stride(1), gate_up.stride(2), I * gate_up.stride(1), BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=bk,
+        EVEN_K=H % bk == 0, num_warps=warps, num_stages=stages)
+    return act
+
+
+def moe_down(act, down, ids, block_expert, weights, block_m, gemm):
+    # act [padded rows, inter], down [experts, hidden, inter] -> out [tokens * k, hidden]: each (token, slot) row's
+    # down projection times its routing weight (weights [tokens, k]), at the row of its flat index
+    (E, H, I), blocks = down.shape, block_expert.shape[0]
+    n, bk, group_m, warps, stages = gemm
+    out = torch.empty(weights.numel(), H, dtype=act.dtype, device=act.device)
+    _moe_down_kernel[(blocks * triton.cdiv(H, n),)](
+        act, down, out, ids, block_expert, weights, weights.numel(), blocks, group_m, H, I, down.stride(0),
+        down.stride(1), down.stride(2), BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=bk, EVEN_K=I % bk == 0,
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+def moe_sum(x, out, k):
+    # x [tokens, hidden] += each token's k rows of out [tokens * k, hidden], summed in slot order
+    (T, H), block = x.shape, min(1024, triton.next_power_of_2(x.shape[1]))  # and 4096 // block tokens: 32 elements
+    _moe_sum_kernel[(triton.cdiv(T, 4096 // block), triton.cdiv(H, block))](  # a thread of 4 warps
+        x, x.stride(0), out, T, H, k, TOKENS=4096 // block, BLOCK=block, num_warps=4)
+
+
 def fused_experts(x, h, weights, chosen, w, tile):
     """moe_ffn's experts in five launches: x [tokens, hidden] += Σ_j weights[t, j] · expert chosen[t, j](h[t]).
-    tile: (BLOCK_M, GROUP_M, the gate+up GEMM's (BLOCK_N, BLOCK_K, warps, stages), the down GEMM's)."""
-    block_m, group_m, (up_n, up_k, up_warps, up_stages), (down_n, down_k, down_warps, down_stages) = tile
-    (T, k), (E, I2, H), gate_up, down = chosen.shape, w.gate_up.shape, w.gate_up, w.down
-    I = I2 // 2
+    tile: (BLOCK_M, the gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages), the down GEMM's)."""
+    block_m, up, down = tile
     assert h.stride(1) == 1 and weights.is_contiguous() and chosen.is_contiguous() and x.stride(1) == 1
-    ids, block_expert = align_experts(chosen, E, block_m)
-    blocks = block_expert.shape[0]
-    act = torch.empty(blocks * block_m, I, dtype=h.dtype, device=h.device)  # [padded rows, moe_intermediate]
-    _moe_gate_up_kernel[(blocks * triton.cdiv(I, up_n),)](
-        h, gate_up, act, ids, block_expert, T * k, k, blocks, I, H, h.stride(0), gate_up.stride(0),
-        gate_up.stride(1), gate_up.stride(2), I * gate_up.stride(1), BLOCK_M=block_m, BLOCK_N=up_n, BLOCK_K=up_k,
-        GROUP_M=group_m, EVEN_K=H % up_k == 0, num_warps=up_warps, num_stages=up_stages)
-    out = torch.empty(T * k, H, dtype=h.dtype, device=h.device)  # [(token, slot), hidden], weighted
-    _moe_down_kernel[(blocks * triton.cdiv(H, down_n),)](
-        act, down, out, ids, block_expert, weights, T * k, blocks, H, I, down.stride(0), down.stride(1),
-        down.stride(2), BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=down_k, GROUP_M=group_m, EVEN_K=I % down_k == 0,
-        num_warps=down_warps, num_stages=down_stages)
-    block = min(1024, triton.next_power_of_2(H))  # and 4096 // block tokens: 32 elements a thread of 4 warps
-    _moe_sum_kernel[(triton.cdiv(T, 4096 // block), triton.cdiv(H, block))](
-        x, x.stride(0), out, T, H, k, TOKENS=4096 // block, BLOCK=block, num_warps=4)
+    ids, block_expert = align_experts(chosen, w.gate_up.shape[0], block_m)
+    act = moe_gate_up(h, w.gate_up, ids, block_expert, chosen.shape[1], block_m, up)
+    moe_sum(x, moe_down(act, w.down, ids, block_expert, weights, block_m, down), chosen.shape[1])
 
 
 # The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, then the fused experts, else
@@ -2959,10 +2979,10 @@ EXPERT_TILES = {
     "cpu": [(32, 32, 32, 4, 1)],  # Triton's interpreter (tests)
 }
 EXPERT_TILES["amd"] = EXPERT_TILES["rdna3"]
-# The fused experts' tiles, (BLOCK_M, GROUP_M, the gate+up GEMM's (BLOCK_N, BLOCK_K, warps, stages), the down GEMM's),
-# per GPU family and per shape: {(hidden, moe_intermediate, rows an expert gets in a full slice): tiles}; a model is
-# offered the tiles of the shape nearest to its own (fused_tiles), and the start-up timing picks among them. The
-# gate+up GEMM's BLOCK_N columns are BLOCK_N of gate and BLOCK_N of up: two accumulators, vLLM's tile of 2 BLOCK_N.
+# The fused experts' tiles, (BLOCK_M, the gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages), the down
+# GEMM's), per GPU family and per shape: {(hidden, moe_intermediate, rows an expert gets in a full slice): tiles}; a
+# model is offered the tiles of the shape nearest to its own (fused_tiles), and the start-up timing picks among them.
+# The gate+up GEMM's BLOCK_N columns are BLOCK_N of gate and BLOCK_N of up: two accumulators, vLLM's tile of 2 BLOCK_N.
 # bench/tune_fused_moe.py times tiles per shape on a GPU and prints this table's rows. Until it has run on the H200,
 # NVIDIA's are vLLM's for these shapes at their largest sizes (1,024-4,096 tokens; configs/E=128,N=768,
 # device_name=NVIDIA_H200.json and E=8,N=14336,…H200.json: BLOCK_SIZE_M 128, N 256, K 64, warps 8, stages 4,
@@ -2972,10 +2992,11 @@ EXPERT_TILES["amd"] = EXPERT_TILES["rdna3"]
 # in 128-row blocks, compiled for gfx1100 without spills (gate+up, down: 100 and 99 VGPRs, 143 and 140, under Triton
 # 3.9; 102-154 under 3.6; the alignment 171-189; tests/test_gfx1100_compile.py), not run.
 FUSED_TILES = {
-    "nvidia": {(2048, 768, 1024): [(128, 16, (128, 64, 8, 4), (256, 64, 8, 4)),
-                                   (128, 16, (128, 64, 8, 3), (256, 64, 8, 3))]},
-    "rdna3": {(2048, 768, 1024): [(64, 8, (64, 32, 8, 2), (128, 32, 8, 2)), (128, 8, (64, 32, 8, 2), (128, 32, 8, 2))]},
-    "cpu": {(2048, 768, 1024): [(64, 2, (32, 32, 4, 1), (32, 32, 4, 1))]},  # Triton's interpreter (tests)
+    "nvidia": {(2048, 768, 1024): [(128, (128, 64, 16, 8, 4), (256, 64, 16, 8, 4)),
+                                   (128, (128, 64, 16, 8, 3), (256, 64, 16, 8, 3))]},
+    "rdna3": {(2048, 768, 1024): [(64, (64, 32, 8, 8, 2), (128, 32, 8, 8, 2)),
+                                  (128, (64, 32, 8, 8, 2), (128, 32, 8, 8, 2))]},
+    "cpu": {(2048, 768, 1024): [(64, (32, 32, 2, 4, 1), (32, 32, 2, 4, 1))]},  # Triton's interpreter (tests)
 }
 FUSED_TILES["amd"] = FUSED_TILES["rdna3"]
 
@@ -2990,8 +3011,8 @@ def fused_tiles(family, cfg, slice_tokens):
 
 def tile_name(kind, tile):
     if kind == "fused":
-        m, group, *gemms = tile
-        return f"fused {m} g{group} " + " ".join(f"{n}x{k}w{warps}s{stages}" for n, k, warps, stages in gemms)
+        m, *gemms = tile
+        return f"fused {m} " + " ".join(f"{n}x{k}g{group}w{warps}s{stages}" for n, k, group, warps, stages in gemms)
     return kind if tile is None else f"{kind} {tile[0]}x{tile[1]}x{tile[2]}"
 
 
