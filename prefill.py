@@ -2748,6 +2748,11 @@ ALIGN_EXPERTS = 16  # experts it handles at a time ([ALIGN_CHUNK, ALIGN_EXPERTS]
 ALIGN_COUNTS = 64   # chunks' counts it sums at a time
 ALIGN_BLOCKS = 16   # blocks it labels at a time
 
+try:  # the fused experts' TMA loads of their weights (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 if triton is not None:
     @triton.jit(do_not_specialize=["rows", "experts"])
     def _moe_count_kernel(chosen_ptr, counts_ptr, rows, experts, CHUNK: tl.constexpr, EB: tl.constexpr):
@@ -2813,13 +2818,15 @@ if triton is not None:
         return first + pid % width % size, pid % width // size
 
     @triton.jit(do_not_specialize=["rows", "top_k", "blocks", "group_m"])
-    def _moe_gate_up_kernel(h_ptr, w_ptr, act_ptr, ids_ptr, block_expert_ptr, rows, top_k, blocks, group_m, N, K,
+    def _moe_gate_up_kernel(h_ptr, w, act_ptr, ids_ptr, block_expert_ptr, rows, top_k, blocks, group_m, N, K,
                             h_stride, w_expert, w_col, w_k, up_at, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
         # act[block rows, cols] = SiLU(gate)·up of the block's rows of h (row r: token ids[r] // top_k; an id of rows
         # is padding: a zero row) for its expert; column c's gate weights at w + c·w_col, its up weights up_at further,
-        # each K long in steps of w_k (prefill's [experts, 2 N, K] gate rows first: w_col K, up_at N·K, w_k 1).
-        # Padding rows are written too (zeros): the down GEMM reads whole blocks.
+        # each K long in steps of w_k (prefill's [experts, 2 N, K] gate rows first: w_col K, up_at N·K, w_k 1). TMA: w
+        # is a TensorDescriptor over those weights as rows of K ([experts · 2 N, K], [BLOCK_N, BLOCK_K] blocks), whose
+        # loads past a side read zeros, and past an expert's N the next rows, whose columns are not stored. Padding
+        # rows are written too (zeros): the down GEMM reads whole blocks.
         m_block, n_block = _moe_tile_of(blocks, group_m, N, BLOCK_N)
         expert = tl.load(block_expert_ptr + m_block)
         if expert >= 0:
@@ -2829,23 +2836,32 @@ if triton is not None:
             cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
             ks = tl.arange(0, BLOCK_K)
             a_at = h_ptr + (ids // top_k)[:, None].to(tl.int64) * h_stride + ks[None, :]  # [BLOCK_M, BLOCK_K]
-            g_at = (w_ptr + expert.to(tl.int64) * w_expert + (cols % N)[None, :].to(tl.int64) * w_col
-                    + ks[:, None] * w_k)  # [BLOCK_K, BLOCK_N]; columns past N read column c % N, not stored
+            if TMA:
+                row = expert * (w_expert // w_col) + n_block * BLOCK_N
+            else:
+                g_at = (w + expert.to(tl.int64) * w_expert + (cols % N)[None, :].to(tl.int64) * w_col
+                        + ks[:, None] * w_k)  # [BLOCK_K, BLOCK_N]; columns past N read column c % N, not stored
             gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 if EVEN_K:
                     a = tl.load(a_at, mask=valid[:, None], other=0.0)
+                else:
+                    a = tl.load(a_at, mask=valid[:, None] & (k0 + ks[None, :] < K), other=0.0)
+                if TMA:
+                    g = w.load([row, k0]).T
+                    u = w.load([row + up_at // w_col, k0]).T
+                elif EVEN_K:
                     g = tl.load(g_at)
                     u = tl.load(g_at + up_at)
                 else:
-                    a = tl.load(a_at, mask=valid[:, None] & (k0 + ks[None, :] < K), other=0.0)
                     g = tl.load(g_at, mask=k0 + ks[:, None] < K, other=0.0)
                     u = tl.load(g_at + up_at, mask=k0 + ks[:, None] < K, other=0.0)
                 gate = tl.dot(a, g, gate)
                 up = tl.dot(a, u, up)
                 a_at += BLOCK_K
-                g_at += BLOCK_K * w_k
+                if not TMA:
+                    g_at += BLOCK_K * w_k
             dtype = act_ptr.dtype.element_ty
             gate = gate.to(dtype).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -2853,11 +2869,12 @@ if triton is not None:
                      (act * up.to(dtype).to(tl.float32)).to(dtype), mask=cols[None, :] < N)
 
     @triton.jit(do_not_specialize=["rows", "blocks", "group_m"])
-    def _moe_down_kernel(act_ptr, w_ptr, out_ptr, ids_ptr, block_expert_ptr, weights_ptr, rows, blocks, group_m, N, K,
+    def _moe_down_kernel(act_ptr, w, out_ptr, ids_ptr, block_expert_ptr, weights_ptr, rows, blocks, group_m, N, K,
                          w_expert, w_col, w_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr):
+                         EVEN_K: tl.constexpr, TMA: tl.constexpr):
         # out[ids[r], cols] = weights[ids[r]] · (act[r] @ the expert's down weights) for the block's rows that are not
-        # padding: each (token, slot) row written once, by this program; act: [blocks · BLOCK_M, K], contiguous
+        # padding: each (token, slot) row written once, by this program; act: [blocks · BLOCK_M, K], contiguous; w as
+        # _moe_gate_up_kernel's
         m_block, n_block = _moe_tile_of(blocks, group_m, N, BLOCK_N)
         expert = tl.load(block_expert_ptr + m_block)
         if expert >= 0:
@@ -2867,17 +2884,27 @@ if triton is not None:
             cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
             ks = tl.arange(0, BLOCK_K)
             a_at = act_ptr + r[:, None].to(tl.int64) * K + ks[None, :]
-            b_at = (w_ptr + expert.to(tl.int64) * w_expert + (cols % N)[None, :].to(tl.int64) * w_col
-                    + ks[:, None] * w_k)
+            if TMA:
+                row = expert * (w_expert // w_col) + n_block * BLOCK_N
+            else:
+                b_at = (w + expert.to(tl.int64) * w_expert + (cols % N)[None, :].to(tl.int64) * w_col
+                        + ks[:, None] * w_k)
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 if EVEN_K:
-                    acc = tl.dot(tl.load(a_at), tl.load(b_at), acc)
+                    a = tl.load(a_at)
                 else:
-                    acc = tl.dot(tl.load(a_at, mask=k0 + ks[None, :] < K, other=0.0),
-                                 tl.load(b_at, mask=k0 + ks[:, None] < K, other=0.0), acc)
+                    a = tl.load(a_at, mask=k0 + ks[None, :] < K, other=0.0)
+                if TMA:
+                    b = w.load([row, k0]).T
+                elif EVEN_K:
+                    b = tl.load(b_at)
+                else:
+                    b = tl.load(b_at, mask=k0 + ks[:, None] < K, other=0.0)
+                acc = tl.dot(a, b, acc)
                 a_at += BLOCK_K
-                b_at += BLOCK_K * w_k
+                if not TMA:
+                    b_at += BLOCK_K * w_k
             weight = tl.load(weights_ptr + ids, mask=valid, other=0.0).to(tl.float32)
             tl.store(out_ptr + ids[:, None].to(tl.int64) * N + cols[None, :],
                      (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
@@ -2916,17 +2943,28 @@ def align_experts(chosen, num_experts, block_m):
     return ids, block_expert
 
 
+def expert_weights(w, n, k, tma):
+    # a GEMM's weights w [experts, N, K] as its kernel reads them: the tensor, or (tma) a TensorDescriptor over its rows
+    # of K ([experts · N, K], [n, k] blocks: TMA copies them to shared memory; Triton >= 3.4, NVIDIA from sm_90)
+    if not tma:
+        return w
+    if TensorDescriptor is None:
+        raise RuntimeError(f"triton {triton.__version__} has no TensorDescriptor")
+    assert w.stride(2) == 1 and w.stride(0) == w.shape[1] * w.stride(1)
+    return TensorDescriptor(w, [w.shape[0] * w.shape[1], w.shape[2]], [w.stride(1), 1], [n, k])
+
+
 def moe_gate_up(h, gate_up, ids, block_expert, k, block_m, gemm):
     # h [tokens, hidden], gate_up [experts, 2 inter, hidden] (gate rows first) -> act [padded rows, inter]:
     # SiLU(gate)·up of each aligned row (align_experts' ids, block_expert); gemm: (BLOCK_N, BLOCK_K, GROUP_M, warps,
-    # stages)
+    # stages, TMA)
     (E, I2, H), blocks = gate_up.shape, block_expert.shape[0]
-    (n, bk, group_m, warps, stages), I = gemm, I2 // 2
+    (n, bk, group_m, warps, stages, tma), I = gemm, I2 // 2
     act = torch.empty(blocks * block_m, I, dtype=h.dtype, device=h.device)
     _moe_gate_up_kernel[(blocks * triton.cdiv(I, n),)](
-        h, gate_up, act, ids, block_expert, h.shape[0] * k, k, blocks, group_m, I, H, h.stride(0), gate_up.stride(0),
-        gate_up.stride(1), gate_up.stride(2), I * gate_up.stride(1), BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=bk,
-        EVEN_K=H % bk == 0, num_warps=warps, num_stages=stages)
+        h, expert_weights(gate_up, n, bk, tma), act, ids, block_expert, h.shape[0] * k, k, blocks, group_m, I, H,
+        h.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), I * gate_up.stride(1), BLOCK_M=block_m,
+        BLOCK_N=n, BLOCK_K=bk, EVEN_K=H % bk == 0, TMA=tma, num_warps=warps, num_stages=stages)
     return act
 
 
@@ -2934,12 +2972,12 @@ def moe_down(act, down, ids, block_expert, weights, block_m, gemm):
     # act [padded rows, inter], down [experts, hidden, inter] -> out [tokens * k, hidden]: each (token, slot) row's
     # down projection times its routing weight (weights [tokens, k]), at the row of its flat index
     (E, H, I), blocks = down.shape, block_expert.shape[0]
-    n, bk, group_m, warps, stages = gemm
+    n, bk, group_m, warps, stages, tma = gemm
     out = torch.empty(weights.numel(), H, dtype=act.dtype, device=act.device)
     _moe_down_kernel[(blocks * triton.cdiv(H, n),)](
-        act, down, out, ids, block_expert, weights, weights.numel(), blocks, group_m, H, I, down.stride(0),
-        down.stride(1), down.stride(2), BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=bk, EVEN_K=I % bk == 0,
-        num_warps=warps, num_stages=stages)
+        act, expert_weights(down, n, bk, tma), out, ids, block_expert, weights, weights.numel(), blocks, group_m, H,
+        I, down.stride(0), down.stride(1), down.stride(2), BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=bk,
+        EVEN_K=I % bk == 0, TMA=tma, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -2952,7 +2990,7 @@ def moe_sum(x, out, k):
 
 def fused_experts(x, h, weights, chosen, w, tile):
     """moe_ffn's experts in five launches: x [tokens, hidden] += Σ_j weights[t, j] · expert chosen[t, j](h[t]).
-    tile: (BLOCK_M, the gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages), the down GEMM's)."""
+    tile: (BLOCK_M, the gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), the down GEMM's)."""
     block_m, up, down = tile
     assert h.stride(1) == 1 and weights.is_contiguous() and chosen.is_contiguous() and x.stride(1) == 1
     ids, block_expert = align_experts(chosen, w.gate_up.shape[0], block_m)
@@ -2986,17 +3024,21 @@ EXPERT_TILES["amd"] = EXPERT_TILES["rdna3"]
 # bench/tune_fused_moe.py times tiles per shape on a GPU and prints this table's rows. Until it has run on the H200,
 # NVIDIA's are vLLM's for these shapes at their largest sizes (1,024-4,096 tokens; configs/E=128,N=768,
 # device_name=NVIDIA_H200.json and E=8,N=14336,…H200.json: BLOCK_SIZE_M 128, N 256, K 64, warps 8, stages 4,
-# GROUP_SIZE_M 16), and the same in 3 stages, whose shared memory (144 KiB) the old grouped tile 128x256x64 had, the
-# fastest of ten on the H200; both compile for sm_90a to wgmma, 206-209 registers, unspilled. RDNA3's: vLLM's
-# AMD_Radeon_Graphics (E=128,N=384) from 512 tokens on (64, 128, 32, GROUP_SIZE_M 8, warps 8, stages 2), and the same
-# in 128-row blocks, compiled for gfx1100 without spills (gate+up, down: 100 and 99 VGPRs, 143 and 140, under Triton
-# 3.9; 102-154 under 3.6; the alignment 171-189; tests/test_gfx1100_compile.py), not run.
+# GROUP_SIZE_M 16); the same with the weights read by TMA (a TensorDescriptor; the H200's Triton 3.6 has it: the copy
+# engine's loads, fewer registers, 175-201 against 203-209, where CUTLASS's grouped GEMM reaches 632 TFLOP/s and
+# prefill's Triton grouped GEMM without TMA 467); and the first in 3 stages, whose shared memory (144 KiB) the old
+# grouped tile 128x256x64 had, the fastest of ten on the H200. All compile for sm_90a to wgmma, unspilled, under
+# Triton 3.6 and 3.9. RDNA3's: vLLM's AMD_Radeon_Graphics (E=128,N=384) from 512 tokens on (64, 128, 32,
+# GROUP_SIZE_M 8, warps 8, stages 2), and the same in 128-row blocks, compiled for gfx1100 without spills (gate+up,
+# down: 100 and 99 VGPRs, 143 and 140, under Triton 3.9; 102-154 under 3.6; the alignment 171-189;
+# tests/test_gfx1100_compile.py), not run.
 FUSED_TILES = {
-    "nvidia": {(2048, 768, 1024): [(128, (128, 64, 16, 8, 4), (256, 64, 16, 8, 4)),
-                                   (128, (128, 64, 16, 8, 3), (256, 64, 16, 8, 3))]},
-    "rdna3": {(2048, 768, 1024): [(64, (64, 32, 8, 8, 2), (128, 32, 8, 8, 2)),
-                                  (128, (64, 32, 8, 8, 2), (128, 32, 8, 8, 2))]},
-    "cpu": {(2048, 768, 1024): [(64, (32, 32, 2, 4, 1), (32, 32, 2, 4, 1))]},  # Triton's interpreter (tests)
+    "nvidia": {(2048, 768, 1024): [(128, (128, 64, 16, 8, 4, False), (256, 64, 16, 8, 4, False)),
+                                   (128, (128, 64, 16, 8, 4, True), (256, 64, 16, 8, 4, True)),
+                                   (128, (128, 64, 16, 8, 3, False), (256, 64, 16, 8, 3, False))]},
+    "rdna3": {(2048, 768, 1024): [(64, (64, 32, 8, 8, 2, False), (128, 32, 8, 8, 2, False)),
+                                  (128, (64, 32, 8, 8, 2, False), (128, 32, 8, 8, 2, False))]},
+    "cpu": {(2048, 768, 1024): [(64, (32, 32, 2, 4, 1, False), (32, 32, 2, 4, 1, False))]},  # the interpreter (tests)
 }
 FUSED_TILES["amd"] = FUSED_TILES["rdna3"]
 
@@ -3012,7 +3054,8 @@ def fused_tiles(family, cfg, slice_tokens):
 def tile_name(kind, tile):
     if kind == "fused":
         m, *gemms = tile
-        return f"fused {m} " + " ".join(f"{n}x{k}g{group}w{warps}s{stages}" for n, k, group, warps, stages in gemms)
+        return f"fused {m} " + " ".join(f"{n}x{k}g{group}w{warps}s{stages}" + ("tma" if tma else "")
+                                        for n, k, group, warps, stages, tma in gemms)
     return kind if tile is None else f"{kind} {tile[0]}x{tile[1]}x{tile[2]}"
 
 

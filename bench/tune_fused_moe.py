@@ -10,11 +10,12 @@ of a search space, the best kept, printed as prefill.FUSED_TILES rows (one devic
 
 Per shape (hidden, experts, top-k, moe_intermediate) and slice of T tokens: bench/moe_layer.py's random layer and
 tokens, routed by prefill.route. For each BLOCK_M, the alignment once (prefill.align_experts); then every gate+up GEMM
-tile and every down GEMM tile of SPACE, each with GROUP_M 1 and 16 (a runtime integer: no compile of its own), timed
-alone (prefill.moe_gate_up, prefill.moe_down: the median of --repeats calls by CUDA events after a warm-up that compiles
-it); a tile the GPU cannot run (shared memory) is recorded with its error. A BLOCK_M's fused tile is its fastest gate+up
-and fastest down; the two BLOCK_Ms' tiles are ranked by their whole experts' time (alignment, both GEMMs, sum), checked
-against torch's grouped_mm experts on the same routing (relative error) and timed against them (experts after routing).
+tile and every down GEMM tile of SPACE, its weights read by pointers and by TMA (LOADS), each with GROUP_M 1 and 16 (a
+runtime integer: no compile of its own), timed alone (prefill.moe_gate_up, prefill.moe_down: the median of --repeats
+calls by CUDA events after a warm-up that compiles it); a tile the GPU cannot run (shared memory, TMA before sm_90) is
+recorded with its error. A BLOCK_M's fused tile is its fastest gate+up and fastest down; the two BLOCK_Ms' tiles are
+ranked by their whole experts' time (alignment, both GEMMs, sum), checked against torch's grouped_mm experts on the same
+routing (relative error) and timed against them (experts after routing).
 
 Vendors ship such tables per GPU (vLLM's fused_moe/configs/E=…,N=…,device_name=….json, keyed by the token count;
 DeepGEMM's per-GPU heuristics): prefill keeps its own in prefill.py (FUSED_TILES), keyed by (hidden, moe_intermediate,
@@ -50,6 +51,7 @@ SPACE = {
           "down": [(128, 64, 8, 4), (256, 64, 8, 3), (256, 64, 8, 4), (128, 128, 8, 3), (256, 32, 8, 5)]},
 }
 GROUPS = (1, 16)
+LOADS = (False, True)  # the weights by pointers, or by TMA (a TensorDescriptor: NVIDIA from sm_90)
 CPU_SPACE = {16: {"gate_up": [(32, 32, 4, 1), (16, 64, 4, 1)], "down": [(32, 32, 4, 1), (64, 16, 4, 1)]}}  # --float16
 
 
@@ -58,14 +60,15 @@ def log(msg):
 
 
 def best_gemm(name, fn, tiles, ms):
-    """(the fastest (BLOCK_N, BLOCK_K, GROUP_M, warps, stages), ms), and {tile: ms or the error} of every one tried."""
+    """(the fastest (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), ms), and {tile: ms or the error} of every one
+    tried."""
     tried = {}
-    for n, k, warps, stages in tiles:
+    for (n, k, warps, stages), tma in ((tile, tma) for tile in tiles for tma in LOADS):
         for group in GROUPS:
-            tile = (n, k, group, warps, stages)
+            tile = (n, k, group, warps, stages, tma)
             try:
                 tried[tile] = ms(lambda: fn(tile))
-            except Exception as e:  # too much shared memory for this GPU, a compile error: that tile is out
+            except Exception as e:  # too much shared memory for this GPU, no TMA, a compile error: that tile is out
                 tried[tile] = prefill.failure(e)
                 log(f"{name} {tile}: {tried[tile]}")
                 break  # the other GROUP_M runs the same kernel
@@ -152,7 +155,8 @@ def main(argv=None):
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "triton": getattr(prefill.triton, "__version__", None),
               "commit": args.commit, "family": family, "space": {m: g for m, g in space.items()},
-              "groups": GROUPS, "skipped": skipped, "wall_s": time.perf_counter() - t0, "records": records,
+              "groups": GROUPS, "loads": LOADS, "skipped": skipped, "wall_s": time.perf_counter() - t0,
+              "records": records,
               "fused_tiles": [[list(key), tiles] for key, tiles in table.items()]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

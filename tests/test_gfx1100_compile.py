@@ -241,9 +241,9 @@ def expert_tile(launch):
     return c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], o["num_warps"], o["num_stages"]
 
 
-def fused_gemm_tile(launch):  # (BLOCK_M, (BLOCK_N, BLOCK_K, warps, stages)) of a fused experts' GEMM (GROUP_M: an int)
+def fused_gemm_tile(launch):  # (BLOCK_M, (BLOCK_N, BLOCK_K, warps, stages, TMA)) of a fused GEMM (GROUP_M: an int)
     c, o = launch.named_constexprs(), dict(launch.options)
-    return c["BLOCK_M"], (c["BLOCK_N"], c["BLOCK_K"], o["num_warps"], o["num_stages"])
+    return c["BLOCK_M"], (c["BLOCK_N"], c["BLOCK_K"], o["num_warps"], o["num_stages"], c["TMA"])
 
 
 # every fused experts' tile offered on RDNA3, whichever shape a model's is nearest to

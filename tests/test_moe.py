@@ -615,7 +615,7 @@ def test_torch_grouped_mm_is_offered_on_a_gpu_only_where_it_is_one_kernel(hip, a
     names = [name for name, _, _ in prefill.expert_candidates("auto", gpu, cfg, 16384)]
     family = prefill.gpu_family(gpu)
     tiles = [f"triton {m}x{n}x{k}" for m, n, k, *_ in prefill.EXPERT_TILES[family]]
-    fused = [f"fused {m} " + " ".join(f"{n}x{k}g{g}w{w}s{s}" for n, k, g, w, s in gemms)
+    fused = [f"fused {m} " + " ".join(f"{n}x{k}g{g}w{w}s{s}" + ("tma" if tma else "") for n, k, g, w, s, tma in gemms)
              for m, *gemms in prefill.FUSED_TILES[family][2048, 768, 1024]]
     assert names == (["grouped_mm"] + fused + tiles + ["loop"] if native else fused + tiles + ["loop"])
     # asked for by name it is there all the same: the start-up check then judges it
