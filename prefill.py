@@ -1244,7 +1244,9 @@ def moe_scratch_per_token(cfg):
     # device bytes moe_block holds at most per token of a chunk besides the wave's hidden states (an upper bound: all
     # of it alive at once): the norm's output and its float32 temporaries, the router's bf16 logits and float32
     # probabilities, the int64 routing indices, k rows of input, gate_up, activation and output (bf16), the output
-    # rows gathered per token (bf16) and their weighted sum
+    # rows gathered per token (bf16) and their weighted sum. The fused experts hold less: k rows of activation and of
+    # output, and up to experts x BLOCK_M rows of padded activation (DeepSeek-V3's 256 experts in 128-row blocks: 134
+    # MB), which the gate_up and gathered rows they do without cover from ~460 tokens a slice (16,384 by default).
     H, J, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
     return 2 * H + 12 * H + 6 * E + 8 * 8 * k + 2 * k * (2 * H + 3 * J) + 2 * k * H + 2 * H
 
@@ -1316,10 +1318,11 @@ WAVE_STEP = 65536            # the default wave, and the step of the planned one
 MAX_PLANNED_WAVE = 16 * WAVE_STEP
 # The nominal rates the wave is planned at (host->device GB/s, the GEMM TFLOP/s of a MoE layer's mix): fixed per GPU
 # family and never measured at start-up, since the wave decides which texts share a wave and so the last bits of
-# their numbers; a run's own rates would vary. NVIDIA: the H200's 55 GB/s and ~500 of its ~700 dense TFLOP/s for
-# grouped GEMMs (to be replaced by bench/moe_run.py's measurement); RDNA3: the W7800's 26 GB/s and 60 TFLOP/s
-# (PCIe 4.0 x16 as measured on that chip family; the GEMM rate estimated from a 7900 XTX's 88-99 with 96 CUs to the
-# W7800's 70); the CPU: a memcpy against a few cores' bf16 GEMMs.
+# their numbers; a run's own rates would vary, and so may the expert kernel picked. NVIDIA: the H200's 55 GB/s and
+# ~500 of its ~700 dense TFLOP/s for grouped GEMMs (to be replaced by bench/moe_run.py's measurement; a MoE layer's
+# whole rate, routing included, per expert kernel: bench/moe_layer.py's layer TFLOP/s); RDNA3: the W7800's 26 GB/s
+# and 60 TFLOP/s (PCIe 4.0 x16 as measured on that chip family; the GEMM rate estimated from a 7900 XTX's 88-99 with
+# 96 CUs to the W7800's 70); the CPU: a memcpy against a few cores' bf16 GEMMs.
 PLAN_RATES = {"nvidia": (55.0, 500.0), "rdna3": (26.0, 60.0), "amd": (55.0, 500.0), "cpu": (10.0, 0.5)}
 
 
