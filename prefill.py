@@ -2820,30 +2820,56 @@ if triton is not None:
         size = tl.minimum(blocks - first, group_m)
         return first + pid % width % size, pid % width // size
 
+    @triton.jit
+    def _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # this program's expert (-1: none), its block's rows and their ids (align_experts'), its block of columns and
+        # the first of them
+        m_block, n_block = _moe_tile_of(blocks, group_m, N, BLOCK_N)
+        expert = tl.load(block_expert_ptr + m_block)
+        r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        ids = tl.load(ids_ptr + r, mask=tl.zeros_like(r) + expert >= 0, other=0)  # -1: no ids written there
+        return expert, r, ids, n_block * BLOCK_N + tl.arange(0, BLOCK_N), n_block * BLOCK_N
+
+    @triton.jit
+    def _moe_weights_at(w, start, cols, N, w_col, w_k, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+        # the pointers of a program's [BLOCK_K, BLOCK_N] weights from k = 0: column c's K weights from w + start +
+        # c·w_col in steps of w_k (columns past N read c % N, not stored); with TMA, start (an integer the loop steps
+        # for nothing: the descriptor's row and k0 address the tile)
+        if TMA:
+            at = start
+        else:
+            at = w + start + (cols % N)[None, :].to(tl.int64) * w_col + tl.arange(0, BLOCK_K)[:, None] * w_k
+        return at
+
+    @triton.jit
+    def _moe_weight_tile(w, at, row, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+        # the [BLOCK_K, BLOCK_N] weights from k0: with TMA, rows row.. of w, a TensorDescriptor over the weights as rows
+        # of K (loads past its sides read zeros; past an expert's N the next rows, whose columns are not stored); else
+        # from the pointers at (_moe_weights_at's, stepped to k0 by the caller)
+        if TMA:
+            tile = w.load([row, k0]).T
+        elif EVEN_K:
+            tile = tl.load(at)
+        else:
+            tile = tl.load(at, mask=k0 + tl.arange(0, BLOCK_K)[:, None] < K, other=0.0)
+        return tile
+
     @triton.jit(do_not_specialize=["rows", "top_k", "blocks", "group_m"])
     def _moe_gate_up_kernel(h_ptr, w, act_ptr, ids_ptr, block_expert_ptr, rows, top_k, blocks, group_m, N, K,
                             h_stride, w_expert, w_col, w_k, up_at, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
         # act[block rows, cols] = SiLU(gate)·up of the block's rows of h (row r: token ids[r] // top_k; an id of rows
         # is padding: a zero row) for its expert; column c's gate weights at w + c·w_col, its up weights up_at further,
-        # each K long in steps of w_k (prefill's [experts, 2 N, K] gate rows first: w_col K, up_at N·K, w_k 1). TMA: w
-        # is a TensorDescriptor over those weights as rows of K ([experts · 2 N, K], [BLOCK_N, BLOCK_K] blocks), whose
-        # loads past a side read zeros, and past an expert's N the next rows, whose columns are not stored. Padding
-        # rows are written too (zeros): the down GEMM reads whole blocks.
-        m_block, n_block = _moe_tile_of(blocks, group_m, N, BLOCK_N)
-        expert = tl.load(block_expert_ptr + m_block)
+        # each K long in steps of w_k (prefill's [experts, 2 N, K] gate rows first: w_col K, up_at N·K, w_k 1); with
+        # TMA, w a TensorDescriptor over them ([experts · 2 N, K] in [BLOCK_N, BLOCK_K] blocks). Padding rows are
+        # written too (zeros): the down GEMM reads whole blocks.
+        expert, r, ids, cols, col = _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M, BLOCK_N)
         if expert >= 0:
-            r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-            ids = tl.load(ids_ptr + r)
             valid = ids < rows
-            cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
             ks = tl.arange(0, BLOCK_K)
             a_at = h_ptr + (ids // top_k)[:, None].to(tl.int64) * h_stride + ks[None, :]  # [BLOCK_M, BLOCK_K]
-            if TMA:
-                row = expert * (w_expert // w_col) + n_block * BLOCK_N
-            else:
-                g_at = (w + expert.to(tl.int64) * w_expert + (cols % N)[None, :].to(tl.int64) * w_col
-                        + ks[:, None] * w_k)  # [BLOCK_K, BLOCK_N]; columns past N read column c % N, not stored
+            g_at = _moe_weights_at(w, expert.to(tl.int64) * w_expert, cols, N, w_col, w_k, BLOCK_K, TMA)
+            row = expert * (w_expert // w_col) + col
             gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -2851,20 +2877,12 @@ if triton is not None:
                     a = tl.load(a_at, mask=valid[:, None], other=0.0)
                 else:
                     a = tl.load(a_at, mask=valid[:, None] & (k0 + ks[None, :] < K), other=0.0)
-                if TMA:
-                    g = w.load([row, k0]).T
-                    u = w.load([row + up_at // w_col, k0]).T
-                elif EVEN_K:
-                    g = tl.load(g_at)
-                    u = tl.load(g_at + up_at)
-                else:
-                    g = tl.load(g_at, mask=k0 + ks[:, None] < K, other=0.0)
-                    u = tl.load(g_at + up_at, mask=k0 + ks[:, None] < K, other=0.0)
-                gate = tl.dot(a, g, gate)
+                g = _moe_weight_tile(w, g_at, row, k0, K, BLOCK_K, EVEN_K, TMA)
+                u = _moe_weight_tile(w, g_at + up_at, row + up_at // w_col, k0, K, BLOCK_K, EVEN_K, TMA)
+                gate = tl.dot(a, g, gate)  # both tiles loaded before either product: 100 VGPRs on gfx1100, not 130
                 up = tl.dot(a, u, up)
                 a_at += BLOCK_K
-                if not TMA:
-                    g_at += BLOCK_K * w_k
+                g_at += BLOCK_K * w_k
             dtype = act_ptr.dtype.element_ty
             gate = gate.to(dtype).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -2878,36 +2896,22 @@ if triton is not None:
         # out[ids[r], cols] = weights[ids[r]] · (act[r] @ the expert's down weights) for the block's rows that are not
         # padding: each (token, slot) row written once, by this program; act: [blocks · BLOCK_M, K], contiguous; w as
         # _moe_gate_up_kernel's
-        m_block, n_block = _moe_tile_of(blocks, group_m, N, BLOCK_N)
-        expert = tl.load(block_expert_ptr + m_block)
+        expert, r, ids, cols, col = _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M, BLOCK_N)
         if expert >= 0:
-            r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-            ids = tl.load(ids_ptr + r)
             valid = ids < rows
-            cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
             ks = tl.arange(0, BLOCK_K)
             a_at = act_ptr + r[:, None].to(tl.int64) * K + ks[None, :]
-            if TMA:
-                row = expert * (w_expert // w_col) + n_block * BLOCK_N
-            else:
-                b_at = (w + expert.to(tl.int64) * w_expert + (cols % N)[None, :].to(tl.int64) * w_col
-                        + ks[:, None] * w_k)
+            b_at = _moe_weights_at(w, expert.to(tl.int64) * w_expert, cols, N, w_col, w_k, BLOCK_K, TMA)
+            row = expert * (w_expert // w_col) + col
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 if EVEN_K:
                     a = tl.load(a_at)
                 else:
                     a = tl.load(a_at, mask=k0 + ks[None, :] < K, other=0.0)
-                if TMA:
-                    b = w.load([row, k0]).T
-                elif EVEN_K:
-                    b = tl.load(b_at)
-                else:
-                    b = tl.load(b_at, mask=k0 + ks[:, None] < K, other=0.0)
-                acc = tl.dot(a, b, acc)
+                acc = tl.dot(a, _moe_weight_tile(w, b_at, row, k0, K, BLOCK_K, EVEN_K, TMA), acc)
                 a_at += BLOCK_K
-                if not TMA:
-                    b_at += BLOCK_K * w_k
+                b_at += BLOCK_K * w_k
             weight = tl.load(weights_ptr + ids, mask=valid, other=0.0).to(tl.float32)
             tl.store(out_ptr + ids[:, None].to(tl.int64) * N + cols[None, :],
                      (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
