@@ -54,6 +54,18 @@ def log(msg):
     print(f"moe_layer: {msg}", file=sys.stderr, flush=True)
 
 
+def shared_options(ap, out):
+    """Adds the options this script and bench/tune_fused_moe.py share to ap."""
+    ap.add_argument("--out", required=True, help=out)
+    ap.add_argument("--shapes", default=",".join(name for name in SHAPES if name != "tiny"),
+                    help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--repeats", type=int, default=10, help="timed calls of each step (their median)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--commit", help="the commit measured (recorded as given)")
+    ap.add_argument("--float16", action="store_true", help="the layers in float16: a CPU try of the fused experts "
+                    "under TRITON_INTERPRET=1 (the interpreter multiplies bf16 tiles as raw integers)")
+
+
 def shape_config(name):
     H, E, k, I = SHAPES[name]
     return types.SimpleNamespace(hidden_size=H, num_experts=E, num_experts_per_tok=k, moe_intermediate_size=I,
@@ -212,15 +224,8 @@ def table(records):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="the record (JSON)")
-    ap.add_argument("--shapes", default="qwen3-30b-a3b,qwen3-235b-a22b,mixtral-8x7b,deepseek-v3,gpt-oss-120b",
-                    help=f"comma-separated, of {', '.join(SHAPES)}")
+    shared_options(ap, "the record (JSON)")
     ap.add_argument("--tokens", default="4096,16384", help="tokens a slice (moe_block call) holds, comma-separated")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--commit", help="the commit measured (recorded as given)")
-    ap.add_argument("--float16", action="store_true", help="the layer in float16: a CPU try of the fused experts under "
-                    "TRITON_INTERPRET=1 (the interpreter multiplies bf16 tiles as raw integers)")
     args = ap.parse_args(argv)
     if args.float16:
         prefill.DTYPE = torch.float16

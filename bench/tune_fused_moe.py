@@ -37,7 +37,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # as ma
 sys.path.insert(0, str(HERE.parent))
 
 import prefill  # noqa: E402
-from bench.moe_layer import SHAPES, layer_weights, rel_err, shape_config, timer  # noqa: E402
+from bench.moe_layer import SHAPES, layer_weights, rel_err, shape_config, shared_options, timer  # noqa: E402
 
 # (BLOCK_N, BLOCK_K, warps, stages) of each GEMM per BLOCK_M, within the H200's 227 KiB of shared memory a program
 # (a stage: BLOCK_M x BLOCK_K of rows and BLOCK_K x BLOCK_N of weights, twice BLOCK_N for gate+up) and 255 registers a
@@ -123,17 +123,10 @@ def tune(name, tokens, w, device, space, ms):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="every timing (JSON)")
-    ap.add_argument("--shapes", default="qwen3-30b-a3b,qwen3-235b-a22b,mixtral-8x7b,deepseek-v3,gpt-oss-120b",
-                    help=f"comma-separated, of {', '.join(SHAPES)}")
+    shared_options(ap, "every timing (JSON)")  # --float16 also searches CPU_SPACE, a tiny one
     ap.add_argument("--tokens", default="16384,4096", help="tokens a slice holds, comma-separated")
-    ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=420, help="no new shape or slice after this many seconds")
-    ap.add_argument("--device", default="cuda")
     ap.add_argument("--family", help="the FUSED_TILES key printed (default: this device's prefill.gpu_family)")
-    ap.add_argument("--float16", action="store_true", help="the layers in float16 and a tiny search space: a CPU try "
-                    "under TRITON_INTERPRET=1 (the interpreter multiplies bf16 tiles as raw integers)")
-    ap.add_argument("--commit", help="the commit measured (recorded as given)")
     args = ap.parse_args(argv)
     if args.float16:
         prefill.DTYPE = torch.float16
