@@ -2738,7 +2738,9 @@ def grouped_mm_native(device):
 # slot order, which route makes ascending expert order, in float32, rounds once and adds them to x. Every row is
 # written by one program and every sum has a fixed order: no atomics. The integers that vary with the texts or that
 # the start-up check takes smaller than a run (tokens, k, experts) are not specialised on, so that the check compiles
-# what the run launches.
+# what the run launches. The weights are read through strides (w_col, w_k, up_at): gpt-oss's [experts, K, N] layout is
+# a transposed view (tests/test_fused_moe.py), its interleaved gate/up columns moe_gate_up's w_col of two rows and
+# up_at of one; its clamped SwiGLU and expert biases would be constexprs of the two epilogues.
 #
 # The roundings are today's grouped path's (grouped_experts with combine) where that costs nothing: gate and up
 # rounded to bf16, SiLU rounded, its product with up rounded, as gated_act; each token's sum rounded once and then the

@@ -32,12 +32,15 @@ cpu, report = torch.device("cpu"), {}
 
 # fused_experts against float32 experts (moe_reference) on expert_inputs' uneven routing (expert 0 takes half the
 # tokens, over several blocks and a partial one; the last expert none): top-2 in every tile offered anywhere, top-1
-# (weights not renormalised, so that they matter) and top-3 in the interpreter's tile, and sizes that no tile divides
-# (hidden 80, moe_intermediate 48: partial K and column tiles in both GEMMs); each twice, for the bits
-def case(hidden, inter, tokens, k, renormalize, tile):
+# (weights not renormalised, so that they matter) and top-3 in the interpreter's tile, sizes that no tile divides
+# (hidden 80, moe_intermediate 48: partial K and column tiles in both GEMMs), and weights stored [experts, K, N] (as
+# gpt-oss stores them) read through strides; each twice, for the bits
+def case(hidden, inter, tokens, k, renormalize, tile, transposed=False):
     h, w = prefill.expert_inputs(cpu, types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter), seed=k,
                                  tokens=tokens, experts=8)
     want = prefill.moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, renormalize)
+    if transposed:
+        w.gate_up, w.down = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (w.gate_up, w.down))
     runs = [prefill.moe_ffn(torch.zeros_like(h), h, w, k, renormalize, prefill.make_experts("fused", tile),
                             prefill.TORCH_KERNELS) for _ in range(2)]
     return {"error": prefill.check_error(runs[0], want), "same_bits": torch.equal(*runs)}
@@ -46,7 +49,8 @@ tiles = sorted({t for family in prefill.FUSED_TILES.values() for shape in family
 [here] = prefill.FUSED_TILES["cpu"].values()
 report["cases"] = {f"top-2 {tile}": case(64, 32, 200, 2, True, tile) for tile in tiles}
 report["cases"] |= {"top-1": case(64, 32, 70, 1, False, here[0]), "top-3": case(64, 32, 45, 3, True, here[0]),
-                    "hidden 80, moe_intermediate 48": case(80, 48, 150, 2, True, here[0])}
+                    "hidden 80, moe_intermediate 48": case(80, 48, 150, 2, True, here[0]),
+                    "[experts, K, N] weights": case(64, 32, 100, 2, True, here[0], transposed=True)}
 
 # align_experts against its specification, written out: expert by expert, each one's (token, slot) rows in token
 # order, padded with `rows` to a multiple of the block; then the blocks' experts, -1 past the last
@@ -116,10 +120,10 @@ def interpreted_report(moe_checkpoint):  # noqa: F811 (a fixture of test_moe)
 
 
 def test_fused_experts_match_float32_experts_in_the_interpreter(interpreted_report):
-    # uneven routing (an empty expert, partial blocks), top-1, -2 and -3, every tile offered, sizes no tile divides:
-    # float16 against float32 math, the same bits a second time
+    # uneven routing (an empty expert, partial blocks), top-1, -2 and -3, every tile offered, sizes no tile divides,
+    # transposed weights: float16 against float32 math, the same bits a second time
     cases = interpreted_report["cases"]
-    assert len(cases) == len({t for f in prefill.FUSED_TILES.values() for s in f.values() for t in s}) + 3, cases
+    assert len(cases) == len({t for f in prefill.FUSED_TILES.values() for s in f.values() for t in s}) + 4, cases
     assert all(c["same_bits"] and c["error"] < 2e-3 for c in cases.values()), cases  # measured: 1.0e-3-1.5e-3
 
 
