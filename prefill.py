@@ -3026,7 +3026,7 @@ EXPERT_TILES = {
     "cpu": [(32, 32, 32, 4, 1)],  # Triton's interpreter (tests)
 }
 EXPERT_TILES["amd"] = EXPERT_TILES["rdna3"]
-# The fused experts' tiles, (BLOCK_M, the gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages), the down
+# The fused experts' tiles, (BLOCK_M, the gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), the down
 # GEMM's), per GPU family and per shape: {(hidden, moe_intermediate, rows an expert gets in a full slice): tiles}; a
 # model is offered the tiles of the shape nearest to its own (fused_tiles), and the start-up timing picks among them.
 # The gate+up GEMM's BLOCK_N columns are BLOCK_N of gate and BLOCK_N of up: two accumulators, vLLM's tile of 2 BLOCK_N.

@@ -341,8 +341,13 @@ def distinct_compiles(launches):
 def test_every_kernel_prefill_launches_is_recorded_in_every_offered_variant(offered):
     launches, kernels = offered
     launched = {launch.kernel for launch in launches}
-    # each JIT function is launched, or is a helper that a launched kernel calls: a new kernel cannot go unchecked
-    called = {name for name in kernels for k in launched if re.search(rf"\b{name}\(", getattr(prefill, k).src)}
+    # each JIT function is launched, or is a helper that a launched kernel calls (or a helper of one): a new kernel
+    # cannot go unchecked
+    called, callers = set(), launched
+    while callers:
+        callers = {name for name in kernels for k in callers if re.search(rf"\b{name}\(", getattr(prefill, k).src)}
+        callers -= called
+        called |= callers
     assert set(kernels) == launched | called, f"never launched by prefill's layers: {set(kernels) - launched - called}"
     for kernel, offers in (("_attention_kernel", offered_tiles), ("_tree_attention_kernel", offered_tree_tiles)):
         tiles = {(launch.model, attention_tile(launch)) for launch in launches if launch.kernel == kernel}
