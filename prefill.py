@@ -27,7 +27,7 @@ both):
   attention backends: attention_sdpa, attention_triton, make_attention, ATTENTION_TILES, gpu_family,
       attention_candidates
   mixture of experts: route_softmax, route_sigmoid, route, expert_rows, moe_ffn, shared_experts, moe_block,
-      grouped_loop, grouped_triton, expert_candidates
+      grouped_experts, grouped_loop, grouped_triton, align_experts, fused_experts, FUSED_TILES, expert_candidates
   start-up checks and picks: check_attention, pick_attention, check_experts, pick_experts, check_kernels,
       pick_kernels, pick_blas, Picks
   packing and loss: Wave, batches, wave_of, Score, sequence_nll
@@ -1419,7 +1419,9 @@ def moe_scratch_per_token(cfg):
     # float32 probabilities, or the sigmoid one's float32 input, scores, biased and masked scores and group mask; the
     # int64 routing indices, k rows of input, gate_up, activation and output (bf16), the output rows gathered per
     # token (bf16) and their weighted sum; with shared experts the routed sum's own buffer and their gate_up,
-    # activation and output (bf16)
+    # activation and output (bf16). The fused experts hold less: k rows of activation and of output, and up to
+    # experts x BLOCK_M rows of padded activation (DeepSeek-V3's 256 experts in 128-row blocks: 134 MB), which the
+    # gate_up and gathered rows they do without cover from ~460 tokens a slice (16,384 by default).
     H, J, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
     S = cfg.shared_intermediate_size
     router = 4 * H + 17 * E if cfg.router_kind == "sigmoid" else 6 * E
@@ -1496,10 +1498,11 @@ WAVE_STEP = 65536            # the default wave, and the step of the planned one
 MAX_PLANNED_WAVE = 16 * WAVE_STEP
 # The nominal rates the wave is planned at (host->device GB/s, the GEMM TFLOP/s of a MoE layer's mix): fixed per GPU
 # family and never measured at start-up, since the wave decides which texts share a wave and so the last bits of
-# their numbers; a run's own rates would vary. NVIDIA: the H200's 55 GB/s and ~500 of its ~700 dense TFLOP/s for
-# grouped GEMMs (to be replaced by bench/moe_run.py's measurement); RDNA3: the W7800's 26 GB/s and 60 TFLOP/s
-# (PCIe 4.0 x16 as measured on that chip family; the GEMM rate estimated from a 7900 XTX's 88-99 with 96 CUs to the
-# W7800's 70); the CPU: a memcpy against a few cores' bf16 GEMMs.
+# their numbers; a run's own rates would vary, and so may the expert kernel picked. NVIDIA: the H200's 55 GB/s and
+# ~500 of its ~700 dense TFLOP/s for grouped GEMMs (to be replaced by bench/moe_run.py's measurement; a MoE layer's
+# whole rate, routing included, per expert kernel: bench/moe_layer.py's layer TFLOP/s); RDNA3: the W7800's 26 GB/s
+# and 60 TFLOP/s (PCIe 4.0 x16 as measured on that chip family; the GEMM rate estimated from a 7900 XTX's 88-99 with
+# 96 CUs to the W7800's 70); the CPU: a memcpy against a few cores' bf16 GEMMs.
 PLAN_RATES = {"nvidia": (55.0, 500.0), "rdna3": (26.0, 60.0), "amd": (55.0, 500.0), "cpu": (10.0, 0.5)}
 
 
@@ -2854,16 +2857,12 @@ def pair_rows(pairs):
     return torch.empty_like(pairs).scatter_(0, pairs, torch.arange(pairs.numel(), device=pairs.device))
 
 
-def moe_ffn(x, h, w, router, grouped, kernels):
+def moe_ffn(x, h, w, router, experts, kernels):
     # x: [tokens, hidden] += the experts' weighted sum over h: [tokens, hidden], the post-attention norm's output, as
-    # router (a Router) routes it; returns x. grouped(a [rows, K] grouped by expert, weights [experts, N, K], bounds)
-    # -> [rows, N] is the expert compute picked at start-up (pick_experts). Each buffer is dropped as soon as the next
-    # step has read it.
+    # router (a Router) routes it; returns x. experts(x, h, weights, chosen, w, kernels) is the expert compute picked
+    # at start-up (pick_experts: grouped_experts over a grouped GEMM, or fused_experts).
     weights, chosen = route(h, w, router)
-    k = router.top_k
-    pairs, bounds = expert_rows(chosen, w.router.shape[0])
-    act = kernels.gated_act(grouped(h[pairs // k], w.gate_up, bounds), "silu")  # [tokens * k, moe_intermediate]
-    kernels.combine(x, grouped(act, w.down, bounds), pair_rows(pairs), weights)
+    experts(x, h, weights, chosen, w, kernels)
     return x
 
 
@@ -2876,18 +2875,29 @@ def shared_experts(h, w, kernels):
     return out
 
 
-def moe_block(x, w, cfg, max_tokens, kernels, grouped):
+def moe_block(x, w, cfg, max_tokens, kernels, experts):
     # x: [tokens, hidden], updated in place in slices of max_tokens rows (the plan's moe_chunk_tokens): the routing
     # buffers hold max_tokens * num_experts_per_tok rows (moe_scratch_per_token), whatever the wave
     for s in range(0, x.shape[0], max_tokens):
         xs = x[s:s + max_tokens]
         h = kernels.rms_norm(xs, w.mlp_norm, cfg.rms_norm_eps)
         if w.shared_gate_up is None:
-            moe_ffn(xs, h, w, cfg.router, grouped, kernels)
+            moe_ffn(xs, h, w, cfg.router, experts, kernels)
         else:  # transformers adds the shared experts to the routed ones' bf16 sum, that to the residual
-            out = moe_ffn(torch.zeros_like(xs), h, w, cfg.router, grouped, kernels)
+            out = moe_ffn(torch.zeros_like(xs), h, w, cfg.router, experts, kernels)
             out += shared_experts(h, w, kernels)
             xs += out
+
+
+def grouped_experts(grouped):
+    """moe_ffn's experts over a grouped GEMM grouped(a [rows, K] grouped by expert, w [experts, N, K], bounds) ->
+    [rows, N]: the (token, slot) rows sorted by expert and gathered, gate_up, the activation, down, and each token's k
+    rows weighted and summed into x (Kernels.combine). Each buffer is dropped as soon as the next step has read it."""
+    def experts(x, h, weights, chosen, w, kernels):
+        pairs, bounds = expert_rows(chosen, w.gate_up.shape[0])
+        act = kernels.gated_act(grouped(h[pairs // chosen.shape[1]], w.gate_up, bounds), "silu")  # [rows, inter]
+        kernels.combine(x, grouped(act, w.down, bounds), pair_rows(pairs), weights)
+    return experts
 
 
 # --- expert compute: the grouped GEMM out[rows of e] = a[rows of e] @ w[e].T for every expert e
@@ -2978,13 +2988,292 @@ def grouped_mm_native(device):
     return props.major in (9, 10)
 
 
-# The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, else prefill's Triton one;
-# the loop last. "auto" offers torch's grouped GEMM on a GPU only where it is native (grouped_mm_native): elsewhere it
-# is the loop with a host sync, and on an RDNA4 GPU (gfx1200, ROCm 7.2.1 on Windows) it crashed the process where no
-# check could catch it (ROCm/pytorch#3283). It stays on the CPU, where the tests run its call (torch's composite fallback there),
-# and --experts grouped_mm asks for it anywhere. On the CPU "auto" offers no Triton: its interpreter (tests)
-# multiplies bf16 tiles as raw integers.
-EXPERT_KINDS = ["grouped_mm", "triton", "loop"]
+# --- fused experts: the tokens aligned once per expert, two GEMMs that read and write through those ids, one sum.
+# vLLM's fused_moe (model_executor/layers/fused_moe/fused_moe.py) in outline, read, not copied: each expert's
+# (token, slot) rows are numbered into blocks of BLOCK_M rows, one expert a block, its last block padded
+# (align_experts: moe_align_block_size's job, here a count and a prefix sum instead of atomics); the gate+up GEMM reads
+# its rows of h through those ids (no gathered copy) and writes act(gate)·up once, not the [rows, 2 moe_intermediate]
+# that vLLM's silu_and_mul rereads; the down GEMM multiplies each row by its routing weight in its epilogue
+# (MUL_ROUTED_WEIGHT) and writes it at its own (token, slot) row; a last launch sums each token's k rows (moe_sum) in
+# slot order, which route makes ascending expert order, in float32, rounds once and adds them to x. Every row is
+# written by one program and every sum has a fixed order: no atomics. The integers that vary with the texts or that
+# the start-up check takes smaller than a run (tokens, k, experts) are not specialised on, so that the check compiles
+# what the run launches. The weights are read through strides (w_col, w_k, up_at): gpt-oss's [experts, K, N] layout is
+# a transposed view (tests/test_fused_moe.py), its interleaved gate/up columns moe_gate_up's w_col of two rows and
+# up_at of one; its clamped SwiGLU and expert biases would be constexprs of the two epilogues.
+#
+# The roundings are today's grouped path's (grouped_experts with combine) where that costs nothing: gate and up
+# rounded to bf16, SiLU rounded, its product with up rounded, as gated_act; each token's sum rounded once and then the
+# add. One differs: the down GEMM's float32 output is weighted before its one rounding to bf16, where combine rounds
+# the unweighted row and weights it exactly in float32; keeping the weighted rows in float32 instead would double the
+# bytes the down GEMM writes and the sum reads.
+
+ALIGN_CHUNK = 512   # (token, slot) entries a program of align_experts reads and places
+ALIGN_EXPERTS = 16  # experts it handles at a time ([ALIGN_CHUNK, ALIGN_EXPERTS] comparisons)
+ALIGN_COUNTS = 64   # chunks' counts it sums at a time
+ALIGN_BLOCKS = 16   # blocks it labels at a time
+
+try:  # the fused experts' TMA loads of their weights (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["rows", "experts"])
+    def _moe_count_kernel(chosen_ptr, counts_ptr, rows, experts, CHUNK: tl.constexpr, EB: tl.constexpr):
+        # counts[b, e]: how many of chunk b's CHUNK entries of chosen (flat, [rows]) are expert e
+        b = tl.program_id(0)
+        at = b * CHUNK + tl.arange(0, CHUNK)
+        chosen = tl.load(chosen_ptr + at, mask=at < rows, other=-1).to(tl.int32)
+        for e0 in range(0, experts, EB):
+            e = e0 + tl.arange(0, EB)
+            tl.store(counts_ptr + b * experts + e, tl.sum((chosen[:, None] == e[None, :]).to(tl.int32), 0),
+                     mask=e < experts)
+
+    @triton.jit(do_not_specialize=["rows", "experts", "chunks", "blocks"])
+    def _moe_align_kernel(chosen_ptr, counts_ptr, ids_ptr, block_expert_ptr, rows, experts, chunks, blocks,
+                          CHUNK: tl.constexpr, EB: tl.constexpr, PB: tl.constexpr, JB: tl.constexpr,
+                          BLOCK_M: tl.constexpr):
+        # Program b places chunk b's entries: expert e's rows start at start[e] (the padded counts of the experts
+        # before it, summed), chunk b's after those of the chunks before it (before[e]), in entry order within the
+        # chunk (a cumulative sum of its matches). It also labels its share of the blocks: each with its expert (-1
+        # past the last), the padding rows of an expert's last block with the id `rows` (no entry).
+        b = tl.program_id(0)
+        at = b * CHUNK + tl.arange(0, CHUNK)
+        chosen = tl.load(chosen_ptr + at, mask=at < rows, other=-1).to(tl.int32)
+        share = tl.cdiv(blocks, chunks)
+        j_end = tl.minimum(b * share + share, blocks)
+        base = tl.sum(tl.zeros((EB,), tl.int32), 0)  # rows of the experts before e0 (an int32 the loop carries)
+        for e0 in range(0, experts, EB):
+            e = e0 + tl.arange(0, EB)
+            total = tl.zeros((EB,), tl.int32)
+            before = tl.zeros((EB,), tl.int32)
+            for p0 in range(0, chunks, PB):
+                p = p0 + tl.arange(0, PB)[:, None]
+                n = tl.load(counts_ptr + p * experts + e[None, :], mask=(p < chunks) & (e[None, :] < experts),
+                            other=0)  # [PB, EB]
+                total += tl.sum(n, 0)
+                before += tl.sum(tl.where(p < b, n, 0), 0)
+            padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+            start = base + tl.cumsum(padded, 0) - padded
+            base += tl.sum(padded, 0)
+            hit = chosen[:, None] == e[None, :]  # [CHUNK, EB]
+            row = tl.cumsum(hit.to(tl.int32), 0) - 1 + (start + before)[None, :]
+            tl.store(ids_ptr + tl.sum(tl.where(hit, row, 0), 1), at, mask=tl.max(hit.to(tl.int32), 1) > 0)
+            for j0 in range(b * share, j_end, JB):
+                j = j0 + tl.arange(0, JB)
+                first = (j * BLOCK_M)[:, None]
+                own = (first >= start[None, :]) & (first < (start + padded)[None, :]) & (j < j_end)[:, None]
+                owned = tl.max(own.to(tl.int32), 1) > 0  # [JB]
+                tl.store(block_expert_ptr + j, tl.sum(tl.where(own, e[None, :], 0), 1), mask=owned)
+                pad = tl.sum(tl.where(own, (start + total)[None, :], 0), 1)  # the owner's first padding row
+                r = first + tl.arange(0, BLOCK_M)[None, :]  # [JB, BLOCK_M]
+                tl.store(ids_ptr + r, tl.zeros_like(r) + rows, mask=owned[:, None] & (r >= pad[:, None]))
+        for j0 in range(b * share, j_end, JB):
+            j = j0 + tl.arange(0, JB)
+            tl.store(block_expert_ptr + j, tl.zeros_like(j) - 1, mask=(j < j_end) & (j * BLOCK_M >= base))
+
+    @triton.jit
+    def _moe_tile_of(blocks, group_m, N, BLOCK_N: tl.constexpr):
+        # this program's (block of rows, block of columns): group_m blocks of rows side by side, so that programs
+        # running together share the same columns of weights (an order of the programs alone: a runtime integer)
+        pid, width = tl.program_id(0), group_m * tl.cdiv(N, BLOCK_N)
+        first = pid // width * group_m
+        size = tl.minimum(blocks - first, group_m)
+        return first + pid % width % size, pid % width // size
+
+    @triton.jit
+    def _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # this program's expert (-1: none), its block's rows and their ids (align_experts'), its block of columns and
+        # the first of them
+        m_block, n_block = _moe_tile_of(blocks, group_m, N, BLOCK_N)
+        expert = tl.load(block_expert_ptr + m_block)
+        r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        ids = tl.load(ids_ptr + r, mask=tl.zeros_like(r) + expert >= 0, other=0)  # -1: no ids written there
+        return expert, r, ids, n_block * BLOCK_N + tl.arange(0, BLOCK_N), n_block * BLOCK_N
+
+    @triton.jit
+    def _moe_weights_at(w, start, cols, N, w_col, w_k, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+        # the pointers of a program's [BLOCK_K, BLOCK_N] weights from k = 0: column c's K weights from w + start +
+        # c·w_col in steps of w_k (columns past N read c % N, not stored); with TMA, start (an integer the loop steps
+        # for nothing: the descriptor's row and k0 address the tile)
+        if TMA:
+            at = start
+        else:
+            at = w + start + (cols % N)[None, :].to(tl.int64) * w_col + tl.arange(0, BLOCK_K)[:, None] * w_k
+        return at
+
+    @triton.jit
+    def _moe_weight_tile(w, at, row, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+        # the [BLOCK_K, BLOCK_N] weights from k0: with TMA, rows row.. of w, a TensorDescriptor over the weights as rows
+        # of K (loads past its sides read zeros; past an expert's N the next rows, whose columns are not stored); else
+        # from the pointers at (_moe_weights_at's, stepped to k0 by the caller)
+        if TMA:
+            tile = w.load([row, k0]).T
+        elif EVEN_K:
+            tile = tl.load(at)
+        else:
+            tile = tl.load(at, mask=k0 + tl.arange(0, BLOCK_K)[:, None] < K, other=0.0)
+        return tile
+
+    @triton.jit(do_not_specialize=["rows", "top_k", "blocks", "group_m"])
+    def _moe_gate_up_kernel(h_ptr, w, act_ptr, ids_ptr, block_expert_ptr, rows, top_k, blocks, group_m, N, K,
+                            h_stride, w_expert, w_col, w_k, up_at, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+        # act[block rows, cols] = SiLU(gate)·up of the block's rows of h (row r: token ids[r] // top_k; an id of rows
+        # is padding: a zero row) for its expert; column c's gate weights at w + c·w_col, its up weights up_at further,
+        # each K long in steps of w_k (prefill's [experts, 2 N, K] gate rows first: w_col K, up_at N·K, w_k 1); with
+        # TMA, w a TensorDescriptor over them ([experts · 2 N, K] in [BLOCK_N, BLOCK_K] blocks). Padding rows are
+        # written too (zeros): the down GEMM reads whole blocks.
+        expert, r, ids, cols, col = _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M, BLOCK_N)
+        if expert >= 0:
+            valid = ids < rows
+            ks = tl.arange(0, BLOCK_K)
+            a_at = h_ptr + (ids // top_k)[:, None].to(tl.int64) * h_stride + ks[None, :]  # [BLOCK_M, BLOCK_K]
+            g_at = _moe_weights_at(w, expert.to(tl.int64) * w_expert, cols, N, w_col, w_k, BLOCK_K, TMA)
+            row = expert * (w_expert // w_col) + col
+            gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_at, mask=valid[:, None], other=0.0)
+                else:
+                    a = tl.load(a_at, mask=valid[:, None] & (k0 + ks[None, :] < K), other=0.0)
+                g = _moe_weight_tile(w, g_at, row, k0, K, BLOCK_K, EVEN_K, TMA)
+                u = _moe_weight_tile(w, g_at + up_at, row + up_at // w_col, k0, K, BLOCK_K, EVEN_K, TMA)
+                gate = tl.dot(a, g, gate)  # both tiles loaded before either product: 100 VGPRs on gfx1100, not 130
+                up = tl.dot(a, u, up)
+                a_at += BLOCK_K
+                g_at += BLOCK_K * w_k
+            dtype = act_ptr.dtype.element_ty
+            gate = gate.to(dtype).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            tl.store(act_ptr + r[:, None].to(tl.int64) * N + cols[None, :],
+                     (act * up.to(dtype).to(tl.float32)).to(dtype), mask=cols[None, :] < N)
+
+    @triton.jit(do_not_specialize=["rows", "blocks", "group_m"])
+    def _moe_down_kernel(act_ptr, w, out_ptr, ids_ptr, block_expert_ptr, weights_ptr, rows, blocks, group_m, N, K,
+                         w_expert, w_col, w_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, TMA: tl.constexpr):
+        # out[ids[r], cols] = weights[ids[r]] · (act[r] @ the expert's down weights) for the block's rows that are not
+        # padding: each (token, slot) row written once, by this program; act: [blocks · BLOCK_M, K], contiguous; w as
+        # _moe_gate_up_kernel's
+        expert, r, ids, cols, col = _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M, BLOCK_N)
+        if expert >= 0:
+            valid = ids < rows
+            ks = tl.arange(0, BLOCK_K)
+            a_at = act_ptr + r[:, None].to(tl.int64) * K + ks[None, :]
+            b_at = _moe_weights_at(w, expert.to(tl.int64) * w_expert, cols, N, w_col, w_k, BLOCK_K, TMA)
+            row = expert * (w_expert // w_col) + col
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_at)
+                else:
+                    a = tl.load(a_at, mask=k0 + ks[None, :] < K, other=0.0)
+                acc = tl.dot(a, _moe_weight_tile(w, b_at, row, k0, K, BLOCK_K, EVEN_K, TMA), acc)
+                a_at += BLOCK_K
+                b_at += BLOCK_K * w_k
+            weight = tl.load(weights_ptr + ids, mask=valid, other=0.0).to(tl.float32)
+            tl.store(out_ptr + ids[:, None].to(tl.int64) * N + cols[None, :],
+                     (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+
+    @triton.jit(do_not_specialize=["tokens", "top_k"])
+    def _moe_sum_kernel(x_ptr, x_stride, out_ptr, tokens, hidden, top_k, TOKENS: tl.constexpr, BLOCK: tl.constexpr):
+        # x[t] += Σ_j out[t top_k + j], the weighted rows of token t in slot order: float32 sums rounded to bf16 once,
+        # then the add rounded, as combine; TOKENS tokens by BLOCK columns a program
+        t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)[:, None].to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        mask = (t < tokens) & (cols < hidden)
+        acc = tl.zeros((TOKENS, BLOCK), tl.float32)
+        for j in range(top_k):
+            acc += tl.load(out_ptr + (t * top_k + j) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        at = x_ptr + t * x_stride + cols
+        x = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+        tl.store(at, (x + acc.to(x_ptr.dtype.element_ty).to(tl.float32)).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def align_experts(chosen, num_experts, block_m):
+    """chosen [tokens, k] (each (token, slot)'s expert) -> (ids, block_expert). ids [blocks · block_m] int32: each
+    row's flat (token, slot) index, expert by expert from expert 0, each expert's rows in token order from a multiple
+    of block_m, the rest of its last block tokens · k (padding). block_expert [blocks] int32: the expert of each block
+    of block_m rows, -1 past the last (those blocks' ids are not written). blocks = cdiv(tokens · k, block_m) +
+    num_experts, the most the padding can need: known without reading anything back. Two launches, no atomics: counts
+    per chunk of entries, then each chunk's entries placed after those of the chunks before it."""
+    rows, device = chosen.numel(), chosen.device
+    chunks, blocks = triton.cdiv(rows, ALIGN_CHUNK), triton.cdiv(rows, block_m) + num_experts
+    counts = torch.empty(chunks, num_experts, dtype=torch.int32, device=device)
+    ids = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    _moe_count_kernel[(chunks,)](chosen, counts, rows, num_experts, CHUNK=ALIGN_CHUNK, EB=ALIGN_EXPERTS, num_warps=8)
+    _moe_align_kernel[(chunks,)](chosen, counts, ids, block_expert, rows, num_experts, chunks, blocks,
+                                 CHUNK=ALIGN_CHUNK, EB=ALIGN_EXPERTS, PB=ALIGN_COUNTS, JB=ALIGN_BLOCKS,
+                                 BLOCK_M=block_m, num_warps=8)
+    return ids, block_expert
+
+
+def expert_weights(w, n, k, tma):
+    # a GEMM's weights w [experts, N, K] as its kernel reads them: the tensor, or (tma) a TensorDescriptor over its rows
+    # of K ([experts · N, K], [n, k] blocks: TMA copies them to shared memory; Triton >= 3.4, NVIDIA from sm_90)
+    if not tma:
+        return w
+    if TensorDescriptor is None:
+        raise RuntimeError(f"triton {triton.__version__} has no TensorDescriptor")
+    assert w.stride(2) == 1 and w.stride(0) == w.shape[1] * w.stride(1)
+    return TensorDescriptor(w, [w.shape[0] * w.shape[1], w.shape[2]], [w.stride(1), 1], [n, k])
+
+
+def moe_gate_up(h, gate_up, ids, block_expert, k, block_m, gemm):
+    # h [tokens, hidden], gate_up [experts, 2 inter, hidden] (gate rows first) -> act [padded rows, inter]:
+    # SiLU(gate)·up of each aligned row (align_experts' ids, block_expert); gemm: (BLOCK_N, BLOCK_K, GROUP_M, warps,
+    # stages, TMA)
+    (E, I2, H), blocks = gate_up.shape, block_expert.shape[0]
+    (n, bk, group_m, warps, stages, tma), I = gemm, I2 // 2
+    act = torch.empty(blocks * block_m, I, dtype=h.dtype, device=h.device)
+    _moe_gate_up_kernel[(blocks * triton.cdiv(I, n),)](
+        h, expert_weights(gate_up, n, bk, tma), act, ids, block_expert, h.shape[0] * k, k, blocks, group_m, I, H,
+        h.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), I * gate_up.stride(1), BLOCK_M=block_m,
+        BLOCK_N=n, BLOCK_K=bk, EVEN_K=H % bk == 0, TMA=tma, num_warps=warps, num_stages=stages)
+    return act
+
+
+def moe_down(act, down, ids, block_expert, weights, block_m, gemm):
+    # act [padded rows, inter], down [experts, hidden, inter] -> out [tokens * k, hidden]: each (token, slot) row's
+    # down projection times its routing weight (weights [tokens, k]), at the row of its flat index
+    (E, H, I), blocks = down.shape, block_expert.shape[0]
+    n, bk, group_m, warps, stages, tma = gemm
+    out = torch.empty(weights.numel(), H, dtype=act.dtype, device=act.device)
+    _moe_down_kernel[(blocks * triton.cdiv(H, n),)](
+        act, expert_weights(down, n, bk, tma), out, ids, block_expert, weights, weights.numel(), blocks, group_m, H,
+        I, down.stride(0), down.stride(1), down.stride(2), BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=bk,
+        EVEN_K=I % bk == 0, TMA=tma, num_warps=warps, num_stages=stages)
+    return out
+
+
+def moe_sum(x, out, k):
+    # x [tokens, hidden] += each token's k rows of out [tokens * k, hidden], summed in slot order
+    (T, H), block = x.shape, min(1024, triton.next_power_of_2(x.shape[1]))  # and 4096 // block tokens: 32 elements
+    _moe_sum_kernel[(triton.cdiv(T, 4096 // block), triton.cdiv(H, block))](  # a thread of 4 warps
+        x, x.stride(0), out, T, H, k, TOKENS=4096 // block, BLOCK=block, num_warps=4)
+
+
+def fused_experts(x, h, weights, chosen, w, tile):
+    """moe_ffn's experts in five launches: x [tokens, hidden] += Σ_j weights[t, j] · expert chosen[t, j](h[t]).
+    tile: (BLOCK_M, the gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), the down GEMM's)."""
+    block_m, up, down = tile
+    assert h.stride(1) == 1 and weights.is_contiguous() and chosen.is_contiguous() and x.stride(1) == 1
+    ids, block_expert = align_experts(chosen, w.gate_up.shape[0], block_m)
+    act = moe_gate_up(h, w.gate_up, ids, block_expert, chosen.shape[1], block_m, up)
+    moe_sum(x, moe_down(act, w.down, ids, block_expert, weights, block_m, down), chosen.shape[1])
+
+
+# The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, then the fused experts, else
+# the fused experts first, then prefill's Triton grouped GEMM; the loop last. "auto" offers torch's grouped GEMM on a
+# GPU only where it is native (grouped_mm_native): elsewhere it is the loop with a host sync, and on an RDNA4 GPU
+# (gfx1200, ROCm 7.2.1 on Windows) it crashed the process where no check could catch it (ROCm/pytorch#3283). It stays
+# on the CPU, where the tests run its call (torch's composite fallback there), and --experts grouped_mm asks for it
+# anywhere. On the CPU "auto" offers no Triton: its interpreter (tests) multiplies bf16 tiles as raw integers.
+EXPERT_KINDS = ["grouped_mm", "fused", "triton", "loop"]
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the Triton grouped GEMM per GPU family. NVIDIA's: of ten tiles timed
 # on the H200 on a 16,384-token slice of Qwen3-30B-A3B (bench/results/…-moe-experts-tiles.json) the best three, 467,
 # 382 and 337 TFLOP/s (torch's grouped_mm: 625); the first needs 144 KiB of shared memory, which a GPU with less
@@ -2997,9 +3286,49 @@ EXPERT_TILES = {
     "cpu": [(32, 32, 32, 4, 1)],  # Triton's interpreter (tests)
 }
 EXPERT_TILES["amd"] = EXPERT_TILES["rdna3"]
+# The fused experts' tiles, (BLOCK_M, the gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), the down
+# GEMM's), per GPU family and per shape: {(hidden, moe_intermediate, rows an expert gets in a full slice): tiles}; a
+# model is offered the tiles of the shape nearest to its own (fused_tiles), and the start-up timing picks among them.
+# The gate+up GEMM's BLOCK_N columns are BLOCK_N of gate and BLOCK_N of up: two accumulators, vLLM's tile of 2 BLOCK_N.
+# bench/tune_fused_moe.py times tiles per shape on a GPU and prints this table's rows. Until it has run on the H200,
+# NVIDIA's are vLLM's for these shapes at their largest sizes (1,024-4,096 tokens; configs/E=128,N=768,
+# device_name=NVIDIA_H200.json and E=8,N=14336,…H200.json: BLOCK_SIZE_M 128, N 256, K 64, warps 8, stages 4,
+# GROUP_SIZE_M 16); the same with the weights read by TMA (a TensorDescriptor; the H200's Triton 3.6 has it: the copy
+# engine's loads, fewer registers, 175-201 against 203-209, where CUTLASS's grouped GEMM reaches 632 TFLOP/s and
+# prefill's Triton grouped GEMM without TMA 467); and the first in 3 stages, whose shared memory (144 KiB) the old
+# grouped tile 128x256x64 had, the fastest of ten on the H200. All compile for sm_90a to wgmma, unspilled, under
+# Triton 3.6 and 3.9. RDNA3's: vLLM's AMD_Radeon_Graphics (E=128,N=384) from 512 tokens on (64, 128, 32,
+# GROUP_SIZE_M 8, warps 8, stages 2), and the same in 128-row blocks, compiled for gfx1100 without spills (gate+up,
+# down: 100 and 99 VGPRs, 143 and 140, under Triton 3.9; 102-154 under 3.6; the alignment 171-189;
+# tests/test_gfx1100_compile.py), not run.
+FUSED_TILES = {
+    "nvidia": {(2048, 768, 1024): [(128, (128, 64, 16, 8, 4, False), (256, 64, 16, 8, 4, False)),
+                                   (128, (128, 64, 16, 8, 4, True), (256, 64, 16, 8, 4, True)),
+                                   (128, (128, 64, 16, 8, 3, False), (256, 64, 16, 8, 3, False))]},
+    "rdna3": {(2048, 768, 1024): [(64, (64, 32, 8, 8, 2, False), (128, 32, 8, 8, 2, False)),
+                                  (128, (64, 32, 8, 8, 2, False), (128, 32, 8, 8, 2, False))]},
+    "cpu": {(2048, 768, 1024): [(64, (32, 32, 2, 4, 1, False), (32, 32, 2, 4, 1, False))]},  # the interpreter (tests)
+}
+FUSED_TILES["amd"] = FUSED_TILES["rdna3"]
 
 
-def make_experts(kind, tile=None):
+def fused_tiles(family, cfg, slice_tokens):
+    # the fused experts' tiles of the FUSED_TILES shape nearest to this model's (each size compared by its logarithm)
+    table = FUSED_TILES[family]
+    shape = (cfg.hidden_size, cfg.moe_intermediate_size,
+             max(1, slice_tokens * cfg.num_experts_per_tok // cfg.num_experts))
+    return table[min(table, key=lambda s: sum(abs(math.log(a / b)) for a, b in zip(s, shape)))]
+
+
+def tile_name(kind, tile):
+    if kind == "fused":
+        m, *gemms = tile
+        return f"fused {m} " + " ".join(f"{n}x{k}g{group}w{warps}s{stages}" + ("tma" if tma else "")
+                                        for n, k, group, warps, stages, tma in gemms)
+    return kind if tile is None else f"{kind} {tile[0]}x{tile[1]}x{tile[2]}"
+
+
+def make_grouped(kind, tile=None):
     """The grouped GEMM (a [rows, K] grouped by expert, w [experts, N, K], bounds [experts + 1]) -> [rows, N]."""
     if kind == "loop":
         return grouped_loop
@@ -3015,14 +3344,25 @@ def make_experts(kind, tile=None):
     raise UserError(f"unknown expert kernel {kind!r}")
 
 
-def expert_candidates(requested, device):
-    # (name, kind, tile) of each expert kernel that `requested` names: "auto", a kind, or a name pick_experts returned
+def make_experts(kind, tile=None):
+    """moe_ffn's experts (x, h, weights, chosen, w, kernels) -> None, x += each token's weighted experts."""
+    if kind != "fused":
+        return grouped_experts(make_grouped(kind, tile))
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    return lambda x, h, weights, chosen, w, kernels: fused_experts(x, h, weights, chosen, w, tile)
+
+
+def expert_candidates(requested, device, cfg, slice_tokens):
+    # (name, kind, tile) of each expert kernel that `requested` names: "auto", a kind, or a name pick_experts returned;
+    # the fused experts' tiles are those of the shape nearest to cfg's at slices of slice_tokens
     family, native = gpu_family(device), grouped_mm_native(device)
-    kinds = EXPERT_KINDS if native else ["triton", "grouped_mm", "loop"]
-    named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}x{tile[2]}", kind, tile) for kind in kinds
-             if not (kind == "triton" and requested == "auto" and device.type != "cuda")
+    kinds = EXPERT_KINDS if native else ["fused", "triton", "grouped_mm", "loop"]
+    tiles = {"triton": EXPERT_TILES[family], "fused": fused_tiles(family, cfg, slice_tokens)}
+    named = [(tile_name(kind, tile), kind, tile) for kind in kinds
+             if not (kind in tiles and requested == "auto" and device.type != "cuda")
              and not (kind == "grouped_mm" and requested == "auto" and device.type == "cuda" and not native)
-             for tile in (EXPERT_TILES[family] if kind == "triton" else [None])]
+             for tile in tiles.get(kind, [None])]
     chosen = [c for c in named if requested in ("auto", c[0], c[1])]
     if not chosen:
         raise UserError(f"unknown expert kernel {requested!r}")
@@ -3404,68 +3744,65 @@ def expert_inputs(device, cfg, seed, tokens, experts):
 
 def check_experts(candidates, device, cfg):
     """Each (name, kind, tile) candidate, run twice through moe_ffn on uneven routing: a list of dicts with name,
-    grouped (None where refused), error and, where refused, reason."""
+    experts (its experts function; None where refused), error and, where refused, reason."""
     k = min(cfg.num_experts_per_tok, 2)
     h, w = expert_inputs(device, cfg, seed=0, tokens=600, experts=min(cfg.num_experts, 8))
     want = moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, cfg.norm_topk_prob)
     router = Router("softmax", k, cfg.norm_topk_prob)  # the expert kernels are under check, not the model's router
-    return [checked({"name": name, "grouped": None, "error": None}, "grouped", lambda: make_experts(kind, tile),
-                    lambda grouped: moe_ffn(torch.zeros_like(h), h, w, router, grouped, TORCH_KERNELS), want,
+    return [checked({"name": name, "experts": None, "error": None}, "experts", lambda: make_experts(kind, tile),
+                    lambda experts: moe_ffn(torch.zeros_like(h), h, w, router, experts, TORCH_KERNELS), want,
                     "experts")
             for name, kind, tile in candidates]
 
 
-def experts_ms(grouped, inputs):
-    # median ms of a chunk's two grouped GEMMs (gate_up, down) over TIMING_REPEATS after one warm-up, on a stream of
-    # its own
-    rows, act, w, bounds = inputs
-    stream = torch.cuda.Stream(rows.device)
+def experts_ms(experts, inputs):
+    # median ms of a slice's experts after routing (a grouped GEMM's sort, gather, GEMMs, activation and combination;
+    # the fused experts' five launches) over TIMING_REPEATS after one warm-up, on a stream of its own
+    x = inputs[0]
+    stream = torch.cuda.Stream(x.device)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 1)]
     with torch.cuda.stream(stream):
-        grouped(rows, w.gate_up, bounds)
-        grouped(act, w.down, bounds)
+        experts(*inputs)
         for event in events[:-1]:
             event.record()
-            grouped(rows, w.gate_up, bounds)
-            grouped(act, w.down, bounds)
+            experts(*inputs)
         events[-1].record()
     events[-1].synchronize()
     return median_ms(events)
 
 
-def expert_timing_inputs(device, cfg, chunk_tokens, experts=8):
-    # one chunk's rows as a run sees them, for `experts` of the model's experts (their shapes decide the speed; all of
-    # them would be a layer's bytes of scratch): chunk_tokens * top-k / num_experts rows each on average, uneven
+def expert_timing_inputs(device, cfg, chunk_tokens, kernels, experts=8):
+    # one slice's routed tokens as a run sees them, for `experts` of the model's experts (their shapes decide the
+    # speed; all of them would be a layer's bytes of scratch): chunk_tokens * top-k / num_experts rows each on average,
+    # uneven; the experts' arguments (x, h, weights, chosen, w, kernels), kernels the run's (for the combination)
     h, w = expert_inputs(device, cfg, seed=1, tokens=max(2, chunk_tokens * experts // cfg.num_experts), experts=experts)
-    _, chosen = route(h, w, Router("softmax", min(cfg.num_experts_per_tok, experts), cfg.norm_topk_prob))
-    pairs, bounds = expert_rows(chosen, experts)
-    rows = h[pairs // chosen.shape[1]]
-    act = torch.randn(rows.shape[0], cfg.moe_intermediate_size, device=device).to(DTYPE)
-    return rows, act, w, bounds
+    weights, chosen = route(h, w, Router("softmax", min(cfg.num_experts_per_tok, experts), cfg.norm_topk_prob))
+    return torch.zeros_like(h), h, weights, chosen, w, kernels
 
 
-def pick_experts(requested, device, cfg, picks, chunk_tokens=4096):
-    """(name, grouped, report): of the candidates that pass the check, the one this machine's picks name; else, on a
-    GPU with a writable picks file, the one timing picks on a chunk's shapes by pick_order's margin (then kept); else
-    the first in expert_candidates' order. Where the kept one is known, only it is checked."""
-    candidates = expert_candidates(requested, device)
+def pick_experts(requested, device, cfg, picks, chunk_tokens=4096, kernels=TORCH_KERNELS):
+    """(name, experts, report): of the candidates that pass the check, the one this machine's picks name; else, on a
+    GPU with a writable picks file, the one timing picks on a slice's shapes (chunk_tokens: the plan's MoE slice) by
+    pick_order's margin (then kept); else the first in expert_candidates' order. Where the kept one is known, only it
+    is checked. kernels: the run's (a grouped GEMM's timing includes their activation and combination)."""
+    candidates = expert_candidates(requested, device, cfg, chunk_tokens)
     kept = picks.get(f"experts {requested}")
     report = check_experts([c for c in candidates if c[0] == kept] or candidates, device, cfg)
-    if not any(e["grouped"] for e in report) and len(report) < len(candidates):  # the kept one failed
+    if not any(e["experts"] for e in report) and len(report) < len(candidates):  # the kept one failed
         report += check_experts([c for c in candidates if c[0] != kept], device, cfg)
-    passed = [e for e in report if e["grouped"] is not None]
+    passed = [e for e in report if e["experts"] is not None]
     if not passed:
         reasons = "; ".join(f"{e['name']}: {e['reason']}" for e in report)
         raise UserError(f"expert kernel {requested!r} is unusable on {device}: {reasons}")
     order = [c[0] for c in candidates]
     passed.sort(key=lambda e: order.index(e["name"]))  # the family's order of preference, whatever was checked first
     if len(passed) > 1 and device.type in TIMED_DEVICES and picks.writable():
-        inputs = expert_timing_inputs(device, cfg, chunk_tokens)
+        inputs = expert_timing_inputs(device, cfg, chunk_tokens, kernels)
         for entry in passed:
-            entry["time_ms"] = experts_ms(entry["grouped"], inputs)
+            entry["time_ms"] = experts_ms(entry["experts"], inputs)
         passed = pick_order(passed, lambda e: e["time_ms"])
         picks.put(f"experts {requested}", passed[0]["name"])
-    return passed[0]["name"], passed[0]["grouped"], report
+    return passed[0]["name"], passed[0]["experts"], report
 
 
 def rms_norm_f32(x, weight, eps, offset):
@@ -4498,8 +4835,9 @@ class Runner:
                 return fn(*args)
             picked_blas = side.submit(side_task, "blas", after, picked_attention, pick_blas, self.device, cfg,
                                       self.picks)
-            picked_experts = side.submit(side_task, "experts", after, picked_blas, pick_experts, experts, self.device,
-                                         cfg, self.picks, plan.moe_chunk_tokens) if cfg.num_experts else None
+            picked_experts = side.submit(side_task, "experts", after, picked_blas, lambda: pick_experts(
+                experts, self.device, cfg, self.picks, plan.moe_chunk_tokens, picked_kernels.result()[0])) \
+                if cfg.num_experts else None
             # Host memory page-locked in place, unlocked when this Runner goes and before it can be unmapped: freed
             # while registered, its addresses keep a stale registration that the next mapping there inherits (seen
             # on the H200: a later Runner's registrations and copies failed with "invalid argument").
@@ -4517,8 +4855,8 @@ class Runner:
             self.attention, self.attend, self.attention_report = picked_attention.result()
             self.kernels, self.kernel_errors = picked_kernels.result()
             self.blas, self.blas_tflops = picked_blas.result()
-            # the expert kernel picked (None for a dense model), its grouped GEMM, the check's report
-            self.experts, self.grouped, self.experts_report = picked_experts.result() if picked_experts else \
+            # the expert kernel picked (None for a dense model), its experts function, the check's report
+            self.experts, self.run_experts, self.experts_report = picked_experts.result() if picked_experts else \
                 (None, None, [])
             lap("kernels_wait")
         if self.device.type == "cuda":  # the checks' and timings' scratch (2 GiB reserved with kept picks on the H200)
@@ -4740,7 +5078,7 @@ class Runner:
                 if w.router is None:
                     mlp_block(x[s:e], w, cfg, self.plan.chunk_tokens, self.kernels)
                 else:
-                    moe_block(x[s:e], w, cfg, self.plan.moe_chunk_tokens, self.kernels, self.grouped)
+                    moe_block(x[s:e], w, cfg, self.plan.moe_chunk_tokens, self.kernels, self.run_experts)
             self.streamer.release(layer)
 
     def tree_attention(self):
@@ -5080,11 +5418,13 @@ def parse_args(argv):
                         "family's nominal rates, as large as memory allows: one stderr line says which bound; not "
                         "under torchrun)")
     p.add_argument("--experts", default="auto", choices=["auto"] + EXPERT_KINDS,
-                   help="a mixture of experts' grouped GEMMs: torch's grouped_mm, prefill's Triton kernel, or one "
-                        "GEMM per expert (default: of those that match float32 experts at start-up, the one kept in "
-                        "--picks; the first run on a GPU times them and keeps the first in that order unless "
-                        "another is clearly (10%%) faster; without a picks file, grouped_mm where it is one kernel, "
-                        "else Triton; on a GPU grouped_mm only where it is one kernel, on the CPU grouped_mm)")
+                   help="a mixture of experts' expert compute: torch's grouped_mm, prefill's fused Triton experts "
+                        "(the rows aligned per expert, the gate+up GEMM with the activation, the down GEMM with the "
+                        "routing weight, one sum), prefill's Triton grouped GEMM, or one GEMM per expert (default: of "
+                        "those that match float32 experts at start-up, the one kept in --picks; the first run on a "
+                        "GPU times them and keeps the first in that order unless another is clearly (10%%) faster; "
+                        "without a picks file, grouped_mm where it is one kernel, else the fused experts; on a GPU "
+                        "grouped_mm only where it is one kernel, on the CPU grouped_mm)")
     p.add_argument("--load", default="auto", choices=["auto", "map", "copy"],
                    help="map: page-lock the streamed layers' pages of the checkpoint's page cache in place and "
                         "copy them to the GPU straight from there (no host copy; those pages stay locked in RAM while "

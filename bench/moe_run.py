@@ -13,8 +13,9 @@ Steps, in order:
                  corpus of >= --corpus-tokens tokens of the same kind whose first texts are the workload's
   3. rates       measured here, on the device, before any runner holds it: the pinned host->device rate on one
                  layer's bytes (prefill.h2d_gbps), the dense GEMMs' rate on the layer's qkv, o_proj and lm_head
-                 shapes (prefill.gemm_tflops) and each expert kernel's grouped GEMM rate on one whole layer (all its
-                 experts, an expert slice's routing by a random router: the run's shapes)
+                 shapes (prefill.gemm_tflops) and each grouped GEMM's rate (the candidates but the fused experts,
+                 which have no GEMM alone: bench/moe_layer.py times them) on one whole layer (all its experts, an
+                 expert slice's routing by a random router: the run's shapes)
   4. runs        per cap: the contest protocol (interact.run_runner, as the harness drives it: T from `ready` to the
                  last loss), then the corpus mode (--input/--output) with the wave the plan picks (stats: its
                  elapsed_s, from ready to the last record); --gpu-memory is the cap less the 1.5 GiB that prefill's
@@ -24,8 +25,8 @@ Steps, in order:
 
 Per run the record holds model_type, cap_gib, t_seconds, tokens, the wave and the plan's bound line, streamed bytes,
 compute_floor_s (each token's FLOPs at the rates of step 3: attention projections, router and lm_head at the dense
-GEMM rate, its k experts at the grouped rate of the kernel the run picked, the shared experts and attention's scores
-at the dense rate too),
+GEMM rate, its k experts at the fastest grouped GEMM's rate (whichever kernel the run picked: the floor is the GEMMs'
+alone), the shared experts and attention's scores at the dense rate too),
 transfer_floor_s (the run's streamed bytes at the pinned rate), t_over_max_floor and max_rel_err. A table last.
 """
 import argparse
@@ -104,9 +105,10 @@ def measure_rates(cfg, device, chunk_tokens, moe_chunk_tokens):
     act = torch.randn(rows.shape[0], cfg.moe_intermediate_size, device=device).to(prefill.DTYPE)
     flops = 6 * rows.shape[0] * cfg.moe_intermediate_size * cfg.hidden_size
     grouped = {}
-    for entry in prefill.check_experts(prefill.expert_candidates("auto", device), device, cfg):
-        if entry["grouped"] is not None:
-            fn = entry["grouped"]
+    candidates = [c for c in prefill.expert_candidates("auto", device, cfg, moe_chunk_tokens) if c[1] != "fused"]
+    for entry, (_, kind, tile) in zip(prefill.check_experts(candidates, device, cfg), candidates):
+        if entry["experts"] is not None:
+            fn = prefill.make_grouped(kind, tile)
             grouped[entry["name"]] = flops / seconds(lambda: (fn(rows, w.gate_up, bounds), fn(act, w.down, bounds)),
                                                      device) / 1e12
     del h, w, rows, act
@@ -115,7 +117,7 @@ def measure_rates(cfg, device, chunk_tokens, moe_chunk_tokens):
     return {"h2d_gbps": h2d, "dense_tflops": dense, "grouped_tflops": grouped}
 
 
-def compute_floor_s(cfg, geometry, counts, rates, experts):
+def compute_floor_s(cfg, geometry, counts, rates):
     # each token's FLOPs at the rate its kind of GEMM reaches here (see the docstring)
     dense, H, L = rates["dense_tflops"], cfg.hidden_size, cfg.num_hidden_layers
     moe = cfg.layer_kinds.count("moe")  # the others (mlp_only_layers, decoder_sparse_step) run the dense MLP
@@ -124,8 +126,8 @@ def compute_floor_s(cfg, geometry, counts, rates, experts):
     per_token += moe * 2 * cfg.num_experts * H / (dense["qkv"] * 1e12)  # the router, a thin dense GEMM
     # the shared experts (DeepSeek-V3, GLM, Qwen2-MoE; and its gate), plain GEMMs
     per_token += moe * (6 * cfg.shared_intermediate_size + 2 * cfg.shared_expert_gate) * H / (dense["qkv"] * 1e12)
-    per_token += moe * cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H / (rates["grouped_tflops"][experts]
-                                                                                       * 1e12)
+    per_token += moe * cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H / (
+        max(rates["grouped_tflops"].values()) * 1e12)
     per_token += 2 * cfg.vocab_size * H / (dense["lm_head"] * 1e12)
     return sum(counts) * per_token + make_checkpoint.attention_flops(geometry, counts) / (dense["qkv"] * 1e12)
 
@@ -173,7 +175,7 @@ def reference_losses(args, ckpt, texts):
 
 def record(kind, cap, run, cfg, geometry, counts, rates, reference):
     s = run["stats"]
-    compute = compute_floor_s(cfg, geometry, counts, rates, s["experts"])
+    compute = compute_floor_s(cfg, geometry, counts, rates)
     transfer = s["streamed_bytes"] / (rates["h2d_gbps"] * 1e9)
     t = run["t_seconds"]
     return {"workload": kind, "model_type": cfg.model_type, "cap_gib": cap, "t_seconds": t, "texts": len(counts),

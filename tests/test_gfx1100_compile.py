@@ -230,8 +230,9 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
     return list(dict.fromkeys(launches)), kernels
 
 
-def moe_launches(target, tiles, model):
-    """The distinct kernel launches of one MoE feed-forward (moe_block) with each grouped GEMM tile in tiles."""
+def moe_launches(target, kind, tiles, model):
+    """The distinct kernel launches of one MoE feed-forward (moe_block) with the expert kernel of kind ("triton": the
+    grouped GEMM, "fused": the fused experts) in each of its tiles."""
     cfg = model_config(MODELS[model])
     E, H, I = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size  # as many experts as a token meets
     S, router = cfg.shared_intermediate_size, cfg.tensor_dtypes.get("mlp.gate.weight", prefill.DTYPE)
@@ -247,13 +248,22 @@ def moe_launches(target, tiles, model):
     launches = []
     with launches_recorded(target, model, launches):
         for tile in tiles:
-            prefill.moe_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS, prefill.make_experts("triton", tile))
+            prefill.moe_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS, prefill.make_experts(kind, tile))
     return list(dict.fromkeys(launches))
 
 
 def expert_tile(launch):
     c, o = launch.named_constexprs(), dict(launch.options)
     return c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], o["num_warps"], o["num_stages"]
+
+
+def fused_gemm_tile(launch):  # (BLOCK_M, (BLOCK_N, BLOCK_K, warps, stages, TMA)) of a fused GEMM (GROUP_M: an int)
+    c, o = launch.named_constexprs(), dict(launch.options)
+    return c["BLOCK_M"], (c["BLOCK_N"], c["BLOCK_K"], o["num_warps"], o["num_stages"], c["TMA"])
+
+
+# every fused experts' tile offered on RDNA3, whichever shape a model's is nearest to
+RDNA3_FUSED_TILES = sorted({tile for tiles in prefill.FUSED_TILES["rdna3"].values() for tile in tiles})
 
 
 # ----------------------------------------------------------------------------- compiling and reading the registers
@@ -322,13 +332,14 @@ def offered_tree_tiles(model):
 
 def offered_launches(target):
     """Every distinct launch of prefill's kernels for every model, with the attention tiles offered on RDNA3, and of
-    the MoE feed-forward with the grouped GEMM tiles offered there."""
+    the MoE feed-forward with the grouped GEMM tiles and the fused experts' tiles offered there."""
     launches = []
     for model in MODELS:
         found, kernels = prefill_launches(target, model, offered_tiles(model), offered_tree_tiles(model))
         launches += found
-    return launches + [launch for model in MOE_MODELS
-                       for launch in moe_launches(target, prefill.EXPERT_TILES["rdna3"], model)], kernels
+    return launches + [launch for model in MOE_MODELS for kind, tiles in (("triton", prefill.EXPERT_TILES["rdna3"]),
+                                                                          ("fused", RDNA3_FUSED_TILES))
+                       for launch in moe_launches(target, kind, tiles, model)], kernels
 
 
 @pytest.fixture(scope="module")
@@ -346,8 +357,13 @@ def distinct_compiles(launches):
 def test_every_kernel_prefill_launches_is_recorded_in_every_offered_variant(offered):
     launches, kernels = offered
     launched = {launch.kernel for launch in launches}
-    # each JIT function is launched, or is a helper that a launched kernel calls: a new kernel cannot go unchecked
-    called = {name for name in kernels for k in launched if re.search(rf"\b{name}\(", getattr(prefill, k).src)}
+    # each JIT function is launched, or is a helper that a launched kernel calls (or a helper of one): a new kernel
+    # cannot go unchecked
+    called, callers = set(), launched
+    while callers:
+        callers = {name for name in kernels for k in callers if re.search(rf"\b{name}\(", getattr(prefill, k).src)}
+        callers -= called
+        called |= callers
     assert set(kernels) == launched | called, f"never launched by prefill's layers: {set(kernels) - launched - called}"
     for kernel, offers in (("_attention_kernel", offered_tiles), ("_tree_attention_kernel", offered_tree_tiles)):
         tiles = {(launch.model, attention_tile(launch)) for launch in launches if launch.kernel == kernel}
@@ -366,6 +382,9 @@ def test_every_kernel_prefill_launches_is_recorded_in_every_offered_variant(offe
             for c in [launch.named_constexprs()] if c["ROT"] < c["HALF"]} == {0, 1}  # without and with a q/k norm
     assert ({expert_tile(launch) for launch in launches if launch.kernel == "_grouped_gemm_kernel"}
             == set(prefill.EXPERT_TILES["rdna3"]))
+    for kernel, gemm in (("_moe_gate_up_kernel", 1), ("_moe_down_kernel", 2)):  # each GEMM in each fused tile
+        assert ({fused_gemm_tile(launch) for launch in launches if launch.kernel == kernel}
+                == {(tile[0], tile[gemm][:2] + tile[gemm][3:]) for tile in RDNA3_FUSED_TILES}), kernel
     assert len(distinct_compiles(launches)) > 100  # the parts below compile them all
 
 
