@@ -3290,21 +3290,60 @@ EXPERT_TILES["amd"] = EXPERT_TILES["rdna3"]
 # GEMM's), per GPU family and per shape: {(hidden, moe_intermediate, rows an expert gets in a full slice): tiles}; a
 # model is offered the tiles of the shape nearest to its own (fused_tiles), and the start-up timing picks among them.
 # The gate+up GEMM's BLOCK_N columns are BLOCK_N of gate and BLOCK_N of up: two accumulators, vLLM's tile of 2 BLOCK_N.
-# bench/tune_fused_moe.py times tiles per shape on a GPU and prints this table's rows. Until it has run on the H200,
-# NVIDIA's are vLLM's for these shapes at their largest sizes (1,024-4,096 tokens; configs/E=128,N=768,
-# device_name=NVIDIA_H200.json and E=8,N=14336,…H200.json: BLOCK_SIZE_M 128, N 256, K 64, warps 8, stages 4,
-# GROUP_SIZE_M 16); the same with the weights read by TMA (a TensorDescriptor; the H200's Triton 3.6 has it: the copy
-# engine's loads, fewer registers, 175-201 against 203-209, where CUTLASS's grouped GEMM reaches 632 TFLOP/s and
-# prefill's Triton grouped GEMM without TMA 467); and the first in 3 stages, whose shared memory (144 KiB) the old
-# grouped tile 128x256x64 had, the fastest of ten on the H200. All compile for sm_90a to wgmma, unspilled, under
-# Triton 3.6 and 3.9. RDNA3's: vLLM's AMD_Radeon_Graphics (E=128,N=384) from 512 tokens on (64, 128, 32,
+# bench/tune_fused_moe.py times tiles per shape on a GPU and prints this table's rows. NVIDIA's: its run on the H200
+# (bench/results/primitives/2026-12-03-h200-fused-moe-tiles@0c884e2.json; Triton 3.6, torch 2.11), the two best
+# BLOCK_Ms per shape and slice; the weights read by TMA (a TensorDescriptor: the copy engine's loads, fewer registers)
+# in all but four of the twenty GEMMs kept. There the fused experts (alignment, both GEMMs, sum) took 0.93-1.29x
+# torch's grouped_mm experts (sort, gather, GEMMs, activation, combination) on the same routing: faster on Qwen3-30B-A3B
+# (2.45 ms against 2.64 a 16,384-token slice, the GEMMs at 572 TFLOP/s) and on the 4,096-token slices of many small
+# experts, slower on Mixtral's and gpt-oss's wide ones; the start-up timing decides per model. All compile for sm_90a
+# to wgmma, unspilled, under Triton 3.6 and 3.9. RDNA3's: vLLM's AMD_Radeon_Graphics (E=128,N=384) from 512 tokens on (64, 128, 32,
 # GROUP_SIZE_M 8, warps 8, stages 2), and the same in 128-row blocks, compiled for gfx1100 without spills (gate+up,
 # down: 100 and 99 VGPRs, 143 and 140, under Triton 3.9; 102-154 under 3.6; the alignment 171-189;
 # tests/test_gfx1100_compile.py), not run.
 FUSED_TILES = {
-    "nvidia": {(2048, 768, 1024): [(128, (128, 64, 16, 8, 4, False), (256, 64, 16, 8, 4, False)),
-                                   (128, (128, 64, 16, 8, 4, True), (256, 64, 16, 8, 4, True)),
-                                   (128, (128, 64, 16, 8, 3, False), (256, 64, 16, 8, 3, False))]},
+    "nvidia": {
+        (2048, 768, 1024): [
+            (128, (128, 64, 1, 8, 3, True), (256, 64, 16, 8, 3, True)),
+            (64, (128, 32, 16, 4, 4, True), (128, 64, 16, 4, 3, True)),
+        ],
+        (2048, 768, 256): [
+            (128, (128, 32, 1, 8, 5, True), (256, 64, 1, 8, 4, True)),
+            (64, (128, 32, 1, 4, 4, True), (128, 64, 1, 4, 3, True)),
+        ],
+        (4096, 1536, 1024): [
+            (128, (128, 64, 1, 8, 4, True), (256, 64, 1, 8, 4, True)),
+            (64, (128, 64, 16, 4, 3, True), (128, 64, 16, 4, 4, True)),
+        ],
+        (4096, 1536, 256): [
+            (128, (128, 64, 1, 8, 3, True), (256, 64, 1, 8, 4, True)),
+            (64, (64, 64, 1, 4, 3, False), (256, 64, 1, 4, 3, True)),
+        ],
+        (4096, 14336, 4096): [
+            (128, (128, 64, 16, 8, 3, True), (256, 64, 1, 8, 3, True)),
+            (64, (128, 64, 16, 4, 3, True), (256, 64, 16, 4, 3, True)),
+        ],
+        (4096, 14336, 1024): [
+            (128, (128, 32, 16, 8, 5, False), (256, 64, 1, 8, 4, True)),
+            (64, (128, 64, 16, 4, 3, True), (256, 64, 16, 4, 3, True)),
+        ],
+        (7168, 2048, 512): [
+            (128, (128, 64, 1, 8, 3, True), (256, 64, 16, 8, 4, True)),
+            (64, (128, 64, 1, 4, 3, True), (128, 64, 16, 4, 4, True)),
+        ],
+        (7168, 2048, 128): [
+            (128, (128, 64, 1, 8, 4, True), (256, 64, 1, 8, 4, True)),
+            (64, (128, 64, 16, 4, 3, True), (128, 64, 1, 4, 3, False)),
+        ],
+        (2880, 2880, 512): [
+            (128, (128, 64, 1, 8, 3, True), (256, 64, 1, 8, 4, True)),
+            (64, (128, 32, 16, 4, 4, True), (256, 64, 1, 4, 3, True)),
+        ],
+        (2880, 2880, 128): [
+            (128, (128, 32, 1, 8, 5, True), (256, 64, 1, 8, 4, True)),
+            (64, (64, 64, 16, 4, 3, False), (128, 64, 1, 4, 3, True)),
+        ],
+    },
     "rdna3": {(2048, 768, 1024): [(64, (64, 32, 8, 8, 2, False), (128, 32, 8, 8, 2, False)),
                                   (128, (64, 32, 8, 8, 2, False), (128, 32, 8, 8, 2, False))]},
     "cpu": {(2048, 768, 1024): [(64, (32, 32, 2, 4, 1, False), (32, 32, 2, 4, 1, False))]},  # the interpreter (tests)
