@@ -200,6 +200,8 @@ def main(argv=None):
     ap.add_argument("--caps", default="48,24", help="GPU memory caps in GiB, comma-separated")
     ap.add_argument("--texts", type=int, default=100, help="the contest-like workload's texts")
     ap.add_argument("--corpus-tokens", type=int, default=500_000, help="the corpus's tokens at least")
+    ap.add_argument("--skip-corpus", action="store_true", help="the contest protocol alone at each cap (issue 36's "
+                    "family records: a runner's start-up each saved)")
     ap.add_argument("--reference-texts", type=int, default=30, help="texts transformers scores (a subset)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-timeout", type=float, default=240, help="seconds a runner may take")
@@ -229,7 +231,8 @@ def main(argv=None):
     runs = []
     with tempfile.TemporaryDirectory(prefix="moe-run-") as work:
         for cap in [float(c) for c in args.caps.split(",")]:
-            for kind, texts, fn in [("contest", contest, run_protocol), ("corpus", corpus, run_corpus)]:
+            for kind, texts, fn in [("contest", contest, run_protocol), ("corpus", corpus, run_corpus)][
+                    :1 if args.skip_corpus else 2]:
                 runs.append((kind, cap, fn(args, args.ckpt, cap, texts, Path(work))))
                 log(f"{kind} at {cap:g} GiB: T {runs[-1][2]['t_seconds']:.2f} s")
                 if args.repeat:  # the same run again (the corpus: in waves of one batch), its losses compared
