@@ -327,7 +327,8 @@ QWEN3_CONFIG_DEFAULTS = {
 }
 # Other families: their config class's defaults fill the rest (the bench geometries spell out their own keys).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 # Everything in a Qwen3-MoE config.json besides the geometry (transformers 5.24's Qwen3MoeConfig): no layer kept

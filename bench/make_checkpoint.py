@@ -96,13 +96,57 @@ QWEN3_30B_A3B = {**QWEN3_32B, "model_type": "qwen3_moe", "hidden_size": 2048, "i
                  "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
                  "num_experts_per_tok": 8, "moe_intermediate_size": 768}
 
+# DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3's; R1 and V3.1 share it): multi-head latent attention (128 heads,
+# q/k 192, v 128, latents q 1536 and kv 512), interleaved RoPE with YaRN (x40, mscale 1), 3 dense layers and 58 of
+# mixtures of experts (256 routed, 1 shared; the router's fields below); its one MTP layer (layer 61) is not written.
+# 61 layers are 1.34 TB in bf16 (a dense layer 1.17 GB, a MoE one 23.0 GB, embedding and head 3.7 GB), 0.68 TB in
+# FP8: the H200 machine (128 GiB RAM, 64 GiB disk) holds --layers 6, the 3 dense and 3 MoE (76 GB bf16 in /dev/shm;
+# the FP8 copy, 40 GB, on disk beside it). Its MoE layers need the V3 router (prefill refuses them until it lands).
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+    "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc",
+    "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
+    "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000, "rope_scaling": {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn"},
+    "attention_bias": False, "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
+}
+# Moonlight-16B-A3B's (moonshotai/Moonlight-16B-A3B's, model_type deepseek_v3): no q LoRA, plain RoPE θ 5e4 (no
+# scaling), 1 dense layer and 26 of 64 routed experts (6 a token) and 2 shared; 32 GB in bf16, whole on the H200 machine
+MOONLIGHT_16B_A3B = {
+    **DEEPSEEK_V3, "vocab_size": 163840, "hidden_size": 2048, "intermediate_size": 11264,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "n_shared_experts": 2, "n_routed_experts": 64, "routed_scaling_factor": 2.446, "q_lora_rank": None, "n_group": 1,
+    "topk_group": 1, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "rope_scaling": None, "num_nextn_predict_layers": 0,
+}
+
+
+def all_dense(geometry: dict, **dims) -> dict:
+    # the geometry with every layer dense (first_k_dense_replace past the last), as prefill runs deepseek_v3 until
+    # the V3 router lands
+    geometry = {**geometry, **dims}
+    return {**geometry, "first_k_dense_replace": geometry["num_hidden_layers"]}
+
+
 GEOMETRIES = {"qwen3-32b": QWEN3_32B, "gemma3-27b": GEMMA3_27B, "qwen2.5-32b": QWEN2_5_32B,
               "llama-3.1-70b": LLAMA_3_1_70B, "tiny": tiny(QWEN3_32B),
               # 6 layers, a window of 16: both kinds of layer and both RoPEs, windows that bite on short texts
               "tiny-gemma3": tiny(GEMMA3_27B, num_hidden_layers=6, sliding_window=16, query_pre_attn_scalar=64),
               "tiny-qwen2.5": tiny(QWEN2_5_32B), "tiny-llama": tiny(LLAMA_3_1_70B),
               "qwen3-30b-a3b": QWEN3_30B_A3B,
-              "tiny-moe": tiny(QWEN3_30B_A3B, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)}
+              "tiny-moe": tiny(QWEN3_30B_A3B, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+              "deepseek-v3": DEEPSEEK_V3, "moonlight-16b-a3b": MOONLIGHT_16B_A3B,
+              # MLA at a CPU's size: 4 heads of 32 + 16 (v 32), latents 128 and 64 (whole FP8 blocks or one below)
+              "tiny-deepseek-v3": all_dense(tiny(DEEPSEEK_V3, num_key_value_heads=4, head_dim=None, q_lora_rank=128,
+                                                 kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                                                 v_head_dim=32, intermediate_size=384)),
+              "tiny-moonlight": all_dense(tiny(MOONLIGHT_16B_A3B, num_key_value_heads=4, head_dim=None,
+                                               kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                                               v_head_dim=32))}
 
 
 def model_config(cfg: dict):

@@ -57,7 +57,7 @@ def quantize_checkpoint(folder):
     gen = torch.Generator().manual_seed(1)
     tensors = load_file(folder / "model.safetensors")
     for name in list(tensors):
-        if ".layers." not in name or not name.endswith("_proj.weight"):
+        if ".layers." not in name or not prefill.is_fp8_weight(name):
             continue
         w = tensors[name].float()
         factor = 2.0 ** torch.randint(-2, 3, prefill.scale_grid(w.shape), generator=gen).float()

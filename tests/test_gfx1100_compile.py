@@ -42,7 +42,8 @@ import torch
 
 import interact
 import prefill
-from bench.make_checkpoint import GEMMA3_27B, LLAMA_3_1_70B, QWEN2_5_32B, QWEN3_30B_A3B, QWEN3_32B
+from bench.make_checkpoint import (DEEPSEEK_V3, GEMMA3_27B, LLAMA_3_1_70B, MOONLIGHT_16B_A3B, QWEN2_5_32B, QWEN3_30B_A3B,
+                                   QWEN3_32B, all_dense)
 
 # Every geometry docs/models.md claims a family by, with its head counts (the query and the key launches of
 # head_norm_rope, the attention kernels' HEADS and KV_HEADS) and head_dim: Qwen3-0.6B's (its config.json) block sizes
@@ -51,7 +52,11 @@ from bench.make_checkpoint import GEMMA3_27B, LLAMA_3_1_70B, QWEN2_5_32B, QWEN3_
 # two) and q/k/v biases; Mistral 7B v0.1 a window on every layer; Llama-3.2-1B a head_dim of 64, SmolLM2-135M (the
 # real checkpoint the tests run) 9 query heads to 3 KV heads. The other families bring the kernels' variants: Gemma 3
 # its (1 + w) norms, q/k norm, GELU and a window (4B: head_dim 256), Gemma 2 a window with a softcap, Llama RoPE
-# without a q/k norm.
+# without a q/k norm. DeepSeek-V3 (every layer dense, as prefill runs it until its router lands) its latent attention:
+# the latents' norms, interleaved RoPE on q's last 64 channels of 192 (a head stride of its own) and on the one key all
+# heads share, a q/k head dim of 192 (no Triton attention kernel on RDNA3: over 128); Moonlight the same without q's
+# LoRA (q_proj's rows beside the latent's), here with rope_interleave false (as a copy whose RoPE rows were
+# de-interleaved would say) so that both RoPE variants compile at MLA's strides.
 MODELS = {"Qwen3-32B": QWEN3_32B,
           "Qwen3-0.6B": {**QWEN3_32B, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                          "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True},
@@ -77,7 +82,8 @@ MODELS = {"Qwen3-32B": QWEN3_32B,
                            "head_dim": 64, "tie_word_embeddings": True},
           "SmolLM2-135M": {**LLAMA_3_1_70B, "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
                            "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                           "head_dim": 64, "tie_word_embeddings": True, "rope_scaling": None, "rope_theta": 1e5}}
+                           "head_dim": 64, "tie_word_embeddings": True, "rope_scaling": None, "rope_theta": 1e5},
+          "DeepSeek-V3": all_dense(DEEPSEEK_V3), "Moonlight-16B-A3B": all_dense(MOONLIGHT_16B_A3B, rope_interleave=False)}
 MOE_MODELS = ("Qwen3-30B-A3B", "Qwen3-235B-A22B")  # the grouped GEMM's N, K and expert stride differ
 KNOWN_SPILLING_TILE = (64, 64, 4, 2)  # spills 205 VGPRs under Triton 3.9, 16 under 3.6 (and 137 with 2 stages in an earlier review of Triton 3.6)
 LDS_BYTES = 65536  # per workgroup on RDNA3
@@ -187,7 +193,7 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
     flat = torch.empty(cfg.layer_numel, dtype=prefill.DTYPE)  # never touched: only its views' shapes and offsets
     w = prefill.layer_views(flat, cfg)
     x = torch.zeros(TOKENS, cfg.hidden_size, dtype=prefill.DTYPE)
-    cos, sin = prefill.rope_tables(torch.arange(TOKENS), cfg.ropes[0], cfg.head_dim)
+    cos, sin = prefill.rope_tables(torch.arange(TOKENS), cfg.ropes[0], cfg.rope_dim)
     chunk = prefill.Chunk(0, TOKENS, [0, TOKENS], torch.tensor([0, TOKENS], dtype=torch.int32), TOKENS)
     # a prefix tree's chunk (the tree kernel): a root token, then a node of the others reading it
     tree_chunk = prefill.Chunk(0, TOKENS, [0, 1, TOKENS], torch.tensor([0, 1, TOKENS], dtype=torch.int32),
@@ -202,7 +208,8 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
             prefill.attention_block(x, w, cos, sin, chunk, cfg, attend, prefill.TRITON_KERNELS, how)
         for tile, how in itertools.product(tree_tiles, prefill.attention_settings(cfg)):
             attend = prefill.make_attention("triton", tile)
-            wave_kv = [torch.zeros(TOKENS, cfg.num_key_value_heads, cfg.head_dim, dtype=prefill.DTYPE)] * 2
+            wave_kv = [torch.zeros(TOKENS, cfg.num_key_value_heads, D, dtype=prefill.DTYPE)
+                       for D in (cfg.head_dim, cfg.v_head_dim)]
             prefill.attention_block(x, w, cos, sin, tree_chunk, cfg, attend, prefill.TRITON_KERNELS, how, wave_kv)
         if "mlp" in cfg.layouts:  # a mixture of experts' feed-forward: moe_launches
             prefill.mlp_block(x, prefill.layer_views(flat, cfg, "mlp"), cfg, TOKENS, prefill.TRITON_KERNELS)
@@ -341,8 +348,10 @@ def test_every_kernel_prefill_launches_is_recorded_in_every_offered_variant(offe
         assert variants == {(False, False), (True, False), (False, True), (True, True)}, kernel  # every one launched
     assert not offered_tiles("Gemma-3-4B") and offered_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
     assert not offered_tree_tiles("Gemma-3-4B") and offered_tree_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
-    norms = {launch.named_constexprs()["NORM"] for launch in launches if launch.kernel == "_head_norm_rope_kernel"}
-    assert norms == {0, 1, 2}
+    ropes = {(c["NORM"], c["INTERLEAVE"]) for launch in launches if launch.kernel == "_head_norm_rope_kernel"
+             for c in [launch.named_constexprs()]}
+    assert ropes == {(0, False), (1, False), (2, False), (0, True)}
+    assert not offered_tiles("DeepSeek-V3") and not offered_tree_tiles("Moonlight-16B-A3B")  # q/k head dim 192
     assert ({expert_tile(launch) for launch in launches if launch.kernel == "_grouped_gemm_kernel"}
             == set(prefill.EXPERT_TILES["rdna3"]))
     assert len(distinct_compiles(launches)) > 100  # the parts below compile them all
