@@ -434,8 +434,8 @@ def latent_fields(fields, path, heads, layers):
     where absent: its multi-head latent attention's q_lora_rank (null: q is q_proj, no LoRA), kv_lora_rank,
     qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope_interleave (null is false to DeepseekV3Attention's test of
     it), num_key_value_heads (the keys it expands are one a query head: it must be the query heads' count). Its q/k
-    head_dim is nope + rope: the config's own head_dim and qk_head_dim are not read, as DeepseekV3Config sets both
-    itself. first_k_dense_replace: layers from there on are mixtures of experts, whose router prefill does not run
+    head_dim is nope + rope; the config's own head_dim, where given, is what DeepseekV3Config keeps and sizes RoPE by
+    (its default: qk_rope_head_dim, which it must then be); qk_head_dim is not read. first_k_dense_replace: layers from there on are mixtures of experts, whose router prefill does not run
     yet: refused, every layer must be dense (DeepseekV3MLP, intermediate_size wide). The MoE fields (n_routed_experts
     and the router's) change nothing then; where they are read, they go here."""
     source = fields.source
@@ -454,6 +454,9 @@ def latent_fields(fields, path, heads, layers):
                         "of experts (DeepSeek-V3's router), which prefill does not run yet; it runs deepseek_v3 with "
                         "every layer dense (first_k_dense_replace >= num_hidden_layers)")
     nope, rope = fields.count("qk_nope_head_dim", 128), fields.count("qk_rope_head_dim", 64)
+    if "head_dim" in source and source["head_dim"] != rope:
+        raise UserError(f"{path}: head_dim is {shown(source['head_dim'])}, not qk_rope_head_dim ({rope}): transformers' "
+                        "deepseek_v3 would size RoPE by it")
     return dict(q_lora_rank=0 if source.get("q_lora_rank", 1536) is None else fields.count("q_lora_rank", 1536),
                 kv_lora_rank=fields.count("kv_lora_rank", 512), qk_nope_head_dim=nope, head_dim=nope + rope,
                 rope_dim=rope, v_head_dim=fields.count("v_head_dim", 128), rope_interleave=bool(interleave))
@@ -2276,6 +2279,14 @@ if triton is not None:
         return tile
 
     @triton.jit
+    def _store(at, tile, rows_ok, channels_ok, CHANNELS: tl.constexpr):
+        # _tile's store: where rows_ok, and channels_ok where CHANNELS (a padded head dim)
+        if CHANNELS:
+            tl.store(at, tile, mask=rows_ok & channels_ok)
+        else:
+            tl.store(at, tile, mask=rows_ok)
+
+    @triton.jit
     def _attention_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, rows, length, n_lo, n_hi, scale_log2, window, cap_log2,
                          KV_HEADS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr,
                          DVP: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr, WINDOW: tl.constexpr,
@@ -2327,12 +2338,14 @@ if triton is not None:
         m0 = block * BLOCK_M
         if m0 < length:
             rows = m0 + tl.arange(0, BLOCK_M)
+            # offsets as int64 tensors, then one pointer add: other association orders compiled to one more VGPR for
+            # gfx1100 at 64x32, where this kernel sits at 256 of 256 (tests/test_gfx1100_compile.py)
             token_head = (start + rows[:, None]).to(tl.int64) * HEADS + head
-            q = _tile(q_ptr + token_head * D + tl.arange(0, DP)[None, :], rows[:, None] < length,
+            q = _tile(q_ptr + (token_head * D + tl.arange(0, DP)[None, :]), rows[:, None] < length,
                       tl.arange(0, DP)[None, :] < D, True, DP != D)  # [BLOCK_M, DP]
             kv_head = head // (HEADS // KV_HEADS)
-            k_ptr += start.to(tl.int64) * KV_HEADS * D + kv_head * D
-            v_ptr += start.to(tl.int64) * KV_HEADS * DV + kv_head * DV
+            k_at = k_ptr + (start.to(tl.int64) * KV_HEADS * D + kv_head * D)
+            v_at = v_ptr + (start.to(tl.int64) * KV_HEADS * DV + kv_head * DV)
             acc = tl.zeros((BLOCK_M, DVP), tl.float32)
             m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
             l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -2341,19 +2354,18 @@ if triton is not None:
                 first = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N  # the first tile the top row sees
                 inside = tl.minimum((tl.maximum(m0 + BLOCK_M - window, first) + BLOCK_N - 1) // BLOCK_N * BLOCK_N,
                                     m0)
-                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, rows, length, first, inside,
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, first, inside,
                                                  scale_log2, window, cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N,
                                                  True, WINDOW, SOFTCAP)
-            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, rows, length, inside, m0, scale_log2,
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, inside, m0, scale_log2,
                                              window, cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N, False, WINDOW,
                                              SOFTCAP)
-            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, rows, length, m0,
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, m0,
                                              tl.minimum(m0 + BLOCK_M, length), scale_log2, window, cap_log2,
                                              KV_HEADS, D, DP, DV, DVP, BLOCK_N, True, WINDOW, SOFTCAP)
             dv = tl.arange(0, DVP)[None, :]
-            mask = rows[:, None] < length
-            tl.store(out_ptr + token_head * DV + dv, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=mask & (dv < DV) if DVP != DV else mask)
+            _store(out_ptr + (token_head * DV + dv), (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                   rows[:, None] < length, dv < DV, DVP != DV)
 
     @triton.jit
     def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, kv_start, anc_cu_ptr, anc_ptr, depth_ptr,
@@ -2384,7 +2396,7 @@ if triton is not None:
             rows = packed // GROUP  # each row's token in the node: what the causal mask compares
             valid = packed < length * GROUP
             token_head = (start + rows[:, None]).to(tl.int64) * HEADS + kv_head * GROUP + packed[:, None] % GROUP
-            q = _tile(q_ptr + token_head * D + tl.arange(0, DP)[None, :], valid[:, None],
+            q = _tile(q_ptr + (token_head * D + tl.arange(0, DP)[None, :]), valid[:, None],
                       tl.arange(0, DP)[None, :] < D, True, DP != D)  # [BLOCK_M, DP]
             acc = tl.zeros((BLOCK_M, DVP), tl.float32)
             m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
@@ -2394,8 +2406,8 @@ if triton is not None:
             for a in range(tl.load(anc_cu_ptr + node), tl.load(anc_cu_ptr + node + 1)):
                 lo = tl.load(anc_ptr + 2 * a)
                 n = tl.load(anc_ptr + 2 * a + 1) - lo
-                k_at = k_ptr + lo.to(tl.int64) * KV_HEADS * D + kv_head * D
-                v_at = v_ptr + lo.to(tl.int64) * KV_HEADS * DV + kv_head * DV
+                k_at = k_ptr + (lo.to(tl.int64) * KV_HEADS * D + kv_head * D)
+                v_at = v_ptr + (lo.to(tl.int64) * KV_HEADS * DV + kv_head * DV)
                 if WINDOW:
                     shift = depth - tl.load(depth_ptr + lo)  # >= n: the range lies above the node
                     first = tl.maximum(m0 // GROUP + shift - window + 1, 0) // BLOCK_N * BLOCK_N
@@ -2411,8 +2423,8 @@ if triton is not None:
                                                      tl.zeros((BLOCK_M,), tl.int32) + (n - 1), n, whole, n,
                                                      scale_log2, window, cap_log2, KV_HEADS, D, DP, DV, DVP,
                                                      BLOCK_N, True, WINDOW, SOFTCAP)
-            k_at = k_ptr + (kv_start + start).to(tl.int64) * KV_HEADS * D + kv_head * D
-            v_at = v_ptr + (kv_start + start).to(tl.int64) * KV_HEADS * DV + kv_head * DV
+            k_at = k_ptr + ((kv_start + start).to(tl.int64) * KV_HEADS * D + kv_head * D)
+            v_at = v_ptr + ((kv_start + start).to(tl.int64) * KV_HEADS * DV + kv_head * DV)
             first = m0 // GROUP // BLOCK_N * BLOCK_N  # every row's keys below it are unmasked (without a window)
             if WINDOW:  # the window's first tile for the top row on, masked
                 acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length,
@@ -2427,8 +2439,8 @@ if triton is not None:
                                              tl.minimum((m0 + BLOCK_M - 1) // GROUP + 1, length), scale_log2, window,
                                              cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N, True, WINDOW, SOFTCAP)
             dv = tl.arange(0, DVP)[None, :]
-            tl.store(out_ptr + token_head * DV + dv, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=valid[:, None] & (dv < DV) if DVP != DV else valid[:, None])
+            _store(out_ptr + (token_head * DV + dv), (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), valid[:, None],
+                   dv < DV, DVP != DV)
 
 
 if triton is not None:
@@ -2767,7 +2779,9 @@ ATTENTION_TILES["amd"] = ATTENTION_TILES["rdna3"]
 
 # RDNA3's tiles for the window and softcap variants: in 64-row tiles those spill under Triton 3.9 (window: 5-49 VGPRs,
 # window and softcap: 5-48, Gemma 3 and Gemma 2 27B), these two do not (221-253 VGPRs). A head_dim over 128 (Gemma 3
-# 4B-12B, Gemma 2 9B: 256) spills 190-560 VGPRs in every tile tried (16-64 rows): the kernel is not offered there.
+# 4B-12B, Gemma 2 9B: 256) spills 190-560 VGPRs in every tile tried (16-64 rows), DeepSeek's 192 (in 256 lanes, v
+# 128) 166-422 in these four and the two above, the tree kernel 208-406: the kernel is not offered there (SDPA,
+# flash-attn with v zero-padded, torch's flash kernel are).
 RDNA3_VARIANT_TILES = [(32, 16, 8, 1), (16, 16, 4, 1)]
 
 

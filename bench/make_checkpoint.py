@@ -113,6 +113,7 @@ DEEPSEEK_V3 = {
         "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
         "original_max_position_embeddings": 4096, "type": "yarn"},
     "attention_bias": False, "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
+    "head_dim": 64,  # absent in DeepSeek's file, qk_rope_head_dim then; spelled out for interact.config_json's default
 }
 # Moonlight-16B-A3B's (moonshotai/Moonlight-16B-A3B's, model_type deepseek_v3): no q LoRA, plain RoPE θ 5e4 (no
 # scaling), 1 dense layer and 26 of 64 routed experts (6 a token) and 2 shared; 32 GB in bf16, whole on the H200 machine
@@ -140,12 +141,13 @@ GEOMETRIES = {"qwen3-32b": QWEN3_32B, "gemma3-27b": GEMMA3_27B, "qwen2.5-32b": Q
               "qwen3-30b-a3b": QWEN3_30B_A3B,
               "tiny-moe": tiny(QWEN3_30B_A3B, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
               "deepseek-v3": DEEPSEEK_V3, "moonlight-16b-a3b": MOONLIGHT_16B_A3B,
-              # MLA at a CPU's size: 4 heads of 32 + 16 (v 32), latents 128 and 64 (whole FP8 blocks or one below)
-              "tiny-deepseek-v3": all_dense(tiny(DEEPSEEK_V3, num_key_value_heads=4, head_dim=None, q_lora_rank=128,
-                                                 kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-                                                 v_head_dim=32, intermediate_size=384)),
-              "tiny-moonlight": all_dense(tiny(MOONLIGHT_16B_A3B, num_key_value_heads=4, head_dim=None,
-                                               kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+              # MLA at a CPU's size, every layer dense: 4 heads of 32 + RoPE 32 (v 32), latents 128 and 64 (FP8:
+              # whole blocks, or one below)
+              "tiny-deepseek-v3": all_dense(tiny(DEEPSEEK_V3, num_key_value_heads=4, head_dim=32, q_lora_rank=128,
+                                                 kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                                                 v_head_dim=32)),
+              "tiny-moonlight": all_dense(tiny(MOONLIGHT_16B_A3B, num_key_value_heads=4, head_dim=32,
+                                               kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
                                                v_head_dim=32))}
 
 
@@ -165,15 +167,15 @@ def geometry(name: str, layers: int | None = None) -> dict:
 def matrix_shapes(cfg: dict) -> dict[str, tuple[int, int, int]]:
     """name -> (N, K, count): each projection as an N x K weight, and how many of it a token meets.
 
-    q/k/v and gate/up are listed fused, as a runner would run them (the FLOPs are the same either way). In a MoE
-    geometry a token meets the router and its top-k experts of each layer instead of the dense MLP."""
-    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim") or h // heads
-    layers = cfg["num_hidden_layers"]
-    moe = model_config(cfg).layer_kinds.count("moe")  # a Qwen3-MoE's layers of experts (not the dense ones)
+    q/k/v and gate/up are listed fused, as a runner would run them (the FLOPs are the same either way); DeepSeek's
+    latent attention as prefill runs it (prefill.gemm_shapes): q's LoRA input and the latent fused ("qkv"), q_b and
+    kv_b. In a MoE geometry a token meets the router and its top-k experts of each layer instead of the dense MLP."""
+    import prefill
+    h, layers, model = cfg["hidden_size"], cfg["num_hidden_layers"], model_config(cfg)
+    moe = model.layer_kinds.count("moe")  # a Qwen3-MoE's layers of experts (not the dense ones)
     shapes = {
-        "qkv": ((heads + 2 * kv) * hd, h, layers),
-        "o": (h, heads * hd, layers),
+        **{"o" if name == "o_proj" else name: (n, k, layers) for name, _, n, k in prefill.gemm_shapes(model)
+           if name in ("qkv", "q_b", "kv_b", "o_proj")},
         "gate_up": (2 * cfg["intermediate_size"], h, layers - moe),
         "down": (h, cfg["intermediate_size"], layers - moe),
         "lm_head": (cfg["vocab_size"], h, 1),
@@ -192,11 +194,11 @@ def flops_per_token(cfg: dict) -> float:
 
 
 def attention_flops(cfg: dict, lengths: list[int]) -> float:
-    """Causal attention's FLOPs for texts of these token counts: q.k and p.v, 2 x head_dim each, per head, for each
-    (query, key) pair a layer computes: a text's n(n+1)/2, or with a window w each query's min(i + 1, w) keys (a
-    30k-token text: ~1/3 of its FLOPs without windows)."""
+    """Causal attention's FLOPs for texts of these token counts: q.k and p.v, 2 x their head dims (q/k's, v's), per
+    head, for each (query, key) pair a layer computes: a text's n(n+1)/2, or with a window w each query's min(i + 1,
+    w) keys (a 30k-token text: ~1/3 of its FLOPs without windows)."""
     model = model_config(cfg)
-    per_pair = 4 * model.num_attention_heads * model.head_dim
+    per_pair = 2 * model.num_attention_heads * (model.head_dim + model.v_head_dim)
 
     def pairs(n, w):
         return n * (n + 1) // 2 if w is None or w >= n else w * (w + 1) // 2 + (n - w) * w

@@ -226,6 +226,7 @@ REFUSED = [
     (dict(rope_scaling={"type": "yarn", "factor": 4.0, "truncate": 1}), "truncate is 1"),
     (dict(rope_scaling={"type": "yarn", "factor": 4.0, "mscale_all_dim": "1"}), "mscale_all_dim is '1'"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor is 0.5"),
+    (dict(head_dim=24), "head_dim is 24, not qk_rope_head_dim (8)"),
     (dict(model_type="kimi_k2"), "model_type is 'kimi_k2', which transformers 5.24 maps to no model"),
 ]
 
@@ -240,7 +241,7 @@ def test_what_is_not_built_is_refused_in_one_line(change, message):
 def test_config_as_transformers_reads_it(mla):
     path, _, r = mla("plain")
     saved = json.loads((path / "config.json").read_text())
-    assert saved["head_dim"] == 8 and saved["qk_head_dim"] == 24  # what DeepseekV3Config writes, and prefill ignores
+    assert saved["head_dim"] == 8 and saved["qk_head_dim"] == 24  # what DeepseekV3Config writes: RoPE's, and unread
     cfg = r.cfg
     assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.rope_dim, cfg.head_dim, cfg.v_head_dim,
             cfg.rope_interleave) == (0, 32, 16, 8, 24, 16, False)
@@ -311,6 +312,8 @@ def test_a_side_in_partial_blocks_is_read_as_transformers_fp8_linear_reads_it():
     # not 5 blocks of any size), its FP8Linear reads 4 blocks of 128 rows and one of 64, as its own dequantization
     # for the backward pass writes out: prefill's, bit for bit. A side whose grid divides it otherwise (192 over 2:
     # blocks of 96 on the CPU, of 128 and 64 on a GPU) is refused
+    import interact
+    from test_fp8 import quantize
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize_fp8_weight
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(0, 126, (576, 320), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
@@ -318,6 +321,9 @@ def test_a_side_in_partial_blocks_is_read_as_transformers_fp8_linear_reads_it():
     out = torch.empty(q.shape, dtype=torch.bfloat16)
     prefill.dequantize_fp8(q, scales, out)
     assert torch.equal(out, _dequantize_fp8_weight(q, scales, [128, 128], torch.float32).bfloat16())
+    w = out[:, :200]  # and the bench's writer quantizes such a side as the loop of test_fp8 does, block by block
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype == q.dtype else a, b.view(torch.uint8) if b.dtype == q.dtype
+                           else b) for a, b in zip(interact.quantize_fp8_blocks(w), quantize(w)))
     with pytest.raises(ValueError, match="not divisible by scale grid"):
         Fp8Dequantize(None)._dequantize_one(q, scales, torch.float32)
     assert [prefill.misread_side(n) for n in (576, 320, 192, 200, 100, 384)] == [False] * 2 + [True] * 2 + [False] * 2
@@ -382,3 +388,37 @@ def test_triton_kernels_with_their_own_v_head_dim_and_interleaved_rope():
     assert all(error < prefill.CHECK_TOLERANCE for _, _, error in report["kernels"]), report["kernels"]
     flipped = [error for kernel, _, error in report["rope flipped"] if kernel == "head_norm_rope"]
     assert len(flipped) == 2 and min(flipped) > 4 * prefill.CHECK_TOLERANCE, report["rope flipped"]
+
+
+# ----------------------------------------------------------------------------- every way in
+
+def test_the_protocol_the_doctor_and_continuation_records(mla, tmp_path, monkeypatch, capsys):
+    # in-process, as a user runs them: the protocol's losses, the doctor's line on MLA, a corpus of continuation
+    # records with --token-logprobs (through the prefix tree, as Runner.loglikelihoods)
+    import io
+    path, reference, r = mla("plain")
+    monkeypatch.setattr(prefill, "CHECK_LENGTHS", [37, 100])  # test_families.runner's short start-up check
+    monkeypatch.setattr(prefill, "ATTENTION_BUCKETS", [(label, longest, timed, checked) for (label, _, timed, _),
+                                                       longest, checked in zip(prefill.ATTENTION_BUCKETS,
+                                                                               (64, 128, None), ([60, 37], [100, 37],
+                                                                                                 [140]))])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = ["--model", str(path), "--device", "cpu", "--attention", "sdpa"]
+
+    def main(*args, stdin=""):
+        out = io.StringIO()
+        monkeypatch.setattr(prefill, "take_stdout", lambda: out)
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
+        assert prefill.main([*model, *map(str, args)]) == 0, capsys.readouterr().err
+        return out.getvalue().splitlines()
+    lines = main(stdin=json.dumps(TEXTS) + "\n")
+    assert lines[0] == "ready" and max_rel_err([float(x) for x in lines[1:]], reference) < TOLERANCE
+    mla_line = [line for line in main("--doctor") if line.startswith("attention  multi-head latent")]
+    assert mla_line == ["attention  multi-head latent (MLA): 4 heads, q/k head dim 24 (16 + RoPE 8), v 16; latents q "
+                        "none (q_proj), kv 32, expanded per token; softmax scale 0.2041, yarn RoPE"]
+    pairs = [(text[:12], text[12:]) for text in TEXTS[:6]]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"context": c, "continuation": x}) + "\n" for c, x in pairs))
+    main("--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--token-logprobs")
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    want = r.loglikelihoods(r.encode_pairs(pairs), token_logprobs=True)
+    assert [(x["logprob"], x["token_logprobs"]) for x in records] == [(w.logprob, w.token_logprobs) for w in want]
