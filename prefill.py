@@ -348,7 +348,8 @@ def yarn_rope(fields, theta):
     truncate = fields.source.get("truncate", True)
     if type(truncate) not in (bool, type(None)):
         raise UserError(f"{fields.where}: truncate is {shown(truncate)}; expected true or false")
-    return Rope(theta, "yarn", factor, original_max_position_embeddings=fields.count("original_max_position_embeddings"),
+    return Rope(theta, "yarn", factor,
+                original_max_position_embeddings=fields.count("original_max_position_embeddings"),
                 beta_fast=fields.get("beta_fast", 32, number, "a non-negative number") or 32,
                 beta_slow=fields.get("beta_slow", 1, number, "a non-negative number") or 1,
                 truncate=bool(truncate), attention_factor=attention_factor)
@@ -435,9 +436,10 @@ def latent_fields(fields, path, heads, layers):
     qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope_interleave (null is false to DeepseekV3Attention's test of
     it), num_key_value_heads (the keys it expands are one a query head: it must be the query heads' count). Its q/k
     head_dim is nope + rope; the config's own head_dim, where given, is what DeepseekV3Config keeps and sizes RoPE by
-    (its default: qk_rope_head_dim, which it must then be); qk_head_dim is not read. first_k_dense_replace: layers from there on are mixtures of experts, whose router prefill does not run
-    yet: refused, every layer must be dense (DeepseekV3MLP, intermediate_size wide). The MoE fields (n_routed_experts
-    and the router's) change nothing then; where they are read, they go here."""
+    (its default: qk_rope_head_dim, which it must then be); qk_head_dim is not read. first_k_dense_replace: layers
+    from there on are mixtures of experts, whose router prefill does not run yet: refused, every layer must be dense
+    (DeepseekV3MLP, intermediate_size wide). The MoE fields (n_routed_experts and the router's) change nothing then;
+    where they are read, they go here."""
     source = fields.source
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace"):
         if key in source and source[key] is None:  # transformers' modules would be built of None and fail
@@ -455,8 +457,8 @@ def latent_fields(fields, path, heads, layers):
                         "every layer dense (first_k_dense_replace >= num_hidden_layers)")
     nope, rope = fields.count("qk_nope_head_dim", 128), fields.count("qk_rope_head_dim", 64)
     if "head_dim" in source and source["head_dim"] != rope:
-        raise UserError(f"{path}: head_dim is {shown(source['head_dim'])}, not qk_rope_head_dim ({rope}): transformers' "
-                        "deepseek_v3 would size RoPE by it")
+        raise UserError(f"{path}: head_dim is {shown(source['head_dim'])}, not qk_rope_head_dim ({rope}): "
+                        "transformers' deepseek_v3 would size RoPE by it")
     return dict(q_lora_rank=0 if source.get("q_lora_rank", 1536) is None else fields.count("q_lora_rank", 1536),
                 kv_lora_rank=fields.count("kv_lora_rank", 512), qk_nope_head_dim=nope, head_dim=nope + rope,
                 rope_dim=rope, v_head_dim=fields.count("v_head_dim", 128), rope_interleave=bool(interleave))
@@ -623,7 +625,7 @@ class ModelConfig:
     fp8_not_converted: tuple = ()   # its modules_to_not_convert: patterns naming modules kept bf16 (not_converted)
     v_head_dim: int = None          # the values' head dim (None: head_dim, that of q and k); DeepSeek-V3: 128 to 192
     rope_dim: int = None            # the channels RoPE rotates, its tables' width (None: head_dim)
-    rope_interleave: bool = False   # RoPE's pairs are channels (0, 1), (2, 3), ... (DeepSeek), not (i, i + half)
+    rope_interleave: bool = False   # latent attention's RoPE pairs channels (0, 1), (2, 3), ..., not (i, i + half)
     kv_lora_rank: int = 0           # DeepSeek's multi-head latent attention (0: none; latent_fields, latent_qkv):
     q_lora_rank: int = 0            # the keys' and values' latent, q's (0: q_proj, no LoRA), each head's q/k
     qk_nope_head_dim: int = 0       # channels without RoPE, then rope_dim with it
@@ -798,8 +800,10 @@ class ModelConfig:
         softcap = fields.off_or(fields.positive, "attn_logit_softcapping", family.softcaps[0]) if family.softcaps \
             else None
         ropes = read_ropes(raw, family, path)
-        scale = (latent_scale(head_dim, ropes[None], raw.get("rope_scaling") or raw.get("rope_parameters") or {}, path)
-                 if latent else 1.0 / math.sqrt(fields.positive(family.scale_key, 256) if family.scale_key else head_dim))
+        scale = 1.0 / math.sqrt(fields.positive(family.scale_key, 256) if family.scale_key else head_dim)
+        if latent:  # DeepSeek's own, from the RoPE's raw parameters
+            params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+            scale = latent_scale(head_dim, ropes[None], params, path)
         settings = {t: AttentionSettings(scale, window if t == "sliding_attention" else None, softcap)
                     for t in LAYER_TYPES}
         attention_bias = family.attention_bias and fields.flag("attention_bias")
@@ -2078,10 +2082,10 @@ def chunk_keys(chunk, i, k):
 def grouped_qkv(h, w, cos, sin, cfg, kernels):
     # h: [tokens, hidden], the normed x -> q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim]: GQA
     T, Q, KV, D = h.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
-    eps, offset, interleave = cfg.rms_norm_eps, cfg.norm_offset, cfg.rope_interleave
+    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     qkv = F.linear(h, w.qkv, w.qkv_bias)  # [tokens, q_size + 2 kv_size]
-    q = kernels.head_norm_rope(qkv[:, :Q].view(T, -1, D), w.q_norm, cos, sin, eps, offset, interleave)  # q/k norm
-    k = kernels.head_norm_rope(qkv[:, Q:Q + KV].view(T, -1, D), w.k_norm, cos, sin, eps, offset, interleave)  # first
+    q = kernels.head_norm_rope(qkv[:, :Q].view(T, -1, D), w.q_norm, cos, sin, eps, offset)  # q/k norm before RoPE
+    k = kernels.head_norm_rope(qkv[:, Q:Q + KV].view(T, -1, D), w.k_norm, cos, sin, eps, offset)
     return q, k, qkv[:, Q + KV:].reshape(T, -1, D).contiguous()
 
 

@@ -102,8 +102,9 @@ QWEN3_30B_A3B = {**QWEN3_32B, "model_type": "qwen3_moe", "hidden_size": 2048, "i
 # 61 layers are 1.34 TB in bf16 (a dense layer 1.17 GB, a MoE one 23.0 GB, embedding and head 3.7 GB), 0.68 TB in
 # FP8: the H200 machine (128 GiB RAM, 64 GiB disk) holds --layers 6, the 3 dense and 3 MoE (76 GB bf16 in /dev/shm;
 # the FP8 copy, 40 GB, on disk beside it). Its MoE layers need the V3 router (prefill refuses them until it lands).
+# Vocabulary 151936, not 129280: the Qwen3 tokenizer's ids reach 151668, as for Llama-3.1-70B above.
 DEEPSEEK_V3 = {
-    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "model_type": "deepseek_v3", "vocab_size": 151936, "hidden_size": 7168, "intermediate_size": 18432,
     "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
     "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
     "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc",

@@ -101,9 +101,9 @@ def gemm_rates(cfg: dict, ms: list[int], device: str, warmup: int = 3, repeats: 
 
 
 def gemm_sustained(cfg: dict, m: int, device: str, seconds: float = 5.0, weight_sets: int = 4) -> dict:
-    """TFLOP/s of one layer's GEMMs (qkv, o, gate_up, down; MLA's q_b, kv_b) at M tokens run back to back for ~`seconds`, with
-    no synchronisation in between, timed as one whole: what a forward pass can sustain (clocks under a long
-    load, launch gaps), unlike the burst medians above.  Each iteration takes the next of `weight_sets`
+    """TFLOP/s of one layer's GEMMs (qkv, o, gate_up, down; MLA's q_b, kv_b) at M tokens run back to back for
+    ~`seconds`, with no synchronisation in between, timed as one whole: what a forward pass can sustain (clocks under
+    a long load, launch gaps), unlike the burst medians above.  Each iteration takes the next of `weight_sets`
     weight sets (0.98 GB each for Qwen3-32B), so no weight sits in L2 from the iteration before."""
     import torch
 

@@ -516,8 +516,8 @@ PLANTED = {  # each a bug the start-up check must refuse
     "good": {},
     "offset dropped": {"rms_norm": lambda x, w, eps, offset=False: rms_norm(x, w, eps)},  # Gemma's norms as w, not 1 + w
     "GELU as SiLU": {"gated_act": lambda gate_up, activation: gated_act(gate_up, "silu")},
-    "q/k norm as Qwen3's": {"head_norm_rope": lambda x, w, cos, sin, eps, offset: head_norm_rope(x, w, cos, sin, eps,
-                                                                                                 False)},
+    "q/k norm as Qwen3's": {"head_norm_rope": lambda x, w, cos, sin, eps, offset, interleave=False: head_norm_rope(
+        x, w, cos, sin, eps, False, interleave)},
 }
 prefill.CHECK_LENGTHS = [37, 100]  # the attention check (SDPA) on short texts: the kernels are under test here
 results = {}

@@ -42,8 +42,8 @@ import torch
 
 import interact
 import prefill
-from bench.make_checkpoint import (DEEPSEEK_V3, GEMMA3_27B, LLAMA_3_1_70B, MOONLIGHT_16B_A3B, QWEN2_5_32B, QWEN3_30B_A3B,
-                                   QWEN3_32B, all_dense)
+from bench.make_checkpoint import (DEEPSEEK_V3, GEMMA3_27B, LLAMA_3_1_70B, MOONLIGHT_16B_A3B, QWEN2_5_32B,
+                                   QWEN3_30B_A3B, QWEN3_32B, all_dense)
 
 # Every geometry docs/models.md claims a family by, with its head counts (the query and the key launches of
 # head_norm_rope, the attention kernels' HEADS and KV_HEADS) and head_dim: Qwen3-0.6B's (its config.json) block sizes

@@ -6,8 +6,8 @@ Every layer is dense (first_k_dense_replace = num_hidden_layers): the V3 router 
 layers on here is a change of CHECKPOINTS' configs. Two checkpoints: "lora" (q through q_a_proj, q_a_layernorm and
 q_b_proj; interleaved RoPE; DeepSeek's YaRN whose mscale scales the softmax; biases), "plain" (q_proj without a bias
 beside kv_a_proj_with_mqa with one; plain RoPE; gpt-oss's YaRN, whose attention_factor scales cos and sin). Both have
-a q/k head dim (24) that is not a power of two and a v head dim of its own (16). Their weights are sharp enough, and YaRN's
-original context short enough (16), that each feature moves some text's loss by several tolerances
+a q/k head dim (24) that is not a power of two and a v head dim of its own (16). Their weights are sharp enough, and
+YaRN's original context short enough (16), that each feature moves some text's loss by several tolerances
 (test_every_feature_decides_some_loss) while the right math stays well within one.
 """
 import dataclasses
@@ -147,7 +147,7 @@ def with_mtp_layer(path, out):
     layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     mtp = {name.replace(".layers.0.", f".layers.{layers}."): t.clone() for name, t in tensors.items()
            if ".layers.0." in name}
-    mtp |= {f"model.layers.{layers}.{n}": torch.ones(64, dtype=torch.bfloat16) for n in ("enorm.weight", "hnorm.weight")}
+    mtp |= {f"model.layers.{layers}.{n}.weight": torch.ones(64, dtype=torch.bfloat16) for n in ("enorm", "hnorm")}
     save_file(tensors | mtp, out / "model.safetensors", metadata={"format": "pt"})
     return out
 
