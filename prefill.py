@@ -1748,7 +1748,7 @@ def dequantize_fp8(q, scales, out):
     transformers computes it: q in float32 times its block's scale in float32, rounded to bf16, the blocks
     FP8_BLOCK x FP8_BLOCK (min(side, FP8_BLOCK)), the last row and column of them partial where a side is not a
     multiple (misread_side); a few block rows at a time."""
-    (R, C), (gr, gc) = q.shape, scales.shape
+    (R, C), gr = q.shape, scales.shape[0]
     bm, bn = min(R, FP8_BLOCK), min(C, FP8_BLOCK)
     step = max(1, DEQUANTIZE_ELEMENTS // (bm * C))
     for g in range(0, gr, step):
