@@ -327,7 +327,8 @@ QWEN3_CONFIG_DEFAULTS = {
 }
 # Other families: their config class's defaults fill the rest (the bench geometries spell out their own keys).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
@@ -376,13 +377,14 @@ def _checkpoint_tensors(cfg: dict):
     h, layers = model.hidden_size, model.num_hidden_layers
     out_scale = 1 / math.sqrt(2 * layers)
     norm_mean = 0.0 if model.norm_offset else 1.0  # Gemma's norms scale by 1 + w
-    out_std = {"o_proj", "down_proj"}  # the residual's writers: out_scale / sqrt(their input width), experts' too
+    out_std = {"o_proj", "down_proj", "w2"}  # the residual's writers: out_scale / sqrt(their input width), experts'
+    #                                          too (Mixtral's w2 is an expert's down)
     yield "model.embed_tokens.weight", (model.vocab_size, h), 0.0, LOGIT_STD / math.sqrt(h)
     for i in range(layers):
         for name, (_, shape) in model.layouts[model.layer_kinds[i]].items():
             if name.endswith("norm.weight"):
                 yield f"model.layers.{i}.{name}", shape, norm_mean, NORM_NOISE
-            elif name.endswith(".bias"):
+            elif name.endswith("bias"):  # the sigmoid router's e_score_correction_bias too
                 yield f"model.layers.{i}.{name}", shape, 0.0, NORM_NOISE
             else:
                 std = out_scale / math.sqrt(shape[1]) if name.split(".")[-2] in out_std else 1 / math.sqrt(h)
@@ -450,6 +452,10 @@ def write_random_checkpoint(
 
     cfg = config_json(config)
     specs = list(tensors(cfg))  # listed from the unquantized config: the tensors' shapes are the same
+    # the tensors transformers keeps float32 in a bf16 model (the sigmoid router's weight and correction bias) are
+    # written float32, as its own save_pretrained writes them: prefill holds them so, and can lock such files in place
+    model = prefill.ModelConfig.from_json(cfg)
+    float32 = {f"model.layers.{i}.{name}" for i in range(model.num_hidden_layers) for name in model.tensor_dtypes}
     block = FP8_QUANTIZATION["weight_block_size"][0]
     quantized = {name for name, _, _, _ in specs if fp8 and prefill.is_fp8_weight(name)}
     if fp8:
@@ -460,7 +466,7 @@ def write_random_checkpoint(
     def file_bytes(name, shape):
         # a quantized weight: one byte an element, and a float32 scale a block
         n = math.prod(shape)
-        return n + 4 * math.prod(prefill.scale_grid(shape)) if name in quantized else 2 * n
+        return n + 4 * math.prod(prefill.scale_grid(shape)) if name in quantized else (4 if name in float32 else 2) * n
 
     # Plan the shards first: their file names carry the shard count.
     shards, size = [[]], 0
@@ -485,7 +491,8 @@ def write_random_checkpoint(
         for name, shard in zip(names, shards):
             tensors = {}
             for tname, shape, mean, std in shard:
-                t = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16).mul_(std).add_(mean)
+                dtype = torch.float32 if tname in float32 else torch.bfloat16
+                t = torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(std).add_(mean)
                 if tname in quantized:
                     q, scales = quantize_fp8_blocks(t, block)
                     tensors[tname], tensors[tname + "_scale_inv"] = q.cpu(), scales.cpu()

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""prefill: the per-text language-modelling loss of a Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3 or Qwen3-MoE model
-whose weights need not fit in GPU memory.
+"""prefill: the per-text language-modelling loss of a Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3 model, or of a
+mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3), whose weights need not fit in GPU memory.
 
     python prefill.py --model DIR      prints `ready`, reads one JSON array of texts from stdin,
                                        prints one loss per text (in order) and exits.
@@ -14,18 +14,20 @@ huge request is split into waves).
 This file alone is the engine: the protocol and the Python API need nothing beside it. Its sections, in reading
 order, with their main definitions (no definition reads a name defined further down; tests/test_layout.py checks
 both):
-  config: Rope, AttentionSettings, Family, FAMILIES, ConfigFields, fp8_fields, held_layout, ModelConfig
+  config: Rope, AttentionSettings, Router, moe_fields, sigmoid_moe_fields, Family, FAMILIES, ConfigFields, yarn_rope,
+      latent_fields, fp8_fields, held_layout, ModelConfig
   checkpoint loading: header_tensors, Workers, pinned_empty, Checkpoint, check_tensors, LayerWeights, layer_views,
       Stager
   memory plan: MemoryPlan, plan_memory, layer_flops, plan_wave, HostPlan, plan_host
   weight streaming: HeldLayers, StorageRing, dequantize_fp8, FP8Layer, fp8_layer, dequantize_layer, WeightStreamer
   model math: rms_norm, rope_tables, apply_rope, gated_act, token_nll, combine, Kernels, TORCH_KERNELS, Chunk,
-      attention_block, mlp_block
+      latent_qkv, attention_block, gated_mlp, mlp_block
   fused kernels (Triton, optional): rms_norm_triton, head_norm_rope_triton, dequantize_layer_triton,
       token_nll_triton, TRITON_KERNELS
   attention backends: attention_sdpa, attention_triton, make_attention, ATTENTION_TILES, gpu_family,
       attention_candidates
-  mixture of experts: route, expert_rows, moe_ffn, moe_block, grouped_loop, grouped_triton, expert_candidates
+  mixture of experts: route_softmax, route_sigmoid, route, expert_rows, moe_ffn, shared_experts, moe_block,
+      grouped_experts, grouped_loop, grouped_triton, align_experts, fused_experts, FUSED_TILES, expert_candidates
   start-up checks and picks: check_attention, pick_attention, check_experts, pick_experts, check_kernels,
       pick_kernels, pick_blas, Picks
   packing and loss: Wave, batches, wave_of, Score, sequence_nll
@@ -158,7 +160,8 @@ class Rope:
     "llama3" (Llama 3.1-3.3: wavelengths beyond the original context slowed by factor, a smooth band between them;
     static, so short texts change too); "yarn" (_compute_yarn_parameters: frequencies below the beta_slow..beta_fast
     band of rotations over the original context slowed by factor, a linear ramp between; cos and sin scaled by
-    attention_factor)."""
+    attention_factor). partial: partial_rotary_factor, the share of each head's channels that rotate, the first
+    int(head_dim * partial) of them (GLM-4.5: half); the others pass through."""
     theta: float
     kind: str = "default"
     factor: float = 1.0
@@ -169,22 +172,27 @@ class Rope:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0  # cos and sin are multiplied by it in float32 (1 but for yarn)
+    partial: float = 1.0
+
+    def rotary_dim(self, head_dim):
+        return int(head_dim * self.partial)  # as transformers rounds it
 
     def inv_freq(self, head_dim):
-        # [head_dim / 2] float32 on the CPU, in transformers' own float32 steps
-        pos_freqs = self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        # [rotary_dim / 2] float32 on the CPU, in transformers' own float32 steps
+        dim = self.rotary_dim(head_dim)
+        pos_freqs = self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
         inv = 1.0 / pos_freqs
         if self.kind == "yarn":  # transformers' steps: Python floats for the band, float32 for the ramp
             def dim_of(rotations):  # the dimension that turns `rotations` times over the original context
-                return (head_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+                return (dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
                     2 * math.log(self.theta))
             low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
             if self.truncate:
                 low, high = math.floor(low), math.ceil(high)
-            low, high = max(low, 0), min(high, head_dim - 1)
+            low, high = max(low, 0), min(high, dim - 1)
             if low == high:
                 high += 0.001  # transformers' guard against a zero-width ramp
-            kept = 1 - torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+            kept = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
             return 1.0 / (self.factor * pos_freqs) * (1 - kept) + inv * kept
         if self.kind == "linear":
             return inv / self.factor
@@ -208,8 +216,35 @@ class AttentionSettings:
     softcap: float | None = None
 
 
+@dataclass(frozen=True)
+class Router:
+    """How a mixture of experts' router picks each token's top_k experts and weighs them (transformers 5.24's
+    *TopKRouter, *TopkRouter). "softmax" (Qwen3-MoE, Qwen2-MoE, Mixtral): a float32 softmax over the bf16 router's
+    logits, top-k, renormalised to sum 1 when renormalize. "sigmoid" (DeepSeek-V3, GLM-4.5): every step in float32,
+    the router's weight too; sigmoid scores; e_score_correction_bias added to them for the choice only; the top-k
+    among the experts of the topk_group groups (of n_group, consecutive experts) whose two best biased scores sum
+    highest; weighed by their unbiased scores, renormalised (+1e-20) when renormalize, times scale
+    (routed_scaling_factor)."""
+    kind: str = "softmax"
+    top_k: int = 1
+    renormalize: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
+
+    def describe(self):
+        groups = f" among the best {self.topk_group} of {self.n_group} groups" if self.topk_group < self.n_group else ""
+        return (f"{self.kind} top-{self.top_k}{groups}" + (", correction bias" if self.kind == "sigmoid" else "")
+                + (", renormalised" if self.renormalize else "") + (f", times {self.scale:g}" if self.scale != 1 else ""))
+
+
 def every_layer(fields, layers):  # Mistral: sliding_window (default 4096; null: none) slides every layer
     window = fields.off_or(fields.count, "sliding_window", 4096)
+    return ["sliding_attention" if window else "full_attention"] * layers, window
+
+
+def every_layer_when_given(fields, layers):  # Mixtral: sliding_window (default null: none) slides every layer
+    window = fields.off_or(fields.count, "sliding_window", None)
     return ["sliding_attention" if window else "full_attention"] * layers, window
 
 
@@ -239,6 +274,108 @@ def every_layer_when_used(fields, layers):  # Qwen3-MoE: with use_sliding_window
     return ["sliding_attention" if window else "full_attention"] * layers, window
 
 
+def even_below_max_window_layers(fields, layers):  # Qwen2-MoE: with use_sliding_window, the even layers below
+    #                                                  max_window_layers (Qwen2MoeConfig's layer_types)
+    used = fields.flag("use_sliding_window")
+    window = fields.off_or(fields.count, "sliding_window", 4096) if used else None
+    given = fields.source.get("layer_types")
+    if not used and isinstance(given, list) and "sliding_attention" in given:
+        raise UserError(f"{fields.where}: layer_types names sliding layers but use_sliding_window is off, which makes "
+                        "transformers' window 0 (no key seen); not supported")
+    first = fields.get("max_window_layers", 28, lambda v: type(v) is int and v >= 0, "a non-negative integer")
+    return ["sliding_attention" if window and i % 2 == 0 and i < first else "full_attention"
+            for i in range(layers)], window
+
+
+def expert_count(fields, path, spellings, defaults):
+    """(experts, top_k): the experts' count from the spelling that config.json gives (where it gives several, they
+    must agree: transformers maps one onto the other, its attribute_map), num_experts_per_tok of them a token;
+    defaults: the family's, by the first spelling (none: the field is required)."""
+    given = {key: fields.source[key] for key in spellings if fields.source.get(key) is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise UserError(f"{path}: {' and '.join(given)} disagree ({given})")
+    experts = fields.count(next(iter(given), spellings[0]), defaults.get(spellings[0]))
+    top_k = fields.count("num_experts_per_tok", defaults.get("num_experts_per_tok"))
+    if top_k > experts:
+        raise UserError(f"{path}: num_experts_per_tok is {top_k}, more than the {experts} experts")
+    return experts, top_k
+
+
+def moe_fields(fields, path, layers, defaults, spellings=("num_experts", "num_local_experts")):
+    """Qwen3-MoE's fields of config.json, checked (transformers 5.24, models/qwen3_moe): num_experts (Hub configs
+    say num_experts, configs that transformers 5 saves say num_local_experts), num_experts_per_tok,
+    moe_intermediate_size, norm_topk_prob (false when absent, as transformers' default), and which layers keep the
+    dense MLP: Qwen3MoeDecoderLayer makes layer i a mixture of experts iff i is not in mlp_only_layers and (i + 1) %
+    decoder_sparse_step == 0 (both must hold: the config's docstring says mlp_only_layers overrides the step, its
+    code ANDs them). output_router_logits only adds the router's auxiliary loss to HF's .loss; prefill's loss is the
+    language-modelling loss alone, so it is not read."""
+    experts, top_k = expert_count(fields, path, spellings, defaults)
+    step, only = fields.count("decoder_sparse_step", 1), fields.source.get("mlp_only_layers")
+    only = [] if only is None else only
+    # transformers would ignore an index past the last layer; here it is a mistake named, as is a repeated one
+    if not (isinstance(only, list) and all(type(i) is int and 0 <= i < layers for i in only)
+            and len(set(only)) == len(only)):
+        raise UserError(f"{path}: mlp_only_layers is {json.dumps(only)[:60]}; expected a list of distinct layer "
+                        f"indices from 0 to {layers - 1}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=fields.count("moe_intermediate_size"),
+                norm_topk_prob=fields.flag("norm_topk_prob"),
+                dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step))
+
+
+def qwen2_moe_fields(fields, path, layers, defaults):
+    """Qwen2-MoE's (models/qwen2_moe): Qwen3-MoE's fields and dense-layer rule (Qwen2MoeDecoderLayer's is the same),
+    num_experts its only spelling (Qwen2MoeConfig maps no other), and a shared expert beside the routed ones in every
+    MoE layer, shared_expert_intermediate_size wide, its output times sigmoid(mlp.shared_expert_gate)."""
+    return dict(moe_fields(fields, path, layers, defaults, ("num_experts",)), shared_expert="mlp.shared_expert",
+                shared_intermediate_size=fields.count("shared_expert_intermediate_size"), shared_expert_gate=True)
+
+
+def mixtral_fields(fields, path, layers, defaults):
+    """Mixtral's (models/mixtral): every layer a mixture of num_local_experts (or num_experts, its attribute_map's
+    other spelling) experts intermediate_size wide, num_experts_per_tok of them a token, always renormalised; their
+    tensors under block_sparse_moe, an expert's w1 its gate, w3 its up, w2 its down (the Hub's names, which
+    save_pretrained writes back). router_jitter_noise acts in training only."""
+    experts, top_k = expert_count(fields, path, ("num_local_experts", "num_experts"), defaults)
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=fields.count("intermediate_size"),
+                norm_topk_prob=True, expert_names=("block_sparse_moe", "w1", "w3", "w2"))
+
+
+ROUTER_METHODS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}  # DeepSeek-V3's, the only ones read
+
+
+def sigmoid_moe_fields(fields, path, layers, defaults):
+    """DeepSeek-V3's mixture of experts, which GLM-4.5 shares (models/deepseek_v3, glm4_moe; defaults: the family's
+    configuration class's): n_routed_experts (or num_local_experts) experts moe_intermediate_size wide,
+    num_experts_per_tok of them a token, chosen by the sigmoid Router (n_group, topk_group, norm_topk_prob,
+    routed_scaling_factor, the correction bias in the checkpoint); n_shared_experts beside them as one MLP
+    n_shared_experts * moe_intermediate_size wide, added unweighted; the first first_k_dense_replace layers the dense
+    MLP, intermediate_size wide. scoring_func and topk_method, where a config gives them, must be DeepSeek-V3's; so
+    must moe_layer_freq (DeepSeek's own modeling code makes every moe_layer_freq-th layer a MoE, transformers every
+    layer from first_k_dense_replace on: they agree at 1 only)."""
+    for key, method in ROUTER_METHODS.items():
+        if fields.source.get(key, method) != method:
+            raise UserError(f"{path}: {key} is {shown(fields.source[key])}; prefill's router reads {key} {method} only")
+    if fields.source.get("moe_layer_freq", 1) != 1:
+        raise UserError(f"{path}: moe_layer_freq is {shown(fields.source['moe_layer_freq'])}: DeepSeek's modeling code "
+                        "would keep dense MLPs between the MoE layers, transformers' would not; prefill reads 1 only")
+    experts, top_k = expert_count(fields, path, ("n_routed_experts", "num_local_experts"), defaults)
+    groups, kept = (fields.count(key, defaults[key]) for key in ("n_group", "topk_group"))
+    # transformers ranks a group by its two best scores and keeps topk_group of them, then takes the top-k there
+    if experts % groups or experts // groups < 2 or kept > groups or top_k > kept * (experts // groups):
+        raise UserError(f"{path}: {experts} experts in n_group {groups} groups, topk_group {kept} of them kept, top-"
+                        f"{top_k}: expected groups of at least 2 experts, and no more experts chosen than kept")
+    J = fields.count("moe_intermediate_size", defaults["moe_intermediate_size"])
+    shared, first = (fields.get(key, defaults[key], lambda v: type(v) is int and v >= 0,
+                                "a non-negative integer") for key in ("n_shared_experts", "first_k_dense_replace"))
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=J,
+                norm_topk_prob=fields.flag("norm_topk_prob", defaults["norm_topk_prob"]), router_kind="sigmoid",
+                n_group=groups, topk_group=kept,
+                routed_scaling_factor=fields.positive("routed_scaling_factor", defaults["routed_scaling_factor"]),
+                shared_expert="mlp.shared_experts" if shared else None, shared_intermediate_size=shared * J,
+                dense_layers=tuple(range(min(first, layers))))
+
+
 @dataclass(frozen=True)
 class Family:
     """What a model_type's config.json leaves to transformers' modeling code (read in transformers 5.24)."""
@@ -249,7 +386,14 @@ class Family:
     sandwich_norms: bool = False   # Gemma: four norms a layer, the attention's and the MLP's outputs normed too
     embed_scale: bool = False      # Gemma: embeddings × √hidden, rounded to bf16
     qkv_bias: bool = False         # Qwen2: q, k and v always have biases, o never
+    qkv_bias_key: tuple = None     # (key, default): config.json's switch of biases on q, k and v, o never (GLM-4.5:
+    #                                attention_bias, Qwen2-MoE: qkv_bias)
     attention_bias: bool = False   # attention_bias is read: biases on q, k, v and o
+    qk_norm_key: str = None        # config.json's switch of the q/k norm, off by default (GLM-4.5: use_qk_norm)
+    partial_rotary: float = None   # partial_rotary_factor's default where the family rotates part of each head
+    #                                (GLM-4.5: 0.5); None: a factor other than 1 is refused
+    rms_norm_eps: float = 1e-6     # its default
+    rope_theta: float = 10000.0    # its default
     mlp_bias: bool = False         # mlp_bias is read: biases on gate, up and down (Llama)
     softcaps: tuple = None         # defaults of attn_logit_softcapping and final_logit_softcapping (None: not read)
     scale_key: str = None          # the key whose value^-½ scales the scores (None: head_dim)
@@ -258,7 +402,9 @@ class Family:
     activation: str = "silu"       # its default
     tied: bool = False             # tie_word_embeddings' default
     two_ropes: bool = False        # Gemma 3: a RoPE for sliding layers and another for full ones
-    experts: bool = False          # Qwen3-MoE: feed-forwards of experts (moe_fields: which layers keep the MLP)
+    experts: object = None         # a mixture of experts: (fields, path, layers, moe_defaults) -> ModelConfig's fields
+    #                                of it (which layers keep the MLP among them too); None: a dense model
+    moe_defaults: tuple = ()       # (key, default) pairs of its configuration class that experts reads (none: required)
     latent_attention: bool = False  # DeepSeek-V3: multi-head latent attention (latent_fields)
 
 
@@ -274,11 +420,27 @@ FAMILIES = {
     "gemma2": Family(layer_types=alternate, softcaps=(50.0, 30.0), **GEMMA),
     "gemma3_text": Family(layer_types=one_full_in_pattern, qk_norm=True, softcaps=(None, None), two_ropes=True,
                           **GEMMA),
-    "qwen3_moe": Family(layer_types=every_layer_when_used, qk_norm=True, attention_bias=True, experts=True),
-    "deepseek_v3": Family(attention_bias=True, latent_attention=True),
+    "qwen3_moe": Family(layer_types=every_layer_when_used, qk_norm=True, attention_bias=True, experts=moe_fields),
+    "qwen2_moe": Family(layer_types=even_below_max_window_layers, reads_layer_types=True,
+                        qkv_bias_key=("qkv_bias", True), experts=qwen2_moe_fields),
+    "mixtral": Family(layer_types=every_layer_when_given, rms_norm_eps=1e-5, rope_theta=1e6, experts=mixtral_fields,
+                      moe_defaults=(("num_local_experts", 8), ("num_experts_per_tok", 2))),
+    # GLM-4.5, 4.6, 4.5-Air: Glm4MoeConfig's defaults. Its MTP layers (num_nextn_predict_layers, tensors of layer
+    # index num_hidden_layers) are not part of the causal LM: transformers drops them, and prefill never reads them
+    "glm4_moe": Family(qkv_bias_key=("attention_bias", False), qk_norm_key="use_qk_norm", partial_rotary=0.5,
+                       rms_norm_eps=1e-5, experts=sigmoid_moe_fields, moe_defaults=(
+                           ("n_routed_experts", 128), ("num_experts_per_tok", 8), ("moe_intermediate_size", 1408),
+                           ("n_shared_experts", 1), ("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0),
+                           ("norm_topk_prob", True), ("first_k_dense_replace", 1))),
+    # DeepSeek-V3, Moonlight, Kimi-K2 (a copy whose config.json says deepseek_v3): DeepseekV3Config's defaults; its
+    # MTP layers likewise
+    "deepseek_v3": Family(attention_bias=True, latent_attention=True, experts=sigmoid_moe_fields, moe_defaults=(
+        ("n_routed_experts", 256), ("num_experts_per_tok", 8), ("moe_intermediate_size", 2048),
+        ("n_shared_experts", 1), ("n_group", 8), ("topk_group", 4), ("routed_scaling_factor", 2.5),
+        ("norm_topk_prob", True), ("first_k_dense_replace", 3))),
 }
 # keys that mark a config.json as a mixture of experts (Mixtral, GPT-OSS: num_local_experts; Qwen2-MoE, OLMoE:
-# num_experts; DeepSeek: n_routed_experts): of those, prefill runs Qwen3-MoE only
+# num_experts; DeepSeek: n_routed_experts): of those, prefill runs the families whose row has experts
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' ACT2FN names
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")
@@ -330,7 +492,7 @@ def yarn_mscale(factor, mscale=1):  # transformers' get_mscale (yarn_get_mscale 
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def yarn_rope(fields, theta):
+def yarn_rope(fields, theta, partial):
     """Every field transformers' _compute_yarn_parameters reads (5.24): factor (required: its validation raises
     without it), original_max_position_embeddings (read_ropes defaults it to max_position_embeddings, as
     standardize_rope_params does), beta_fast and beta_slow (32 and 1 where absent, null or 0), truncate (true where
@@ -352,27 +514,30 @@ def yarn_rope(fields, theta):
                 original_max_position_embeddings=fields.count("original_max_position_embeddings"),
                 beta_fast=fields.get("beta_fast", 32, number, "a non-negative number") or 32,
                 beta_slow=fields.get("beta_slow", 1, number, "a non-negative number") or 1,
-                truncate=bool(truncate), attention_factor=attention_factor)
+                truncate=bool(truncate), attention_factor=attention_factor, partial=partial)
 
 
-def rope_of(params, where):
+def rope_of(params, where, partial=None):
+    # partial: partial_rotary_factor's default where the family reads it (None: a factor other than 1 is refused)
     fields = ConfigFields(params, where)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_KINDS:
         raise UserError(f"{where}: RoPE type {shown(kind)} is not supported (only {', '.join(ROPE_KINDS)})")
-    if params.get("partial_rotary_factor") is not None and not (type(params["partial_rotary_factor"]) in (int, float)
-                                                                and params["partial_rotary_factor"] == 1):
+    if partial is None and params.get("partial_rotary_factor") is not None and not (
+            type(params["partial_rotary_factor"]) in (int, float) and params["partial_rotary_factor"] == 1):
         raise UserError(f"{where}: partial_rotary_factor is {shown(params['partial_rotary_factor'])}; RoPE on part of "
                         "a head is not supported")
+    part = fields.get("partial_rotary_factor", partial or 1.0, lambda v: type(v) in (int, float) and 0 < v <= 1,
+                      "a number in (0, 1]")
     theta = fields.positive("rope_theta")
     if kind == "default":
-        return Rope(theta)
+        return Rope(theta, partial=part)
     if kind == "linear":
-        return Rope(theta, kind, fields.positive("factor"))
+        return Rope(theta, kind, fields.positive("factor"), partial=part)
     if kind == "yarn":
-        return yarn_rope(fields, theta)
+        return yarn_rope(fields, theta, part)
     return Rope(theta, kind, fields.positive("factor"), fields.positive("low_freq_factor"),
-                fields.positive("high_freq_factor"), fields.count("original_max_position_embeddings"))
+                fields.positive("high_freq_factor"), fields.count("original_max_position_embeddings"), partial=part)
 
 
 def read_ropes(raw, family, path):
@@ -399,47 +564,18 @@ def read_ropes(raw, family, path):
                 "sliding_attention": rope_of(sliding, f"{path}: sliding_attention RoPE")}
     if set(params) & set(LAYER_TYPES):
         raise UserError(f"{path}: rope_parameters nested by layer type: {raw.get('model_type')} has one RoPE")
-    return {None: rope_of({"rope_theta": raw.get("rope_theta", 10000.0), **common, **params}, f"{path}: RoPE")}
+    return {None: rope_of({"rope_theta": raw.get("rope_theta", family.rope_theta), **common, **params}, f"{path}: RoPE",
+                          family.partial_rotary)}
 
 
-def moe_fields(fields, path, layers):
-    """Qwen3-MoE's fields of config.json, checked (transformers 5.24, models/qwen3_moe): num_experts (Hub configs
-    say num_experts, configs that transformers 5 saves say num_local_experts), num_experts_per_tok,
-    moe_intermediate_size, norm_topk_prob (false when absent, as transformers' default), and which layers keep the
-    dense MLP: Qwen3MoeDecoderLayer makes layer i a mixture of experts iff i is not in mlp_only_layers and (i + 1) %
-    decoder_sparse_step == 0 (both must hold: the config's docstring says mlp_only_layers overrides the step, its
-    code ANDs them). output_router_logits only adds the router's auxiliary loss to HF's .loss; prefill's loss is the
-    language-modelling loss alone, so it is not read."""
-    spellings = {key: fields.source[key] for key in ("num_experts", "num_local_experts")
-                 if fields.source.get(key) is not None}
-    if len(set(map(repr, spellings.values()))) > 1:
-        raise UserError(f"{path}: num_experts and num_local_experts disagree ({spellings})")
-    experts, top_k = fields.count(next(iter(spellings), "num_experts")), fields.count("num_experts_per_tok")
-    if top_k > experts:
-        raise UserError(f"{path}: num_experts_per_tok is {top_k}, more than the {experts} experts")
-    step, only = fields.count("decoder_sparse_step", 1), fields.source.get("mlp_only_layers")
-    only = [] if only is None else only
-    # transformers would ignore an index past the last layer; here it is a mistake named, as is a repeated one
-    if not (isinstance(only, list) and all(type(i) is int and 0 <= i < layers for i in only)
-            and len(set(only)) == len(only)):
-        raise UserError(f"{path}: mlp_only_layers is {json.dumps(only)[:60]}; expected a list of distinct layer "
-                        f"indices from 0 to {layers - 1}")
-    return dict(num_experts=experts, num_experts_per_tok=top_k,
-                moe_intermediate_size=fields.count("moe_intermediate_size"),
-                norm_topk_prob=fields.flag("norm_topk_prob"),
-                dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step))
-
-
-def latent_fields(fields, path, heads, layers):
+def latent_fields(fields, path, heads):
     """DeepSeek-V3's fields of config.json (transformers 5.24, models/deepseek_v3), with DeepseekV3Config's defaults
     where absent: its multi-head latent attention's q_lora_rank (null: q is q_proj, no LoRA), kv_lora_rank,
     qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope_interleave (null is false to DeepseekV3Attention's test of
     it), num_key_value_heads (the keys it expands are one a query head: it must be the query heads' count). Its q/k
     head_dim is nope + rope; the config's own head_dim, where given, is what DeepseekV3Config keeps and sizes RoPE by
-    (its default: qk_rope_head_dim, which it must then be); qk_head_dim is not read. first_k_dense_replace: layers
-    from there on are mixtures of experts, whose router prefill does not run yet: refused, every layer must be dense
-    (DeepseekV3MLP, intermediate_size wide). The MoE fields (n_routed_experts and the router's) change nothing then;
-    where they are read, they go here."""
+    (its default: qk_rope_head_dim, which it must then be); qk_head_dim is not read. Its mixture of experts is
+    sigmoid_moe_fields'."""
     source = fields.source
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace"):
         if key in source and source[key] is None:  # transformers' modules would be built of None and fail
@@ -450,11 +586,6 @@ def latent_fields(fields, path, heads, layers):
     if fields.count("num_key_value_heads", heads) != heads:
         raise UserError(f"{path}: num_key_value_heads is {source['num_key_value_heads']}, not num_attention_heads "
                         f"({heads}): DeepSeek's latent attention expands one key and value a query head")
-    first = fields.get("first_k_dense_replace", 3, lambda v: type(v) is int and v >= 0, "a non-negative integer")
-    if first < layers:
-        raise UserError(f"{path}: first_k_dense_replace is {first}, so layers {first} to {layers - 1} are mixtures "
-                        "of experts (DeepSeek-V3's router), which prefill does not run yet; it runs deepseek_v3 with "
-                        "every layer dense (first_k_dense_replace >= num_hidden_layers)")
     nope, rope = fields.count("qk_nope_head_dim", 128), fields.count("qk_rope_head_dim", 64)
     if "head_dim" in source and source["head_dim"] != rope:
         raise UserError(f"{path}: head_dim is {shown(source['head_dim'])}, not qk_rope_head_dim ({rope}): "
@@ -566,17 +697,18 @@ def misread_side(n):
     return n > FP8_BLOCK and n % FP8_BLOCK and n % scale_grid((n,))[0] == 0
 
 
-def held_layout(layout, numel, fp8):
+def held_layout(layout, numel, fp8, dtypes):
     """How a layer is held (resident, in host memory, in a slot): [(name, byte offset, shape, dtype)], and its bytes.
-    layout: its bf16 layout, {name: (element offset, shape)}, numel elements long; fp8: the names of its weights held
-    as FP8, each one's float8 bytes then its scales (float32, one per FP8_BLOCK x FP8_BLOCK block), dequantized into
-    the bf16 layout just before the layer runs. With none, the bf16 layout itself."""
+    layout: its bf16 layout, {name: (offset in bf16 elements, shape)}, numel bf16 elements long, each tensor bf16 but
+    those dtypes names ({name: dtype}: the V3 router's float32 ones); fp8: the names of its weights held as FP8, each
+    one's float8 bytes then its scales (float32, one per FP8_BLOCK x FP8_BLOCK block), dequantized into the bf16 layout
+    just before the layer runs. With none, the bf16 layout itself."""
     if not fp8:
-        return [(name, offset * DTYPE.itemsize, shape, DTYPE) for name, (offset, shape) in layout.items()], \
-            numel * DTYPE.itemsize
+        return [(name, offset * DTYPE.itemsize, shape, dtypes.get(name, DTYPE)) for name, (offset, shape)
+                in layout.items()], numel * DTYPE.itemsize
     held, offset = [], 0
     for name, (_, shape) in layout.items():
-        parts = [(name, shape, DTYPE)]
+        parts = [(name, shape, dtypes.get(name, DTYPE))]
         if name in fp8:
             parts = [(name, shape, FP8), (name + "_scale_inv", scale_grid(shape), torch.float32)]
             if any(map(misread_side, shape)):
@@ -615,11 +747,20 @@ class ModelConfig:
     final_softcap: float | None = None  # of the logits: cap · tanh(logits / cap), in bf16 as transformers
     tensor_prefixes: tuple = ()  # (prefix in the files, prefix read) pairs: a multimodal Gemma 3
     max_position_embeddings: int = 0  # 0: not given; a longer text is computed all the same, as transformers does
-    num_experts: int = 0            # Qwen3-MoE (0: a dense MLP): each layer's experts, of which a token meets
-    num_experts_per_tok: int = 0    # these, each moe_intermediate_size wide, their weights renormalised to sum 1
-    moe_intermediate_size: int = 0  # when norm_topk_prob
-    norm_topk_prob: bool = False
-    dense_layers: tuple = ()        # Qwen3-MoE: layers whose feed-forward is the dense MLP, intermediate_size wide
+    num_experts: int = 0            # a mixture of experts (0: a dense MLP): each layer's experts, of which a token
+    num_experts_per_tok: int = 0    # meets these, each moe_intermediate_size wide, chosen and weighed by the Router
+    moe_intermediate_size: int = 0  # of these fields (self.router): its kind, renormalised when norm_topk_prob; the
+    norm_topk_prob: bool = False    # sigmoid one's groups and scale
+    router_kind: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    dense_layers: tuple = ()        # layers whose feed-forward is the dense MLP, intermediate_size wide
+    expert_names: tuple = ("mlp", "gate_proj", "up_proj", "down_proj")  # the MoE block's module inside a layer, an
+    #                                 expert's gate, up and down projections (Mixtral: block_sparse_moe, w1, w3, w2)
+    shared_expert: str = None       # the shared experts' module (V3, GLM: mlp.shared_experts, several as one MLP;
+    shared_intermediate_size: int = 0  # Qwen2-MoE: mlp.shared_expert), a gated MLP this wide beside the routed ones
+    shared_expert_gate: bool = False   # Qwen2-MoE: the shared expert's output times sigmoid(mlp.shared_expert_gate)
     fp8_scales: str = None          # block-wise FP8 weights (fp8_fields): their scales' format, "float" or "ue8m0";
     #                                 None: the weights are bf16 (or f16, f32) in the files
     fp8_not_converted: tuple = ()   # its modules_to_not_convert: patterns naming modules kept bf16 (not_converted)
@@ -644,6 +785,18 @@ class ModelConfig:
         if self.rope_dim < 2 or self.rope_dim % 2:
             raise UserError(f"{'qk_rope_head_dim' if self.kv_lora_rank else 'head_dim'} is {self.rope_dim}; RoPE "
                             "rotates pairs of a head's channels: it must be even and positive")
+        for rope in set(self.ropes):
+            if rope.rotary_dim(D) < 2 or rope.rotary_dim(D) % 2:
+                raise UserError(f"partial_rotary_factor {rope.partial} rotates {rope.rotary_dim(D)} of head_dim {D}'s "
+                                "channels; RoPE rotates pairs: it must be even and positive")
+        self.router = Router(self.router_kind, self.num_experts_per_tok, self.norm_topk_prob, self.n_group,
+                             self.topk_group, self.routed_scaling_factor) if self.num_experts else None
+        # tensors held in another dtype than bf16 (the rest): the V3 router's weight and correction bias stay float32
+        # in a bf16 model (transformers' _keep_in_fp32_modules_strict), whatever the files hold (an upcast is exact);
+        # a float32 one takes the room of two bf16 elements an element in the layer's buffer
+        block = self.expert_names[0]
+        self.tensor_dtypes = {f"{block}.gate.{name}": torch.float32 for name in ("weight", "e_score_correction_bias")
+                              } if self.router_kind == "sigmoid" else {}
         # Each layer's kind: "moe" (a mixture of experts) or "mlp" (the gated MLP); a Qwen3-MoE may mix them.
         self.layer_kinds = tuple("moe" if self.num_experts and i not in self.dense_layers else "mlp"
                                  for i in range(self.num_hidden_layers))
@@ -657,7 +810,7 @@ class ModelConfig:
                 if not fused:
                     offset = -(-offset // 64) * 64
                 self.layouts[kind][name] = (offset, shape)
-                offset += math.prod(shape)
+                offset += math.prod(shape) * self.tensor_dtypes.get(name, DTYPE).itemsize // DTYPE.itemsize
             numels[kind] = offset
         # How each layer is held (held_layout), a list shared by the layers held alike: the bf16 layout itself, or
         # with FP8 weights each projection's float8 bytes and scales, but for those modules_to_not_convert names,
@@ -669,7 +822,7 @@ class ModelConfig:
             fp8 = frozenset(name for name in self.layouts[kind] if self.fp8_scales and is_fp8_weight(name)
                             and not kept(f"model.layers.{layer}.{name[:-len('.weight')]}"))
             if (kind, fp8) not in alike:
-                alike[kind, fp8] = held_layout(self.layouts[kind], numels[kind], fp8)
+                alike[kind, fp8] = held_layout(self.layouts[kind], numels[kind], fp8, self.tensor_dtypes)
             held.append(alike[kind, fp8])
         self.held = tuple(parts for parts, _ in held)
         self.layer_nbytes = tuple(nbytes for _, nbytes in held)
@@ -727,13 +880,23 @@ class ModelConfig:
         # the feed-forward half: its input norm, the gated MLP ("mlp") or the mixture of experts ("moe")
         H, I = self.hidden_size, self.intermediate_size
         norm = "pre_feedforward_layernorm" if self.sandwich_norms else "post_attention_layernorm"
-        if kind == "moe":  # the router; each expert's gate rows then its up rows, expert after expert (one
-            # [experts, 2 moe_intermediate, hidden] view, expert e's fused gate_up at [e]); each expert's down
-            E, J = self.num_experts, self.moe_intermediate_size
-            return ([(f"{norm}.weight", (H,), False), ("mlp.gate.weight", (E, H), False)]
-                    + [(f"mlp.experts.{e}.{p}_proj.weight", (J, H), e > 0 or p == "up")
-                       for e in range(E) for p in ("gate", "up")]
-                    + [(f"mlp.experts.{e}.down_proj.weight", (H, J), e > 0) for e in range(E)])
+        if kind == "moe":  # the router (and the V3 router's correction bias); each expert's gate rows then its up
+            # rows, expert after expert (one [experts, 2 moe_intermediate, hidden] view, expert e's fused gate_up at
+            # [e]); each expert's down; the shared experts' gate and up rows, their down, Qwen2-MoE's gate
+            E, J, (block, gate, up, down) = self.num_experts, self.moe_intermediate_size, self.expert_names
+            out = [(f"{norm}.weight", (H,), False), (f"{block}.gate.weight", (E, H), False)]
+            if self.router_kind == "sigmoid":
+                out.append((f"{block}.gate.e_score_correction_bias", (E,), False))
+            out += ([(f"{block}.experts.{e}.{p}.weight", (J, H), e > 0 or p == up) for e in range(E) for p in (gate, up)]
+                    + [(f"{block}.experts.{e}.{down}.weight", (H, J), e > 0) for e in range(E)])
+            if self.shared_expert:
+                S = self.shared_intermediate_size
+                out += [(f"{self.shared_expert}.gate_proj.weight", (S, H), False),
+                        (f"{self.shared_expert}.up_proj.weight", (S, H), True),
+                        (f"{self.shared_expert}.down_proj.weight", (H, S), False)]
+            if self.shared_expert_gate:
+                out.append(("mlp.shared_expert_gate.weight", (1, H), False))
+            return out
         out = [(f"{norm}.weight", (H,), False), ("mlp.gate_proj.weight", (I, H), False),
                ("mlp.up_proj.weight", (I, H), True)]
         if self.mlp_bias:
@@ -773,7 +936,9 @@ class ModelConfig:
                             "runs as DeepSeek-V3")
         family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
         if family is None:
-            moe = ", a mixture of experts (of those prefill runs qwen3_moe only)" if set(MOE_KEYS) & set(raw) else ""
+            moe = (", a mixture of experts (of those prefill runs "
+                   f"{', '.join(name for name, f in FAMILIES.items() if f.experts)} only)") if set(MOE_KEYS) & set(raw) \
+                else ""
             raise UserError(f"{path}: model_type is {shown(model_type)}{moe}; prefill runs "
                             f"{', '.join(FAMILIES)} (and gemma3 with a text_config) only")
         if raw.get("use_bidirectional_attention") not in (None, False):  # (True == 1 in Python: compared by type too)
@@ -782,10 +947,12 @@ class ModelConfig:
 
         hidden, heads, layers = fields.count("hidden_size"), fields.count("num_attention_heads"), \
             fields.count("num_hidden_layers")
-        latent = latent_fields(fields, path, heads, layers) if family.latent_attention else {}
+        latent = latent_fields(fields, path, heads) if family.latent_attention else {}
         head_dim = latent.pop("head_dim", None) or fields.count("head_dim", family.head_dim or hidden // heads)
         activation = fields.get(family.activation_key, family.activation, lambda v: v in ACTIVATIONS,
                                 f"one of {', '.join(ACTIVATIONS)}")
+        if family.experts and ACTIVATIONS[activation] != "silu":
+            raise UserError(f"{path}: {family.activation_key} is {shown(activation)}; prefill's experts are SwiGLU")
         # which layers slide: config.json's own layer_types where the family reads them (transformers does, first)
         types, window = family.layer_types(fields, layers)
         given = raw.get("layer_types")
@@ -807,20 +974,22 @@ class ModelConfig:
         settings = {t: AttentionSettings(scale, window if t == "sliding_attention" else None, softcap)
                     for t in LAYER_TYPES}
         attention_bias = family.attention_bias and fields.flag("attention_bias")
+        qkv_bias = family.qkv_bias or attention_bias or bool(family.qkv_bias_key and fields.flag(*family.qkv_bias_key))
         config = dict(
             model_type=model_type, hidden_size=hidden, intermediate_size=fields.count("intermediate_size"),
             num_hidden_layers=layers, num_attention_heads=heads,
             num_key_value_heads=fields.count("num_key_value_heads", heads), head_dim=head_dim,
-            vocab_size=fields.count("vocab_size"), rms_norm_eps=fields.positive("rms_norm_eps", 1e-6),
+            vocab_size=fields.count("vocab_size"), rms_norm_eps=fields.positive("rms_norm_eps", family.rms_norm_eps),
             tie_word_embeddings=fields.flag("tie_word_embeddings", family.tied),
             ropes=tuple(ropes[t if family.two_ropes else None] for t in types),
             attention=tuple(settings[t] for t in types), activation=ACTIVATIONS[activation],
-            qk_norm=family.qk_norm, norm_offset=family.norm_offset, sandwich_norms=family.sandwich_norms,
-            qkv_bias=family.qkv_bias or attention_bias, o_bias=attention_bias,
+            qk_norm=family.qk_norm or bool(family.qk_norm_key and fields.flag(family.qk_norm_key)),
+            norm_offset=family.norm_offset, sandwich_norms=family.sandwich_norms, qkv_bias=qkv_bias, o_bias=attention_bias,
             mlp_bias=family.mlp_bias and fields.flag("mlp_bias"), embed_scale=family.embed_scale,
             final_softcap=fields.off_or(fields.positive, "final_logit_softcapping", family.softcaps[1])
             if family.softcaps else None,
-            tensor_prefixes=prefixes, **fp8, **(moe_fields(fields, path, layers) if family.experts else {}), **latent,
+            tensor_prefixes=prefixes, **fp8, **latent,
+            **(family.experts(fields, path, layers, dict(family.moe_defaults)) if family.experts else {}),
             max_position_embeddings=fields.get("max_position_embeddings", 0, lambda v: type(v) is int and v >= 0,
                                                "a non-negative integer"),
         )
@@ -1224,7 +1393,7 @@ def check_tensors(ckpt, cfg, fixed):
             dtype = ckpt.tensors[name][1]
             scales = (torch.float32, torch.bfloat16, torch.float8_e8m0fnu) + (
                 (torch.uint8,) if cfg.fp8_scales == "ue8m0" else ())
-            wanted = {FP8: (FP8,), torch.float32: scales}.get(held, FLOATS)
+            wanted = (FP8,) if held == FP8 else scales if name.endswith("_scale_inv") else FLOATS
             if dtype not in wanted:
                 raise UserError(f"checkpoint tensor {name} is {str(dtype)[6:]}; the model is {fp8}" + (
                     ", its modules_to_not_convert naming this one" if kept else "") + ", which makes it "
@@ -1253,12 +1422,16 @@ class LayerWeights:  # None: the family has no such tensor
     o_bias: object = None            # [hidden]
     attn_out_norm: object = None     # [hidden]: Gemma's norm of the attention's output
     mlp_norm: torch.Tensor = None    # [hidden]: the norm before the MLP
-    router: object = None            # [experts, hidden]: Qwen3-MoE's, where gate_up and down are the experts':
+    router: object = None            # [experts, hidden] (float32: Router.kind sigmoid), where gate_up and down are
+    router_bias: object = None       # the experts'; [experts] float32: the sigmoid router's e_score_correction_bias
     gate_up: torch.Tensor = None     # [2 intermediate, hidden]; MoE: [experts, 2 moe_intermediate, hidden]
     gate_up_bias: object = None      # [2 intermediate]
     down: torch.Tensor = None        # [hidden, intermediate]; MoE: [experts, hidden, moe_intermediate]
     down_bias: object = None         # [hidden]
     mlp_out_norm: object = None      # [hidden]: Gemma's norm of the MLP's output
+    shared_gate_up: object = None    # [2 shared_intermediate, hidden]: the shared experts' (V3, GLM, Qwen2-MoE)
+    shared_down: object = None       # [hidden, shared_intermediate]
+    shared_gate: object = None       # [1, hidden]: Qwen2-MoE's shared_expert_gate
 
 
 def layer_views(flat, cfg, kind=None):
@@ -1270,15 +1443,19 @@ def layer_views(flat, cfg, kind=None):
             return None
         offset, own = layout[name]
         shape = shape or ((rows, *own[1:]) if rows else own)
-        return flat[offset:offset + math.prod(shape)].view(shape)
+        return typed(flat, offset * DTYPE.itemsize, math.prod(shape), cfg.tensor_dtypes.get(name, DTYPE)).view(shape)
     qkv, gate_up = cfg.qkv_rows, 2 * cfg.intermediate_size
     first = "self_attn.q_a_proj" if "self_attn.q_a_proj.weight" in layout else "self_attn.q_proj"
     mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
-    if "mlp.gate.weight" in layout:
+    block, gate, _, down = cfg.expert_names
+    if f"{block}.gate.weight" in layout:
         E, H, J = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        experts = dict(router=view("mlp.gate.weight"),
-                       gate_up=view("mlp.experts.0.gate_proj.weight", shape=(E, 2 * J, H)),
-                       down=view("mlp.experts.0.down_proj.weight", shape=(E, H, J)))
+        experts = dict(router=view(f"{block}.gate.weight"), router_bias=view(f"{block}.gate.e_score_correction_bias"),
+                       gate_up=view(f"{block}.experts.0.{gate}.weight", shape=(E, 2 * J, H)),
+                       down=view(f"{block}.experts.0.{down}.weight", shape=(E, H, J)),
+                       shared_gate_up=view(f"{cfg.shared_expert}.gate_proj.weight", 2 * cfg.shared_intermediate_size),
+                       shared_down=view(f"{cfg.shared_expert}.down_proj.weight"),
+                       shared_gate=view("mlp.shared_expert_gate.weight"))
     else:
         experts = dict(gate_up=view("mlp.gate_proj.weight", gate_up), down=view("mlp.down_proj.weight"))
     return LayerWeights(
@@ -1405,11 +1582,18 @@ def held_first(sizes, room):
 
 def moe_scratch_per_token(cfg):
     # device bytes moe_block holds at most per token of a chunk besides the wave's hidden states (an upper bound: all
-    # of it alive at once): the norm's output and its float32 temporaries, the router's bf16 logits and float32
-    # probabilities, the int64 routing indices, k rows of input, gate_up, activation and output (bf16), the output
-    # rows gathered per token (bf16) and their weighted sum
+    # of it alive at once): the norm's output and its float32 temporaries; the router's: softmax's bf16 logits and
+    # float32 probabilities, or the sigmoid one's float32 input, scores, biased and masked scores and group mask; the
+    # int64 routing indices, k rows of input, gate_up, activation and output (bf16), the output rows gathered per
+    # token (bf16) and their weighted sum; with shared experts the routed sum's own buffer and their gate_up,
+    # activation and output (bf16). The fused experts hold less: k rows of activation and of output, and up to
+    # experts x BLOCK_M rows of padded activation (DeepSeek-V3's 256 experts in 128-row blocks: 134 MB), which the
+    # gate_up and gathered rows they do without cover from ~460 tokens a slice (16,384 by default).
     H, J, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
-    return 2 * H + 12 * H + 6 * E + 8 * 8 * k + 2 * k * (2 * H + 3 * J) + 2 * k * H + 2 * H
+    S = cfg.shared_intermediate_size
+    router = 4 * H + 17 * E if cfg.router_kind == "sigmoid" else 6 * E
+    shared = 2 * H + 2 * (3 * S + H) + 2 if S else 0
+    return 2 * H + 12 * H + router + 8 * 8 * k + 2 * k * (2 * H + 3 * J) + 2 * k * H + 2 * H + shared
 
 
 def attention_scratch_per_token(cfg):
@@ -1467,12 +1651,14 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_t
 
 def layer_flops(cfg, kind, tokens, attended=0):
     # matrix FLOPs of one layer of kind over `tokens` tokens: attention projections (2 a weight: every matrix of the
-    # layout's attention half, MLA's latent ones too), the MLP (a MoE layer: router and the k active experts' SwiGLU),
-    # and attention's scores and values for `attended` keys per query on average
+    # layout's attention half, MLA's latent ones too), the MLP (a MoE layer: router, the k active experts' SwiGLU, the
+    # shared experts' and Qwen2-MoE's gate of them), and attention's scores and values for `attended` keys per query
+    # on average
     H = cfg.hidden_size
     projections = sum(math.prod(shape) for name, (_, shape) in cfg.layouts[kind].items()
                       if name.startswith("self_attn.") and len(shape) == 2)
-    mlp = (2 * cfg.num_experts * H + cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H if kind == "moe"
+    mlp = (2 * cfg.num_experts * H + cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H
+           + 6 * cfg.shared_intermediate_size * H + 2 * H * cfg.shared_expert_gate if kind == "moe"
            else 6 * cfg.intermediate_size * H)
     return tokens * (2 * projections + mlp + 2 * attended * cfg.num_attention_heads * (cfg.head_dim + cfg.v_head_dim))
 
@@ -1495,10 +1681,11 @@ WAVE_STEP = 65536            # the default wave, and the step of the planned one
 MAX_PLANNED_WAVE = 16 * WAVE_STEP
 # The nominal rates the wave is planned at (host->device GB/s, the GEMM TFLOP/s of a MoE layer's mix): fixed per GPU
 # family and never measured at start-up, since the wave decides which texts share a wave and so the last bits of
-# their numbers; a run's own rates would vary. NVIDIA: the H200's 55 GB/s and ~500 of its ~700 dense TFLOP/s for
-# grouped GEMMs (to be replaced by bench/moe_run.py's measurement); RDNA3: the W7800's 26 GB/s and 60 TFLOP/s
-# (PCIe 4.0 x16 as measured on that chip family; the GEMM rate estimated from a 7900 XTX's 88-99 with 96 CUs to the
-# W7800's 70); the CPU: a memcpy against a few cores' bf16 GEMMs.
+# their numbers; a run's own rates would vary, and so may the expert kernel picked. NVIDIA: the H200's 55 GB/s and
+# ~500 of its ~700 dense TFLOP/s for grouped GEMMs (to be replaced by bench/moe_run.py's measurement; a MoE layer's
+# whole rate, routing included, per expert kernel: bench/moe_layer.py's layer TFLOP/s); RDNA3: the W7800's 26 GB/s
+# and 60 TFLOP/s (PCIe 4.0 x16 as measured on that chip family; the GEMM rate estimated from a 7900 XTX's 88-99 with
+# 96 CUs to the W7800's 70); the CPU: a memcpy against a few cores' bf16 GEMMs.
 PLAN_RATES = {"nvidia": (55.0, 500.0), "rdna3": (26.0, 60.0), "amd": (55.0, 500.0), "cpu": (10.0, 0.5)}
 
 
@@ -1629,8 +1816,9 @@ def plan_host(cfg, streamed, budget, requested="auto", device=torch.device("cpu"
     if requested == "map" or (requested == "auto" and bf16_files and not hip and fits(staging_bytes + map_bytes)):
         if not bf16_files:
             raise UserError("--load map: the checkpoint cannot be page-locked in place here (it needs files that "
-                            "hold the layers as the device does, bf16 or FP8 with float32 scales, and read-only "
-                            "host-memory registration); --load copy works everywhere")
+                            "hold the layers as the device does, bf16 (a sigmoid router's tensors float32) or FP8 "
+                            "with float32 scales, and read-only host-memory registration); --load copy works "
+                            "everywhere")
         if not fits(staging_bytes + map_bytes):
             raise UserError(f"--load map would page-lock the streamed layers' pages and the loading buffers "
                             f"({(staging_bytes + map_bytes) / 1e9:.1f} GB) but the host memory budget is "
@@ -1771,10 +1959,10 @@ class FP8Layer:
     programs: object  # int32 [programs]: each program's tensor, one program per FP8_BLOCK x FP8_BLOCK block
 
 
-# A row of FP8Layer.tensors: where the tensor starts in the held buffer (in elements of its own dtype: bytes for
-# FP8, bf16 elements for a tensor copied as it is), its scales (float32 elements; -1: a bf16 tensor, copied), where
-# it starts in the bf16 layer, its rows and columns (a vector: one row), its blocks per row of blocks, and its first
-# program. int64: a big MoE layer's held bytes pass 2^31 (Qwen3-235B-A22B's: 2.5 GB in FP8).
+# A row of FP8Layer.tensors: where the tensor starts in the held buffer (bytes for FP8, bf16-sized elements for a
+# tensor copied as it is, two of them a value of a float32 one, the V3 router's, whose columns count double), its
+# scales (float32 elements; -1: a tensor copied), where it starts in the bf16 layer, its rows and columns (a vector:
+# one row), its blocks per row of blocks, and its first program. int64: a big MoE layer's held bytes pass 2^31 (Qwen3-235B-A22B's: 2.5 GB in FP8).
 FP8_COLUMNS = 7
 
 
@@ -1787,9 +1975,11 @@ def fp8_layer(parts, layout, device):
         if name not in layout:
             continue  # scales, read with their weight
         R, C = shape if len(shape) == 2 else (1, shape[0])
+        unit = 1 if dtype == FP8 else DTYPE.itemsize
+        C = C * dtype.itemsize // unit
         grid = scale_grid((R, C))
         scales = parts[i + 1][1] // 4 if dtype == FP8 else -1
-        rows.append([offset // dtype.itemsize, scales, layout[name][0], R, C, grid[1], len(programs)])
+        rows.append([offset // unit, scales, layout[name][0], R, C, grid[1], len(programs)])
         programs += [len(rows) - 1] * math.prod(grid)
     assert len(programs) < 2**24, "more programs than HIP launches on one grid axis"
     return FP8Layer(parts, layout, torch.tensor(rows, dtype=torch.int64).to(device),
@@ -1803,12 +1993,13 @@ def dequantize_layer(held, out, layer):
         if name not in layer.layout:
             continue  # scales, read with their weight
         start, n = layer.layout[name][0], math.prod(shape)
-        dst, src = out[start:start + n].view(shape), typed(held, offset, n, dtype).view(shape)
+        src = typed(held, offset, n, dtype).view(shape)
         if dtype == FP8:
             _, scale_offset, grid, _ = layer.parts[i + 1]
-            dequantize_fp8(src, typed(held, scale_offset, math.prod(grid), torch.float32).view(grid), dst)
-        else:
-            dst.copy_(src)
+            dequantize_fp8(src, typed(held, scale_offset, math.prod(grid), torch.float32).view(grid),
+                           out[start:start + n].view(shape))
+        else:  # copied as it is held: bf16, or a float32 router
+            typed(out, start * DTYPE.itemsize, n, dtype).copy_(src.view(-1))
 
 
 class WeightStreamer:
@@ -1934,8 +2125,9 @@ def rms_norm(x, weight, eps, offset=False):
 
 
 def rope_tables(positions, rope, head_dim):
-    # positions: [tokens] int64 -> cos, sin: [tokens, head_dim]; angles in float32 as transformers, scaled by yarn's
-    # attention_factor there (1 elsewhere: the same bits), then cast
+    # positions: [tokens] int64 -> cos, sin: [tokens, rotary_dim] (head_dim, or DeepSeek's rope_dim, but for partial
+    # RoPE); angles in float32 as transformers, scaled by yarn's attention_factor there (1 elsewhere: the same bits),
+    # then cast
     inv_freq = rope.inv_freq(head_dim)  # on the CPU, as transformers computes it
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [tokens, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -1948,7 +2140,11 @@ def wave_rope_tables(positions, cfg):
 
 
 def apply_rope(x, cos, sin):
-    # x: [tokens, heads, head_dim]; half-split (rotate_half) convention
+    # x: [tokens, heads, head_dim]; half-split (rotate_half) convention over the first cos.shape[-1] channels: all of
+    # them, or for partial RoPE (GLM-4.5) the first ones, the rest passed through, as transformers' apply_rotary_pos_emb
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -2133,13 +2329,18 @@ def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels, how, wave_kv=No
     x += o if w.attn_out_norm is None else kernels.rms_norm(o, w.attn_out_norm, eps, offset)
 
 
+def gated_mlp(h, gate_up, down, activation, kernels, gate_up_bias=None, down_bias=None):
+    # h: [tokens, hidden] -> down(act(gate) * up): [tokens, hidden], gate and up one GEMM (gate_up: their rows fused)
+    return F.linear(kernels.gated_act(F.linear(h, gate_up, gate_up_bias), activation), down, down_bias)
+
+
 def mlp_block(x, w, cfg, max_tokens, kernels):
     # x: [tokens, hidden], updated in place, in slices of max_tokens rows
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     for s in range(0, x.shape[0], max_tokens):
         xs = x[s:s + max_tokens]
-        gate_up = F.linear(kernels.rms_norm(xs, w.mlp_norm, eps, offset), w.gate_up, w.gate_up_bias)
-        out = F.linear(kernels.gated_act(gate_up, cfg.activation), w.down, w.down_bias)
+        out = gated_mlp(kernels.rms_norm(xs, w.mlp_norm, eps, offset), w.gate_up, w.down, cfg.activation, kernels,
+                        w.gate_up_bias, w.down_bias)
         xs += out if w.mlp_out_norm is None else kernels.rms_norm(out, w.mlp_out_norm, eps, offset)
 
 
@@ -2177,12 +2378,37 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, y.to(tl.bfloat16), mask=mask)
 
     @triton.jit
+    def _head_norm(x, rstd, w_at, NORM: tl.constexpr):
+        # a block of channels of each head (x [HEADS, n] float32) through the q/k norm of _head_norm_rope_kernel's
+        # NORM (rstd: each head's, over all its channels), rounded to bf16 where rms_norm rounds
+        if NORM == 0:
+            y = x
+        elif NORM == 1:
+            y = ((x * rstd).to(tl.bfloat16).to(tl.float32) * tl.load(w_at).to(tl.float32)).to(tl.bfloat16)
+        else:
+            y = (x * rstd * (1.0 + tl.load(w_at).to(tl.float32))).to(tl.bfloat16)
+        return y.to(tl.float32)
+
+    @triton.jit
+    def _rope_halves(y1, y2, cos_at, sin_at, ROT: tl.constexpr):
+        # the rotating channels' two halves (y1, y2 [HEADS, ROT] float32) -> x * cos + rotate_half(x) * sin, each product
+        # and the sum rounded to bf16 as in PyTorch; cos_at, sin_at: the token's table at the halves' columns
+        cos1, cos2 = tl.load(cos_at).to(tl.float32), tl.load(cos_at + ROT).to(tl.float32)
+        sin1, sin2 = tl.load(sin_at).to(tl.float32), tl.load(sin_at + ROT).to(tl.float32)
+        o1 = ((y1 * cos1).to(tl.bfloat16).to(tl.float32) + (-y2 * sin1).to(tl.bfloat16).to(tl.float32))
+        o2 = ((y2 * cos2).to(tl.bfloat16).to(tl.float32) + (y1 * sin2).to(tl.bfloat16).to(tl.float32))
+        return o1.to(tl.bfloat16), o2.to(tl.bfloat16)
+
+    @triton.jit
     def _head_norm_rope_kernel(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps,
-                               HEADS: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, HEAD_STRIDE: tl.constexpr,
-                               INTERLEAVE: tl.constexpr):
-        # NORM: 0 RoPE alone (no q/k norm), 1 Qwen3's per-head RMSNorm first, 2 Gemma 3's (x̂·(1 + w)). HEAD_STRIDE:
-        # between heads of x (2 HALF, but DeepSeek's RoPE channels end heads of nope + rope). INTERLEAVE: the pairs
-        # are channels (2i, 2i + 1), rotated into i and HALF + i as apply_rotary_pos_emb_interleave returns them
+                               HEADS: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr,
+                               HEAD_STRIDE: tl.constexpr, INTERLEAVE: tl.constexpr):
+        # NORM: 0 RoPE alone (no q/k norm), 1 Qwen3's per-head RMSNorm first, 2 Gemma 3's (x̂·(1 + w)). ROT: half the
+        # channels that rotate (the tables' width / 2): HALF, or less for partial RoPE (GLM-4.5), whose first 2 ROT
+        # channels rotate, reread, and whose others pass through (normed). HEAD_STRIDE: between heads of x (2 HALF,
+        # but DeepSeek's RoPE channels end heads of nope + rope). INTERLEAVE (never with partial RoPE: no model has
+        # both): the pairs are channels (2i, 2i + 1), rotated into i and HALF + i as
+        # apply_rotary_pos_emb_interleave returns them
         t = tl.program_id(0)
         h = tl.arange(0, HEADS)[:, None]
         c = tl.arange(0, HALF)[None, :]
@@ -2194,28 +2420,26 @@ if triton is not None:
         src = x_ptr + t * x_stride + h * HEAD_STRIDE
         x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + second, mask=mask, other=0.0).to(tl.float32)
-        if NORM == 0:
-            y1, y2 = x1, x2
-        else:
+        rstd = 0.0
+        if NORM != 0:
             rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
-            w1 = tl.load(w_ptr + first).to(tl.float32)
-            w2 = tl.load(w_ptr + second).to(tl.float32)
-            if NORM == 1:
-                y1 = ((x1 * rstd).to(tl.bfloat16).to(tl.float32) * w1).to(tl.bfloat16).to(tl.float32)
-                y2 = ((x2 * rstd).to(tl.bfloat16).to(tl.float32) * w2).to(tl.bfloat16).to(tl.float32)
-            else:
-                y1 = (x1 * rstd * (1.0 + w1)).to(tl.bfloat16).to(tl.float32)
-                y2 = (x2 * rstd * (1.0 + w2)).to(tl.bfloat16).to(tl.float32)
-        cos1 = tl.load(cos_ptr + t * 2 * HALF + c).to(tl.float32)
-        cos2 = tl.load(cos_ptr + t * 2 * HALF + HALF + c).to(tl.float32)
-        sin1 = tl.load(sin_ptr + t * 2 * HALF + c).to(tl.float32)
-        sin2 = tl.load(sin_ptr + t * 2 * HALF + HALF + c).to(tl.float32)
-        # x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16 as in PyTorch
-        o1 = ((y1 * cos1).to(tl.bfloat16).to(tl.float32) + (-y2 * sin1).to(tl.bfloat16).to(tl.float32))
-        o2 = ((y2 * cos2).to(tl.bfloat16).to(tl.float32) + (y1 * sin2).to(tl.bfloat16).to(tl.float32))
-        dst = out_ptr + (t * heads + h) * (2 * HALF) + c
-        tl.store(dst, o1.to(tl.bfloat16), mask=mask)
-        tl.store(dst + HALF, o2.to(tl.bfloat16), mask=mask)
+        dst = out_ptr + (t * heads + h) * (2 * HALF)
+        if ROT == HALF:
+            o1, o2 = _rope_halves(_head_norm(x1, rstd, w_ptr + first, NORM), _head_norm(x2, rstd, w_ptr + second, NORM),
+                                  cos_ptr + t * 2 * ROT + c, sin_ptr + t * 2 * ROT + c, ROT)
+            tl.store(dst + c, o1, mask=mask)
+            tl.store(dst + HALF + c, o2, mask=mask)
+        else:
+            tl.static_assert(not INTERLEAVE)
+            y1, y2 = _head_norm(x1, rstd, w_ptr + c, NORM), _head_norm(x2, rstd, w_ptr + HALF + c, NORM)
+            tl.store(dst + c, y1.to(tl.bfloat16), mask=mask & (c >= 2 * ROT))
+            tl.store(dst + HALF + c, y2.to(tl.bfloat16), mask=mask & (HALF + c >= 2 * ROT))
+            r = tl.arange(0, ROT)[None, :]
+            r1 = _head_norm(tl.load(src + r, mask=mask, other=0.0).to(tl.float32), rstd, w_ptr + r, NORM)
+            r2 = _head_norm(tl.load(src + ROT + r, mask=mask, other=0.0).to(tl.float32), rstd, w_ptr + ROT + r, NORM)
+            o1, o2 = _rope_halves(r1, r2, cos_ptr + t * 2 * ROT + r, sin_ptr + t * 2 * ROT + r, ROT)
+            tl.store(dst + r, o1, mask=mask)
+            tl.store(dst + ROT + r, o2, mask=mask)
 
     @triton.jit
     def _gated_act_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, GELU: tl.constexpr):
@@ -2499,12 +2723,13 @@ def rms_norm_triton(x, weight, eps, offset=False):
 
 
 def head_norm_rope_triton(x, weight, cos, sin, eps, offset, interleave=False):
+    # cos, sin: [tokens, rotary_dim], the whole head_dim but for partial RoPE
     T, heads, D = x.shape
     assert x.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
     out = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
     norm = 0 if weight is None else 2 if offset else 1
     _head_norm_rope_kernel[(T,)](x, x.stride(0), x if weight is None else weight, cos, sin, out, heads, eps,
-                                 HEADS=triton.next_power_of_2(heads), HALF=D // 2, NORM=norm,
+                                 HEADS=triton.next_power_of_2(heads), HALF=D // 2, ROT=cos.shape[1] // 2, NORM=norm,
                                  HEAD_STRIDE=x.stride(1), INTERLEAVE=interleave, num_warps=4)
     return out
 
@@ -2852,12 +3077,17 @@ def attention_candidates(requested, family, cfg=None, tiles=None):
 
 
 # ----------------------------------------------------------------------------- mixture of experts
-# Qwen3-MoE's feed-forward (transformers 5.24, models/qwen3_moe/modeling_qwen3_moe.py), beside mlp_block: the same
-# layer, streamer and plan, the experts part of a layer's flat bytes (ModelConfig.mlp_tensors). The router (mlp.gate)
-# is a bf16 linear whose logits go through a float32 softmax; each token keeps its top-k experts, their probabilities
-# renormalised to sum 1 when norm_topk_prob, cast to bf16. Each expert is a SwiGLU MLP moe_intermediate_size wide, no
-# bias, no shared expert. The loss is the language-modelling loss alone: HF's .loss adds the router's auxiliary loss
+# The feed-forward of Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 and DeepSeek-V3 (transformers 5.24,
+# models/<family>/modeling_*.py), beside mlp_block: the same layer, streamer and plan, the experts part of a layer's
+# flat bytes (ModelConfig.mlp_tensors). The router (mlp.gate) picks each token's top-k experts and weighs them as the model's
+# Router says (route: softmax or DeepSeek-V3's sigmoid), the weights cast to bf16 for the combination. Each expert is a
+# SwiGLU MLP moe_intermediate_size wide, no bias. Shared experts (DeepSeek-V3, GLM, Qwen2-MoE) run beside them as one
+# plain gated MLP, their output (Qwen2-MoE: gated) added to the routed experts' bf16 sum before the residual, as
+# transformers adds them. The loss is the language-modelling loss alone: HF's .loss adds the router's auxiliary loss
 # only when output_router_logits is set, and prefill never adds it.
+#
+# Deviation: transformers keeps Mixtral's and the sigmoid router's weights in float32 into the experts' weighted sum
+# (Qwen's it casts to bf16 first, as here); prefill's combination takes bf16 weights, a relative 2^-9 on a weight.
 #
 # Here a chunk's (token, slot) pairs are sorted by expert, stably, the experts run as two grouped GEMMs over those rows
 # (gate_up, then down), and each token's k outputs, in ascending expert order, are weighted and summed in float32 (one
@@ -2867,13 +3097,37 @@ def attention_candidates(requested, family, cfg=None, tiles=None):
 # "eager" experts add in expert order into a bf16 tensor with index_add_, one rounding per expert. Every output row
 # here is written by one program and every sum has an order fixed by its shape: no atomics, the same bits every run.
 
-def route(h, router, k, renormalize):
-    # h: [tokens, hidden] -> (weights [tokens, k] in h's dtype, experts [tokens, k] int64, each row's experts ascending)
-    logits = F.linear(h, router)  # [tokens, experts], in bf16 as transformers
+def route_softmax(h, w, router):
+    # Qwen3-MoE's, Qwen2-MoE's, Mixtral's: h [tokens, hidden] -> (weights [tokens, k] float32, experts [tokens, k])
+    logits = F.linear(h, w.router)  # [tokens, experts], in bf16 as transformers
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top, chosen = torch.topk(probs, k, dim=-1)
-    if renormalize:
+    top, chosen = torch.topk(probs, router.top_k, dim=-1)
+    if router.renormalize:
         top = top / top.sum(dim=-1, keepdim=True)
+    return top, chosen
+
+
+def route_sigmoid(h, w, router):
+    # DeepSeek-V3's and GLM-4.5's (DeepseekV3TopkRouter), step by step in float32: h [tokens, hidden] -> (weights
+    # [tokens, k] float32, experts [tokens, k]). topk unsorted as there: which of two tied scores it keeps is its own rule
+    scores = F.linear(h.float(), w.router).sigmoid()  # [tokens, experts]: the router is held in float32
+    biased = scores + w.router_bias  # the correction bias decides the choice, never the weights
+    if router.topk_group < router.n_group:  # (every group kept: the mask would change nothing)
+        groups = biased.view(h.shape[0], router.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [tokens, groups]
+        best = groups.topk(router.topk_group, dim=-1, sorted=False)[1]
+        kept = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, best, True)
+        biased = biased.masked_fill(~kept.repeat_interleave(biased.shape[1] // router.n_group, dim=1), -math.inf)
+    chosen = torch.topk(biased, router.top_k, dim=-1, sorted=False)[1]
+    top = scores.gather(1, chosen)
+    if router.renormalize:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return top * router.scale, chosen
+
+
+def route(h, w, router):
+    # h: [tokens, hidden] -> (weights [tokens, k] in h's dtype, experts [tokens, k] int64, each row's experts ascending),
+    # by the model's Router (w: the layer's LayerWeights: its router and, for the sigmoid one, its correction bias)
+    top, chosen = (route_sigmoid if router.kind == "sigmoid" else route_softmax)(h, w, router)
     chosen, slot = chosen.sort(dim=-1)  # the order the outputs are summed in
     return top.gather(1, slot).to(h.dtype), chosen
 
@@ -2897,24 +3151,47 @@ def pair_rows(pairs):
     return torch.empty_like(pairs).scatter_(0, pairs, torch.arange(pairs.numel(), device=pairs.device))
 
 
-def moe_ffn(x, h, w, k, renormalize, grouped, kernels):
-    # x: [tokens, hidden] += the experts' weighted sum over h: [tokens, hidden], the post-attention norm's output;
-    # returns x. grouped(a [rows, K] grouped by expert, weights [experts, N, K], bounds) -> [rows, N] is the expert
-    # compute picked at start-up (pick_experts). Each buffer is dropped as soon as the next step has read it.
-    weights, chosen = route(h, w.router, k, renormalize)
-    pairs, bounds = expert_rows(chosen, w.router.shape[0])
-    act = kernels.gated_act(grouped(h[pairs // k], w.gate_up, bounds), "silu")  # [tokens * k, moe_intermediate]
-    kernels.combine(x, grouped(act, w.down, bounds), pair_rows(pairs), weights)
+def moe_ffn(x, h, w, router, experts, kernels):
+    # x: [tokens, hidden] += the experts' weighted sum over h: [tokens, hidden], the post-attention norm's output, as
+    # router (a Router) routes it; returns x. experts(x, h, weights, chosen, w, kernels) is the expert compute picked
+    # at start-up (pick_experts: grouped_experts over a grouped GEMM, or fused_experts).
+    weights, chosen = route(h, w, router)
+    experts(x, h, weights, chosen, w, kernels)
     return x
 
 
-def moe_block(x, w, cfg, max_tokens, kernels, grouped):
+def shared_experts(h, w, kernels):
+    # h: [tokens, hidden] -> the shared experts' output [tokens, hidden]: one gated MLP (V3, GLM: n_shared_experts as
+    # one, moe_intermediate_size wide each), Qwen2-MoE's times sigmoid(h · shared_expert_gate), in bf16 as transformers
+    out = gated_mlp(h, w.shared_gate_up, w.shared_down, "silu", kernels)
+    if w.shared_gate is not None:
+        out *= torch.sigmoid(F.linear(h, w.shared_gate))  # [tokens, 1]
+    return out
+
+
+def moe_block(x, w, cfg, max_tokens, kernels, experts):
     # x: [tokens, hidden], updated in place in slices of max_tokens rows (the plan's moe_chunk_tokens): the routing
     # buffers hold max_tokens * num_experts_per_tok rows (moe_scratch_per_token), whatever the wave
     for s in range(0, x.shape[0], max_tokens):
         xs = x[s:s + max_tokens]
-        moe_ffn(xs, kernels.rms_norm(xs, w.mlp_norm, cfg.rms_norm_eps), w, cfg.num_experts_per_tok,
-                cfg.norm_topk_prob, grouped, kernels)
+        h = kernels.rms_norm(xs, w.mlp_norm, cfg.rms_norm_eps)
+        if w.shared_gate_up is None:
+            moe_ffn(xs, h, w, cfg.router, experts, kernels)
+        else:  # transformers adds the shared experts to the routed ones' bf16 sum, that to the residual
+            out = moe_ffn(torch.zeros_like(xs), h, w, cfg.router, experts, kernels)
+            out += shared_experts(h, w, kernels)
+            xs += out
+
+
+def grouped_experts(grouped):
+    """moe_ffn's experts over a grouped GEMM grouped(a [rows, K] grouped by expert, w [experts, N, K], bounds) ->
+    [rows, N]: the (token, slot) rows sorted by expert and gathered, gate_up, the activation, down, and each token's k
+    rows weighted and summed into x (Kernels.combine). Each buffer is dropped as soon as the next step has read it."""
+    def experts(x, h, weights, chosen, w, kernels):
+        pairs, bounds = expert_rows(chosen, w.gate_up.shape[0])
+        act = kernels.gated_act(grouped(h[pairs // chosen.shape[1]], w.gate_up, bounds), "silu")  # [rows, inter]
+        kernels.combine(x, grouped(act, w.down, bounds), pair_rows(pairs), weights)
+    return experts
 
 
 # --- expert compute: the grouped GEMM out[rows of e] = a[rows of e] @ w[e].T for every expert e
@@ -3005,13 +3282,292 @@ def grouped_mm_native(device):
     return props.major in (9, 10)
 
 
-# The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, else prefill's Triton one;
-# the loop last. "auto" offers torch's grouped GEMM on a GPU only where it is native (grouped_mm_native): elsewhere it
-# is the loop with a host sync, and on an RDNA4 GPU (gfx1200, ROCm 7.2.1 on Windows) it crashed the process where no
-# check could catch it (ROCm/pytorch#3283). It stays on the CPU, where the tests run its call (torch's composite fallback there),
-# and --experts grouped_mm asks for it anywhere. On the CPU "auto" offers no Triton: its interpreter (tests)
-# multiplies bf16 tiles as raw integers.
-EXPERT_KINDS = ["grouped_mm", "triton", "loop"]
+# --- fused experts: the tokens aligned once per expert, two GEMMs that read and write through those ids, one sum.
+# vLLM's fused_moe (model_executor/layers/fused_moe/fused_moe.py) in outline, read, not copied: each expert's
+# (token, slot) rows are numbered into blocks of BLOCK_M rows, one expert a block, its last block padded
+# (align_experts: moe_align_block_size's job, here a count and a prefix sum instead of atomics); the gate+up GEMM reads
+# its rows of h through those ids (no gathered copy) and writes act(gate)·up once, not the [rows, 2 moe_intermediate]
+# that vLLM's silu_and_mul rereads; the down GEMM multiplies each row by its routing weight in its epilogue
+# (MUL_ROUTED_WEIGHT) and writes it at its own (token, slot) row; a last launch sums each token's k rows (moe_sum) in
+# slot order, which route makes ascending expert order, in float32, rounds once and adds them to x. Every row is
+# written by one program and every sum has a fixed order: no atomics. The integers that vary with the texts or that
+# the start-up check takes smaller than a run (tokens, k, experts) are not specialised on, so that the check compiles
+# what the run launches. The weights are read through strides (w_col, w_k, up_at): gpt-oss's [experts, K, N] layout is
+# a transposed view (tests/test_fused_moe.py), its interleaved gate/up columns moe_gate_up's w_col of two rows and
+# up_at of one; its clamped SwiGLU and expert biases would be constexprs of the two epilogues.
+#
+# The roundings are today's grouped path's (grouped_experts with combine) where that costs nothing: gate and up
+# rounded to bf16, SiLU rounded, its product with up rounded, as gated_act; each token's sum rounded once and then the
+# add. One differs: the down GEMM's float32 output is weighted before its one rounding to bf16, where combine rounds
+# the unweighted row and weights it exactly in float32; keeping the weighted rows in float32 instead would double the
+# bytes the down GEMM writes and the sum reads.
+
+ALIGN_CHUNK = 512   # (token, slot) entries a program of align_experts reads and places
+ALIGN_EXPERTS = 16  # experts it handles at a time ([ALIGN_CHUNK, ALIGN_EXPERTS] comparisons)
+ALIGN_COUNTS = 64   # chunks' counts it sums at a time
+ALIGN_BLOCKS = 16   # blocks it labels at a time
+
+try:  # the fused experts' TMA loads of their weights (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["rows", "experts"])
+    def _moe_count_kernel(chosen_ptr, counts_ptr, rows, experts, CHUNK: tl.constexpr, EB: tl.constexpr):
+        # counts[b, e]: how many of chunk b's CHUNK entries of chosen (flat, [rows]) are expert e
+        b = tl.program_id(0)
+        at = b * CHUNK + tl.arange(0, CHUNK)
+        chosen = tl.load(chosen_ptr + at, mask=at < rows, other=-1).to(tl.int32)
+        for e0 in range(0, experts, EB):
+            e = e0 + tl.arange(0, EB)
+            tl.store(counts_ptr + b * experts + e, tl.sum((chosen[:, None] == e[None, :]).to(tl.int32), 0),
+                     mask=e < experts)
+
+    @triton.jit(do_not_specialize=["rows", "experts", "chunks", "blocks"])
+    def _moe_align_kernel(chosen_ptr, counts_ptr, ids_ptr, block_expert_ptr, rows, experts, chunks, blocks,
+                          CHUNK: tl.constexpr, EB: tl.constexpr, PB: tl.constexpr, JB: tl.constexpr,
+                          BLOCK_M: tl.constexpr):
+        # Program b places chunk b's entries: expert e's rows start at start[e] (the padded counts of the experts
+        # before it, summed), chunk b's after those of the chunks before it (before[e]), in entry order within the
+        # chunk (a cumulative sum of its matches). It also labels its share of the blocks: each with its expert (-1
+        # past the last), the padding rows of an expert's last block with the id `rows` (no entry).
+        b = tl.program_id(0)
+        at = b * CHUNK + tl.arange(0, CHUNK)
+        chosen = tl.load(chosen_ptr + at, mask=at < rows, other=-1).to(tl.int32)
+        share = tl.cdiv(blocks, chunks)
+        j_end = tl.minimum(b * share + share, blocks)
+        base = tl.sum(tl.zeros((EB,), tl.int32), 0)  # rows of the experts before e0 (an int32 the loop carries)
+        for e0 in range(0, experts, EB):
+            e = e0 + tl.arange(0, EB)
+            total = tl.zeros((EB,), tl.int32)
+            before = tl.zeros((EB,), tl.int32)
+            for p0 in range(0, chunks, PB):
+                p = p0 + tl.arange(0, PB)[:, None]
+                n = tl.load(counts_ptr + p * experts + e[None, :], mask=(p < chunks) & (e[None, :] < experts),
+                            other=0)  # [PB, EB]
+                total += tl.sum(n, 0)
+                before += tl.sum(tl.where(p < b, n, 0), 0)
+            padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+            start = base + tl.cumsum(padded, 0) - padded
+            base += tl.sum(padded, 0)
+            hit = chosen[:, None] == e[None, :]  # [CHUNK, EB]
+            row = tl.cumsum(hit.to(tl.int32), 0) - 1 + (start + before)[None, :]
+            tl.store(ids_ptr + tl.sum(tl.where(hit, row, 0), 1), at, mask=tl.max(hit.to(tl.int32), 1) > 0)
+            for j0 in range(b * share, j_end, JB):
+                j = j0 + tl.arange(0, JB)
+                first = (j * BLOCK_M)[:, None]
+                own = (first >= start[None, :]) & (first < (start + padded)[None, :]) & (j < j_end)[:, None]
+                owned = tl.max(own.to(tl.int32), 1) > 0  # [JB]
+                tl.store(block_expert_ptr + j, tl.sum(tl.where(own, e[None, :], 0), 1), mask=owned)
+                pad = tl.sum(tl.where(own, (start + total)[None, :], 0), 1)  # the owner's first padding row
+                r = first + tl.arange(0, BLOCK_M)[None, :]  # [JB, BLOCK_M]
+                tl.store(ids_ptr + r, tl.zeros_like(r) + rows, mask=owned[:, None] & (r >= pad[:, None]))
+        for j0 in range(b * share, j_end, JB):
+            j = j0 + tl.arange(0, JB)
+            tl.store(block_expert_ptr + j, tl.zeros_like(j) - 1, mask=(j < j_end) & (j * BLOCK_M >= base))
+
+    @triton.jit
+    def _moe_tile_of(blocks, group_m, N, BLOCK_N: tl.constexpr):
+        # this program's (block of rows, block of columns): group_m blocks of rows side by side, so that programs
+        # running together share the same columns of weights (an order of the programs alone: a runtime integer)
+        pid, width = tl.program_id(0), group_m * tl.cdiv(N, BLOCK_N)
+        first = pid // width * group_m
+        size = tl.minimum(blocks - first, group_m)
+        return first + pid % width % size, pid % width // size
+
+    @triton.jit
+    def _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # this program's expert (-1: none), its block's rows and their ids (align_experts'), its block of columns and
+        # the first of them
+        m_block, n_block = _moe_tile_of(blocks, group_m, N, BLOCK_N)
+        expert = tl.load(block_expert_ptr + m_block)
+        r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        ids = tl.load(ids_ptr + r, mask=tl.zeros_like(r) + expert >= 0, other=0)  # -1: no ids written there
+        return expert, r, ids, n_block * BLOCK_N + tl.arange(0, BLOCK_N), n_block * BLOCK_N
+
+    @triton.jit
+    def _moe_weights_at(w, start, cols, N, w_col, w_k, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+        # the pointers of a program's [BLOCK_K, BLOCK_N] weights from k = 0: column c's K weights from w + start +
+        # c·w_col in steps of w_k (columns past N read c % N, not stored); with TMA, start (an integer the loop steps
+        # for nothing: the descriptor's row and k0 address the tile)
+        if TMA:
+            at = start
+        else:
+            at = w + start + (cols % N)[None, :].to(tl.int64) * w_col + tl.arange(0, BLOCK_K)[:, None] * w_k
+        return at
+
+    @triton.jit
+    def _moe_weight_tile(w, at, row, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+        # the [BLOCK_K, BLOCK_N] weights from k0: with TMA, rows row.. of w, a TensorDescriptor over the weights as rows
+        # of K (loads past its sides read zeros; past an expert's N the next rows, whose columns are not stored); else
+        # from the pointers at (_moe_weights_at's, stepped to k0 by the caller)
+        if TMA:
+            tile = w.load([row, k0]).T
+        elif EVEN_K:
+            tile = tl.load(at)
+        else:
+            tile = tl.load(at, mask=k0 + tl.arange(0, BLOCK_K)[:, None] < K, other=0.0)
+        return tile
+
+    @triton.jit(do_not_specialize=["rows", "top_k", "blocks", "group_m"])
+    def _moe_gate_up_kernel(h_ptr, w, act_ptr, ids_ptr, block_expert_ptr, rows, top_k, blocks, group_m, N, K,
+                            h_stride, w_expert, w_col, w_k, up_at, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+        # act[block rows, cols] = SiLU(gate)·up of the block's rows of h (row r: token ids[r] // top_k; an id of rows
+        # is padding: a zero row) for its expert; column c's gate weights at w + c·w_col, its up weights up_at further,
+        # each K long in steps of w_k (prefill's [experts, 2 N, K] gate rows first: w_col K, up_at N·K, w_k 1); with
+        # TMA, w a TensorDescriptor over them ([experts · 2 N, K] in [BLOCK_N, BLOCK_K] blocks). Padding rows are
+        # written too (zeros): the down GEMM reads whole blocks.
+        expert, r, ids, cols, col = _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M, BLOCK_N)
+        if expert >= 0:
+            valid = ids < rows
+            ks = tl.arange(0, BLOCK_K)
+            a_at = h_ptr + (ids // top_k)[:, None].to(tl.int64) * h_stride + ks[None, :]  # [BLOCK_M, BLOCK_K]
+            g_at = _moe_weights_at(w, expert.to(tl.int64) * w_expert, cols, N, w_col, w_k, BLOCK_K, TMA)
+            row = expert * (w_expert // w_col) + col
+            gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_at, mask=valid[:, None], other=0.0)
+                else:
+                    a = tl.load(a_at, mask=valid[:, None] & (k0 + ks[None, :] < K), other=0.0)
+                g = _moe_weight_tile(w, g_at, row, k0, K, BLOCK_K, EVEN_K, TMA)
+                u = _moe_weight_tile(w, g_at + up_at, row + up_at // w_col, k0, K, BLOCK_K, EVEN_K, TMA)
+                gate = tl.dot(a, g, gate)  # both tiles loaded before either product: 100 VGPRs on gfx1100, not 130
+                up = tl.dot(a, u, up)
+                a_at += BLOCK_K
+                g_at += BLOCK_K * w_k
+            dtype = act_ptr.dtype.element_ty
+            gate = gate.to(dtype).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            tl.store(act_ptr + r[:, None].to(tl.int64) * N + cols[None, :],
+                     (act * up.to(dtype).to(tl.float32)).to(dtype), mask=cols[None, :] < N)
+
+    @triton.jit(do_not_specialize=["rows", "blocks", "group_m"])
+    def _moe_down_kernel(act_ptr, w, out_ptr, ids_ptr, block_expert_ptr, weights_ptr, rows, blocks, group_m, N, K,
+                         w_expert, w_col, w_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, TMA: tl.constexpr):
+        # out[ids[r], cols] = weights[ids[r]] · (act[r] @ the expert's down weights) for the block's rows that are not
+        # padding: each (token, slot) row written once, by this program; act: [blocks · BLOCK_M, K], contiguous; w as
+        # _moe_gate_up_kernel's
+        expert, r, ids, cols, col = _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M, BLOCK_N)
+        if expert >= 0:
+            valid = ids < rows
+            ks = tl.arange(0, BLOCK_K)
+            a_at = act_ptr + r[:, None].to(tl.int64) * K + ks[None, :]
+            b_at = _moe_weights_at(w, expert.to(tl.int64) * w_expert, cols, N, w_col, w_k, BLOCK_K, TMA)
+            row = expert * (w_expert // w_col) + col
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_at)
+                else:
+                    a = tl.load(a_at, mask=k0 + ks[None, :] < K, other=0.0)
+                acc = tl.dot(a, _moe_weight_tile(w, b_at, row, k0, K, BLOCK_K, EVEN_K, TMA), acc)
+                a_at += BLOCK_K
+                b_at += BLOCK_K * w_k
+            weight = tl.load(weights_ptr + ids, mask=valid, other=0.0).to(tl.float32)
+            tl.store(out_ptr + ids[:, None].to(tl.int64) * N + cols[None, :],
+                     (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+
+    @triton.jit(do_not_specialize=["tokens", "top_k"])
+    def _moe_sum_kernel(x_ptr, x_stride, out_ptr, tokens, hidden, top_k, TOKENS: tl.constexpr, BLOCK: tl.constexpr):
+        # x[t] += Σ_j out[t top_k + j], the weighted rows of token t in slot order: float32 sums rounded to bf16 once,
+        # then the add rounded, as combine; TOKENS tokens by BLOCK columns a program
+        t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)[:, None].to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        mask = (t < tokens) & (cols < hidden)
+        acc = tl.zeros((TOKENS, BLOCK), tl.float32)
+        for j in range(top_k):
+            acc += tl.load(out_ptr + (t * top_k + j) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        at = x_ptr + t * x_stride + cols
+        x = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+        tl.store(at, (x + acc.to(x_ptr.dtype.element_ty).to(tl.float32)).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def align_experts(chosen, num_experts, block_m):
+    """chosen [tokens, k] (each (token, slot)'s expert) -> (ids, block_expert). ids [blocks · block_m] int32: each
+    row's flat (token, slot) index, expert by expert from expert 0, each expert's rows in token order from a multiple
+    of block_m, the rest of its last block tokens · k (padding). block_expert [blocks] int32: the expert of each block
+    of block_m rows, -1 past the last (those blocks' ids are not written). blocks = cdiv(tokens · k, block_m) +
+    num_experts, the most the padding can need: known without reading anything back. Two launches, no atomics: counts
+    per chunk of entries, then each chunk's entries placed after those of the chunks before it."""
+    rows, device = chosen.numel(), chosen.device
+    chunks, blocks = triton.cdiv(rows, ALIGN_CHUNK), triton.cdiv(rows, block_m) + num_experts
+    counts = torch.empty(chunks, num_experts, dtype=torch.int32, device=device)
+    ids = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    _moe_count_kernel[(chunks,)](chosen, counts, rows, num_experts, CHUNK=ALIGN_CHUNK, EB=ALIGN_EXPERTS, num_warps=8)
+    _moe_align_kernel[(chunks,)](chosen, counts, ids, block_expert, rows, num_experts, chunks, blocks,
+                                 CHUNK=ALIGN_CHUNK, EB=ALIGN_EXPERTS, PB=ALIGN_COUNTS, JB=ALIGN_BLOCKS,
+                                 BLOCK_M=block_m, num_warps=8)
+    return ids, block_expert
+
+
+def expert_weights(w, n, k, tma):
+    # a GEMM's weights w [experts, N, K] as its kernel reads them: the tensor, or (tma) a TensorDescriptor over its rows
+    # of K ([experts · N, K], [n, k] blocks: TMA copies them to shared memory; Triton >= 3.4, NVIDIA from sm_90)
+    if not tma:
+        return w
+    if TensorDescriptor is None:
+        raise RuntimeError(f"triton {triton.__version__} has no TensorDescriptor")
+    assert w.stride(2) == 1 and w.stride(0) == w.shape[1] * w.stride(1)
+    return TensorDescriptor(w, [w.shape[0] * w.shape[1], w.shape[2]], [w.stride(1), 1], [n, k])
+
+
+def moe_gate_up(h, gate_up, ids, block_expert, k, block_m, gemm):
+    # h [tokens, hidden], gate_up [experts, 2 inter, hidden] (gate rows first) -> act [padded rows, inter]:
+    # SiLU(gate)·up of each aligned row (align_experts' ids, block_expert); gemm: (BLOCK_N, BLOCK_K, GROUP_M, warps,
+    # stages, TMA)
+    (E, I2, H), blocks = gate_up.shape, block_expert.shape[0]
+    (n, bk, group_m, warps, stages, tma), I = gemm, I2 // 2
+    act = torch.empty(blocks * block_m, I, dtype=h.dtype, device=h.device)
+    _moe_gate_up_kernel[(blocks * triton.cdiv(I, n),)](
+        h, expert_weights(gate_up, n, bk, tma), act, ids, block_expert, h.shape[0] * k, k, blocks, group_m, I, H,
+        h.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), I * gate_up.stride(1), BLOCK_M=block_m,
+        BLOCK_N=n, BLOCK_K=bk, EVEN_K=H % bk == 0, TMA=tma, num_warps=warps, num_stages=stages)
+    return act
+
+
+def moe_down(act, down, ids, block_expert, weights, block_m, gemm):
+    # act [padded rows, inter], down [experts, hidden, inter] -> out [tokens * k, hidden]: each (token, slot) row's
+    # down projection times its routing weight (weights [tokens, k]), at the row of its flat index
+    (E, H, I), blocks = down.shape, block_expert.shape[0]
+    n, bk, group_m, warps, stages, tma = gemm
+    out = torch.empty(weights.numel(), H, dtype=act.dtype, device=act.device)
+    _moe_down_kernel[(blocks * triton.cdiv(H, n),)](
+        act, expert_weights(down, n, bk, tma), out, ids, block_expert, weights, weights.numel(), blocks, group_m, H,
+        I, down.stride(0), down.stride(1), down.stride(2), BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=bk,
+        EVEN_K=I % bk == 0, TMA=tma, num_warps=warps, num_stages=stages)
+    return out
+
+
+def moe_sum(x, out, k):
+    # x [tokens, hidden] += each token's k rows of out [tokens * k, hidden], summed in slot order
+    (T, H), block = x.shape, min(1024, triton.next_power_of_2(x.shape[1]))  # and 4096 // block tokens: 32 elements
+    _moe_sum_kernel[(triton.cdiv(T, 4096 // block), triton.cdiv(H, block))](  # a thread of 4 warps
+        x, x.stride(0), out, T, H, k, TOKENS=4096 // block, BLOCK=block, num_warps=4)
+
+
+def fused_experts(x, h, weights, chosen, w, tile):
+    """moe_ffn's experts in five launches: x [tokens, hidden] += Σ_j weights[t, j] · expert chosen[t, j](h[t]).
+    tile: (BLOCK_M, the gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), the down GEMM's)."""
+    block_m, up, down = tile
+    assert h.stride(1) == 1 and weights.is_contiguous() and chosen.is_contiguous() and x.stride(1) == 1
+    ids, block_expert = align_experts(chosen, w.gate_up.shape[0], block_m)
+    act = moe_gate_up(h, w.gate_up, ids, block_expert, chosen.shape[1], block_m, up)
+    moe_sum(x, moe_down(act, w.down, ids, block_expert, weights, block_m, down), chosen.shape[1])
+
+
+# The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, then the fused experts, else
+# the fused experts first, then prefill's Triton grouped GEMM; the loop last. "auto" offers torch's grouped GEMM on a
+# GPU only where it is native (grouped_mm_native): elsewhere it is the loop with a host sync, and on an RDNA4 GPU
+# (gfx1200, ROCm 7.2.1 on Windows) it crashed the process where no check could catch it (ROCm/pytorch#3283). It stays
+# on the CPU, where the tests run its call (torch's composite fallback there), and --experts grouped_mm asks for it
+# anywhere. On the CPU "auto" offers no Triton: its interpreter (tests) multiplies bf16 tiles as raw integers.
+EXPERT_KINDS = ["grouped_mm", "fused", "triton", "loop"]
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the Triton grouped GEMM per GPU family. NVIDIA's: of ten tiles timed
 # on the H200 on a 16,384-token slice of Qwen3-30B-A3B (bench/results/…-moe-experts-tiles.json) the best three, 467,
 # 382 and 337 TFLOP/s (torch's grouped_mm: 625); the first needs 144 KiB of shared memory, which a GPU with less
@@ -3024,9 +3580,49 @@ EXPERT_TILES = {
     "cpu": [(32, 32, 32, 4, 1)],  # Triton's interpreter (tests)
 }
 EXPERT_TILES["amd"] = EXPERT_TILES["rdna3"]
+# The fused experts' tiles, (BLOCK_M, the gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), the down
+# GEMM's), per GPU family and per shape: {(hidden, moe_intermediate, rows an expert gets in a full slice): tiles}; a
+# model is offered the tiles of the shape nearest to its own (fused_tiles), and the start-up timing picks among them.
+# The gate+up GEMM's BLOCK_N columns are BLOCK_N of gate and BLOCK_N of up: two accumulators, vLLM's tile of 2 BLOCK_N.
+# bench/tune_fused_moe.py times tiles per shape on a GPU and prints this table's rows. Until it has run on the H200,
+# NVIDIA's are vLLM's for these shapes at their largest sizes (1,024-4,096 tokens; configs/E=128,N=768,
+# device_name=NVIDIA_H200.json and E=8,N=14336,…H200.json: BLOCK_SIZE_M 128, N 256, K 64, warps 8, stages 4,
+# GROUP_SIZE_M 16); the same with the weights read by TMA (a TensorDescriptor; the H200's Triton 3.6 has it: the copy
+# engine's loads, fewer registers, 175-201 against 203-209, where CUTLASS's grouped GEMM reaches 632 TFLOP/s and
+# prefill's Triton grouped GEMM without TMA 467); and the first in 3 stages, whose shared memory (144 KiB) the old
+# grouped tile 128x256x64 had, the fastest of ten on the H200. All compile for sm_90a to wgmma, unspilled, under
+# Triton 3.6 and 3.9. RDNA3's: vLLM's AMD_Radeon_Graphics (E=128,N=384) from 512 tokens on (64, 128, 32,
+# GROUP_SIZE_M 8, warps 8, stages 2), and the same in 128-row blocks, compiled for gfx1100 without spills (gate+up,
+# down: 100 and 99 VGPRs, 143 and 140, under Triton 3.9; 102-154 under 3.6; the alignment 171-189;
+# tests/test_gfx1100_compile.py), not run.
+FUSED_TILES = {
+    "nvidia": {(2048, 768, 1024): [(128, (128, 64, 16, 8, 4, False), (256, 64, 16, 8, 4, False)),
+                                   (128, (128, 64, 16, 8, 4, True), (256, 64, 16, 8, 4, True)),
+                                   (128, (128, 64, 16, 8, 3, False), (256, 64, 16, 8, 3, False))]},
+    "rdna3": {(2048, 768, 1024): [(64, (64, 32, 8, 8, 2, False), (128, 32, 8, 8, 2, False)),
+                                  (128, (64, 32, 8, 8, 2, False), (128, 32, 8, 8, 2, False))]},
+    "cpu": {(2048, 768, 1024): [(64, (32, 32, 2, 4, 1, False), (32, 32, 2, 4, 1, False))]},  # the interpreter (tests)
+}
+FUSED_TILES["amd"] = FUSED_TILES["rdna3"]
 
 
-def make_experts(kind, tile=None):
+def fused_tiles(family, cfg, slice_tokens):
+    # the fused experts' tiles of the FUSED_TILES shape nearest to this model's (each size compared by its logarithm)
+    table = FUSED_TILES[family]
+    shape = (cfg.hidden_size, cfg.moe_intermediate_size,
+             max(1, slice_tokens * cfg.num_experts_per_tok // cfg.num_experts))
+    return table[min(table, key=lambda s: sum(abs(math.log(a / b)) for a, b in zip(s, shape)))]
+
+
+def tile_name(kind, tile):
+    if kind == "fused":
+        m, *gemms = tile
+        return f"fused {m} " + " ".join(f"{n}x{k}g{group}w{warps}s{stages}" + ("tma" if tma else "")
+                                        for n, k, group, warps, stages, tma in gemms)
+    return kind if tile is None else f"{kind} {tile[0]}x{tile[1]}x{tile[2]}"
+
+
+def make_grouped(kind, tile=None):
     """The grouped GEMM (a [rows, K] grouped by expert, w [experts, N, K], bounds [experts + 1]) -> [rows, N]."""
     if kind == "loop":
         return grouped_loop
@@ -3042,14 +3638,25 @@ def make_experts(kind, tile=None):
     raise UserError(f"unknown expert kernel {kind!r}")
 
 
-def expert_candidates(requested, device):
-    # (name, kind, tile) of each expert kernel that `requested` names: "auto", a kind, or a name pick_experts returned
+def make_experts(kind, tile=None):
+    """moe_ffn's experts (x, h, weights, chosen, w, kernels) -> None, x += each token's weighted experts."""
+    if kind != "fused":
+        return grouped_experts(make_grouped(kind, tile))
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    return lambda x, h, weights, chosen, w, kernels: fused_experts(x, h, weights, chosen, w, tile)
+
+
+def expert_candidates(requested, device, cfg, slice_tokens):
+    # (name, kind, tile) of each expert kernel that `requested` names: "auto", a kind, or a name pick_experts returned;
+    # the fused experts' tiles are those of the shape nearest to cfg's at slices of slice_tokens
     family, native = gpu_family(device), grouped_mm_native(device)
-    kinds = EXPERT_KINDS if native else ["triton", "grouped_mm", "loop"]
-    named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}x{tile[2]}", kind, tile) for kind in kinds
-             if not (kind == "triton" and requested == "auto" and device.type != "cuda")
+    kinds = EXPERT_KINDS if native else ["fused", "triton", "grouped_mm", "loop"]
+    tiles = {"triton": EXPERT_TILES[family], "fused": fused_tiles(family, cfg, slice_tokens)}
+    named = [(tile_name(kind, tile), kind, tile) for kind in kinds
+             if not (kind in tiles and requested == "auto" and device.type != "cuda")
              and not (kind == "grouped_mm" and requested == "auto" and device.type == "cuda" and not native)
-             for tile in (EXPERT_TILES[family] if kind == "triton" else [None])]
+             for tile in tiles.get(kind, [None])]
     chosen = [c for c in named if requested in ("auto", c[0], c[1])]
     if not chosen:
         raise UserError(f"unknown expert kernel {requested!r}")
@@ -3431,67 +4038,65 @@ def expert_inputs(device, cfg, seed, tokens, experts):
 
 def check_experts(candidates, device, cfg):
     """Each (name, kind, tile) candidate, run twice through moe_ffn on uneven routing: a list of dicts with name,
-    grouped (None where refused), error and, where refused, reason."""
+    experts (its experts function; None where refused), error and, where refused, reason."""
     k = min(cfg.num_experts_per_tok, 2)
     h, w = expert_inputs(device, cfg, seed=0, tokens=600, experts=min(cfg.num_experts, 8))
     want = moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, cfg.norm_topk_prob)
-    return [checked({"name": name, "grouped": None, "error": None}, "grouped", lambda: make_experts(kind, tile),
-                    lambda grouped: moe_ffn(torch.zeros_like(h), h, w, k, cfg.norm_topk_prob, grouped,
-                                            TORCH_KERNELS), want, "experts")
+    router = Router("softmax", k, cfg.norm_topk_prob)  # the expert kernels are under check, not the model's router
+    return [checked({"name": name, "experts": None, "error": None}, "experts", lambda: make_experts(kind, tile),
+                    lambda experts: moe_ffn(torch.zeros_like(h), h, w, router, experts, TORCH_KERNELS), want,
+                    "experts")
             for name, kind, tile in candidates]
 
 
-def experts_ms(grouped, inputs):
-    # median ms of a chunk's two grouped GEMMs (gate_up, down) over TIMING_REPEATS after one warm-up, on a stream of
-    # its own
-    rows, act, w, bounds = inputs
-    stream = torch.cuda.Stream(rows.device)
+def experts_ms(experts, inputs):
+    # median ms of a slice's experts after routing (a grouped GEMM's sort, gather, GEMMs, activation and combination;
+    # the fused experts' five launches) over TIMING_REPEATS after one warm-up, on a stream of its own
+    x = inputs[0]
+    stream = torch.cuda.Stream(x.device)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 1)]
     with torch.cuda.stream(stream):
-        grouped(rows, w.gate_up, bounds)
-        grouped(act, w.down, bounds)
+        experts(*inputs)
         for event in events[:-1]:
             event.record()
-            grouped(rows, w.gate_up, bounds)
-            grouped(act, w.down, bounds)
+            experts(*inputs)
         events[-1].record()
     events[-1].synchronize()
     return median_ms(events)
 
 
-def expert_timing_inputs(device, cfg, chunk_tokens, experts=8):
-    # one chunk's rows as a run sees them, for `experts` of the model's experts (their shapes decide the speed; all of
-    # them would be a layer's bytes of scratch): chunk_tokens * top-k / num_experts rows each on average, uneven
+def expert_timing_inputs(device, cfg, chunk_tokens, kernels, experts=8):
+    # one slice's routed tokens as a run sees them, for `experts` of the model's experts (their shapes decide the
+    # speed; all of them would be a layer's bytes of scratch): chunk_tokens * top-k / num_experts rows each on average,
+    # uneven; the experts' arguments (x, h, weights, chosen, w, kernels), kernels the run's (for the combination)
     h, w = expert_inputs(device, cfg, seed=1, tokens=max(2, chunk_tokens * experts // cfg.num_experts), experts=experts)
-    _, chosen = route(h, w.router, min(cfg.num_experts_per_tok, experts), cfg.norm_topk_prob)
-    pairs, bounds = expert_rows(chosen, experts)
-    rows = h[pairs // chosen.shape[1]]
-    act = torch.randn(rows.shape[0], cfg.moe_intermediate_size, device=device).to(DTYPE)
-    return rows, act, w, bounds
+    weights, chosen = route(h, w, Router("softmax", min(cfg.num_experts_per_tok, experts), cfg.norm_topk_prob))
+    return torch.zeros_like(h), h, weights, chosen, w, kernels
 
 
-def pick_experts(requested, device, cfg, picks, chunk_tokens=4096):
-    """(name, grouped, report): of the candidates that pass the check, the one this machine's picks name; else, on a
-    GPU with a writable picks file, the one timing picks on a chunk's shapes by pick_order's margin (then kept); else
-    the first in expert_candidates' order. Where the kept one is known, only it is checked."""
-    candidates = expert_candidates(requested, device)
+def pick_experts(requested, device, cfg, picks, chunk_tokens=4096, kernels=TORCH_KERNELS):
+    """(name, experts, report): of the candidates that pass the check, the one this machine's picks name; else, on a
+    GPU with a writable picks file, the one timing picks on a slice's shapes (chunk_tokens: the plan's MoE slice) by
+    pick_order's margin (then kept); else the first in expert_candidates' order. Where the kept one is known, only it
+    is checked. kernels: the run's (a grouped GEMM's timing includes their activation and combination)."""
+    candidates = expert_candidates(requested, device, cfg, chunk_tokens)
     kept = picks.get(f"experts {requested}")
     report = check_experts([c for c in candidates if c[0] == kept] or candidates, device, cfg)
-    if not any(e["grouped"] for e in report) and len(report) < len(candidates):  # the kept one failed
+    if not any(e["experts"] for e in report) and len(report) < len(candidates):  # the kept one failed
         report += check_experts([c for c in candidates if c[0] != kept], device, cfg)
-    passed = [e for e in report if e["grouped"] is not None]
+    passed = [e for e in report if e["experts"] is not None]
     if not passed:
         reasons = "; ".join(f"{e['name']}: {e['reason']}" for e in report)
         raise UserError(f"expert kernel {requested!r} is unusable on {device}: {reasons}")
     order = [c[0] for c in candidates]
     passed.sort(key=lambda e: order.index(e["name"]))  # the family's order of preference, whatever was checked first
     if len(passed) > 1 and device.type in TIMED_DEVICES and picks.writable():
-        inputs = expert_timing_inputs(device, cfg, chunk_tokens)
+        inputs = expert_timing_inputs(device, cfg, chunk_tokens, kernels)
         for entry in passed:
-            entry["time_ms"] = experts_ms(entry["grouped"], inputs)
+            entry["time_ms"] = experts_ms(entry["experts"], inputs)
         passed = pick_order(passed, lambda e: e["time_ms"])
         picks.put(f"experts {requested}", passed[0]["name"])
-    return passed[0]["name"], passed[0]["grouped"], report
+    return passed[0]["name"], passed[0]["experts"], report
 
 
 def rms_norm_f32(x, weight, eps, offset):
@@ -3545,7 +4150,8 @@ def kernel_checks(device, cfg):
     makes, against float32 math on random inputs. A configuration is what Triton compiles a kernel for: its
     constexprs and its integer arguments' specialisations (divisible by 16, equal to 1). head_norm_rope runs twice a
     layer, on the query heads and on the key heads: another head count, so another lane layout (HEADS) and another
-    base pointer into the same qkv rows, each checked; gated_act at the dense MLP's width and at the experts';
+    base pointer into the same qkv rows, each checked (the RoPE tables as wide as the model's: partial RoPE is a
+    variant); gated_act at the dense MLP's width, the experts' and the shared experts';
     rms_norm with the model's norm offset and, for the experts' input, without. Every input is laid out as in a run
     (q and k views of one qkv tensor, its row stride) so that each launch matches a run's but for the token count,
     which only the grid sees. Latent attention (latent_qkv): RoPE on q's last channels of each head and on the key
@@ -3587,7 +4193,8 @@ def kernel_checks(device, cfg):
         check("head_norm_rope", f"{x_heads.shape[1]} {what} heads" + (", interleaved" if interleave else ""),
               head_norm_rope_triton(x_heads, w_qk, cos, sin, eps, offset, interleave), want)
     widths = ([(cfg.intermediate_size, cfg.activation)] if "mlp" in cfg.layouts else []) + (
-        [(cfg.moe_intermediate_size, "silu")] if cfg.num_experts else [])
+        [(cfg.moe_intermediate_size, "silu")] if cfg.num_experts else []) + (
+        [(cfg.shared_intermediate_size, "silu")] if cfg.shared_intermediate_size else [])
     for width, activation in dict.fromkeys(widths):
         gate_up = torch.randn(T, 2 * width, generator=gen).to(device, DTYPE)
         gate, up = gate_up.float().chunk(2, dim=-1)
@@ -4541,8 +5148,9 @@ class Runner:
                 return fn(*args)
             picked_blas = side.submit(side_task, "blas", after, picked_attention, pick_blas, self.device, cfg,
                                       self.picks)
-            picked_experts = side.submit(side_task, "experts", after, picked_blas, pick_experts, experts, self.device,
-                                         cfg, self.picks, plan.moe_chunk_tokens) if cfg.num_experts else None
+            picked_experts = side.submit(side_task, "experts", after, picked_blas, lambda: pick_experts(
+                experts, self.device, cfg, self.picks, plan.moe_chunk_tokens, picked_kernels.result()[0])) \
+                if cfg.num_experts else None
             # Host memory page-locked in place, unlocked when this Runner goes and before it can be unmapped: freed
             # while registered, its addresses keep a stale registration that the next mapping there inherits (seen
             # on the H200: a later Runner's registrations and copies failed with "invalid argument").
@@ -4560,8 +5168,8 @@ class Runner:
             self.attention, self.attend, self.attention_report = picked_attention.result()
             self.kernels, self.kernel_errors = picked_kernels.result()
             self.blas, self.blas_tflops = picked_blas.result()
-            # the expert kernel picked (None for a dense model), its grouped GEMM, the check's report
-            self.experts, self.grouped, self.experts_report = picked_experts.result() if picked_experts else \
+            # the expert kernel picked (None for a dense model), its experts function, the check's report
+            self.experts, self.run_experts, self.experts_report = picked_experts.result() if picked_experts else \
                 (None, None, [])
             lap("kernels_wait")
         if self.device.type == "cuda":  # the checks' and timings' scratch (2 GiB reserved with kept picks on the H200)
@@ -4783,7 +5391,7 @@ class Runner:
                 if w.router is None:
                     mlp_block(x[s:e], w, cfg, self.plan.chunk_tokens, self.kernels)
                 else:
-                    moe_block(x[s:e], w, cfg, self.plan.moe_chunk_tokens, self.kernels, self.grouped)
+                    moe_block(x[s:e], w, cfg, self.plan.moe_chunk_tokens, self.kernels, self.run_experts)
             self.streamer.release(layer)
 
     def tree_attention(self):
@@ -5124,11 +5732,13 @@ def parse_args(argv):
                         "family's nominal rates, as large as memory allows: one stderr line says which bound; not "
                         "under torchrun)")
     p.add_argument("--experts", default="auto", choices=["auto"] + EXPERT_KINDS,
-                   help="a mixture of experts' grouped GEMMs: torch's grouped_mm, prefill's Triton kernel, or one "
-                        "GEMM per expert (default: of those that match float32 experts at start-up, the one kept in "
-                        "--picks; the first run on a GPU times them and keeps the first in that order unless "
-                        "another is clearly (10%%) faster; without a picks file, grouped_mm where it is one kernel, "
-                        "else Triton; on a GPU grouped_mm only where it is one kernel, on the CPU grouped_mm)")
+                   help="a mixture of experts' expert compute: torch's grouped_mm, prefill's fused Triton experts "
+                        "(the rows aligned per expert, the gate+up GEMM with the activation, the down GEMM with the "
+                        "routing weight, one sum), prefill's Triton grouped GEMM, or one GEMM per expert (default: of "
+                        "those that match float32 experts at start-up, the one kept in --picks; the first run on a "
+                        "GPU times them and keeps the first in that order unless another is clearly (10%%) faster; "
+                        "without a picks file, grouped_mm where it is one kernel, else the fused experts; on a GPU "
+                        "grouped_mm only where it is one kernel, on the CPU grouped_mm)")
     p.add_argument("--load", default="auto", choices=["auto", "map", "copy"],
                    help="map: page-lock the streamed layers' pages of the checkpoint's page cache in place and "
                         "copy them to the GPU straight from there (no host copy; those pages stay locked in RAM while "

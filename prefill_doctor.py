@@ -93,15 +93,15 @@ def doctor(runner):
     fig["attention_candidates"] = [{k: v for k, v in e.items() if k != "attend"} for e in report]
     fig.update(kernels=runner.kernels.name, kernel_errors=runner.kernel_errors, blas=runner.blas)
     if cfg.num_experts:  # every expert kernel offered here, checked, and timed on a chunk's shapes
-        experts = check_experts(expert_candidates("auto", dev), dev, cfg)
-        inputs = expert_timing_inputs(dev, cfg, plan.moe_chunk_tokens) if cuda else None
-        rows = inputs[0].shape[0] if cuda else 0
+        experts = check_experts(expert_candidates("auto", dev, cfg, plan.moe_chunk_tokens), dev, cfg)
+        inputs = expert_timing_inputs(dev, cfg, plan.moe_chunk_tokens, runner.kernels) if cuda else None
+        rows = inputs[3].numel() if cuda else 0  # the slice's (token, slot) rows
         for e in experts:
-            if cuda and e["grouped"] is not None:
-                e["time_ms"] = experts_ms(e["grouped"], inputs)
+            if cuda and e["experts"] is not None:
+                e["time_ms"] = experts_ms(e["experts"], inputs)
                 e["tflops"] = 6 * rows * cfg.moe_intermediate_size * cfg.hidden_size / (e["time_ms"] / 1e3) / 1e12
         fig["experts"] = runner.experts
-        fig["expert_candidates"] = [{k: v for k, v in e.items() if k != "grouped"} for e in experts]
+        fig["expert_candidates"] = [{k: v for k, v in e.items() if k != "experts"} for e in experts]
     if cuda:
         # a layer's weights on the device (a resident one's, else a slot's); a dense one where the model has any,
         # whose MLP's GEMMs are timed too
@@ -186,8 +186,12 @@ def doctor(runner):
                      + ("in one launch a layer" if runner.kernels.name == "triton" else "tensor by tensor")
                      + " (checked bit for bit against transformers' math)")
     if cfg.num_experts:
+        dense = cfg.layer_kinds.count("mlp")
+        lines.append(f"routing    {cfg.num_experts} experts a layer, {cfg.router.describe()}"
+                     + (f"; shared experts {cfg.shared_intermediate_size} wide" if cfg.shared_expert else "")
+                     + (f"; {dense} of {cfg.num_hidden_layers} layers dense" if dense else ""))
         lines.append(f"experts    {runner.experts} (checked against float32 experts on uneven routing)"
-                     + (f"; ms and TFLOP/s of a {plan.moe_chunk_tokens}-token slice's two grouped GEMMs, * picked"
+                     + (f"; ms and TFLOP/s of a {plan.moe_chunk_tokens}-token slice's experts after routing, * picked"
                         if cuda else ""))
         for e in fig["expert_candidates"]:
             state = f"refused: {e['reason'][:90]}" if "reason" in e else f"error {e['error']:.1e}" + (

@@ -96,6 +96,37 @@ QWEN3_30B_A3B = {**QWEN3_32B, "model_type": "qwen3_moe", "hidden_size": 2048, "i
                  "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
                  "num_experts_per_tok": 8, "moe_intermediate_size": 768}
 
+# The other mixtures of experts (their config.json), each with the Qwen3 tokenizer's vocabulary (its ids reach 151668),
+# and how much of each the H200 machine holds (128 GiB of RAM, /dev/shm in it; 64 GiB of disk):
+MIXTRAL_8X7B = {  # mistralai/Mixtral-8x7B-v0.1: 8 experts of intermediate_size, top-2 renormalised, every layer MoE, no
+    # window; 32 layers of 2.9 GB (93 GB): run with --layers 16 (47 GB); its own vocabulary: 32000
+    "model_type": "mixtral", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "sliding_window": None, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+    "tie_word_embeddings": False, "max_position_embeddings": 32768,
+}
+QWEN1_5_MOE_A2_7B = {  # Qwen/Qwen1.5-MoE-A2.7B: 60 experts of 1408, top-4 not renormalised, a shared expert of 5632
+    # behind its sigmoid gate, q/k/v biases; 24 layers of 1.14 GB (28.7 GB): whole
+    "model_type": "qwen2_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+    "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60,
+    "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+    "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+    "sliding_window": 32768, "max_window_layers": 21, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+    "tie_word_embeddings": False, "max_position_embeddings": 8192,
+}
+GLM4_5_AIR = {  # zai-org/GLM-4.5-Air: 128 experts of 1408, top-8 by the sigmoid router (one group, scale 1), one shared
+    # expert, the first layer dense (10944), q/k/v biases, no q/k norm, RoPE on half of each head; 46 layers, the 45
+    # MoE ones 4.68 GB each (210 GB): run with --layers 10 (one dense and 9 MoE layers, 45 GB). Its own vocabulary:
+    # 151552. The router's weight and correction bias are written float32 (interact.write_random_checkpoint)
+    "model_type": "glm4_moe", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 10944,
+    "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+    "n_routed_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408, "n_shared_experts": 1,
+    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True, "first_k_dense_replace": 1,
+    "attention_bias": True, "use_qk_norm": False, "partial_rotary_factor": 0.5, "rope_theta": 1e6,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "max_position_embeddings": 131072,
+    "num_nextn_predict_layers": 1,
+}
+
 # DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3's; R1 and V3.1 share it): multi-head latent attention (128 heads,
 # q/k 192, v 128, latents q 1536 and kv 512), interleaved RoPE with YaRN (x40, mscale 1), 3 dense layers and 58 of
 # mixtures of experts (256 routed, 1 shared; the router's fields below); its one MTP layer (layer 61) is not written.
@@ -126,14 +157,6 @@ MOONLIGHT_16B_A3B = {
     "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "rope_scaling": None, "num_nextn_predict_layers": 0,
 }
 
-
-def all_dense(geometry: dict, **dims) -> dict:
-    # the geometry with every layer dense (first_k_dense_replace past the last), as prefill runs deepseek_v3 until
-    # the V3 router lands
-    geometry = {**geometry, **dims}
-    return {**geometry, "first_k_dense_replace": geometry["num_hidden_layers"]}
-
-
 GEOMETRIES = {"qwen3-32b": QWEN3_32B, "gemma3-27b": GEMMA3_27B, "qwen2.5-32b": QWEN2_5_32B,
               "llama-3.1-70b": LLAMA_3_1_70B, "tiny": tiny(QWEN3_32B),
               # 6 layers, a window of 16: both kinds of layer and both RoPEs, windows that bite on short texts
@@ -141,15 +164,23 @@ GEOMETRIES = {"qwen3-32b": QWEN3_32B, "gemma3-27b": GEMMA3_27B, "qwen2.5-32b": Q
               "tiny-qwen2.5": tiny(QWEN2_5_32B), "tiny-llama": tiny(LLAMA_3_1_70B),
               "qwen3-30b-a3b": QWEN3_30B_A3B,
               "tiny-moe": tiny(QWEN3_30B_A3B, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+              "mixtral-8x7b": MIXTRAL_8X7B, "qwen1.5-moe-a2.7b": QWEN1_5_MOE_A2_7B, "glm-4.5-air": GLM4_5_AIR,
+              "tiny-mixtral": tiny(MIXTRAL_8X7B, num_local_experts=4),
+              "tiny-qwen1.5-moe": tiny(QWEN1_5_MOE_A2_7B, num_experts=8, moe_intermediate_size=64,
+                                       shared_expert_intermediate_size=128),
+              "tiny-glm-4.5-air": tiny(GLM4_5_AIR, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                       n_group=4, topk_group=2, routed_scaling_factor=2.5),
               "deepseek-v3": DEEPSEEK_V3, "moonlight-16b-a3b": MOONLIGHT_16B_A3B,
-              # MLA at a CPU's size, every layer dense: 4 heads of 32 + RoPE 32 (v 32), latents 128 and 64 (FP8:
-              # whole blocks, or one below)
-              "tiny-deepseek-v3": all_dense(tiny(DEEPSEEK_V3, num_key_value_heads=4, head_dim=32, q_lora_rank=128,
-                                                 kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
-                                                 v_head_dim=32)),
-              "tiny-moonlight": all_dense(tiny(MOONLIGHT_16B_A3B, num_key_value_heads=4, head_dim=32,
-                                               kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
-                                               v_head_dim=32))}
+              # MLA and the V3 router at a CPU's size: 4 heads of 32 + RoPE 32 (v 32), latents 128 and 64, the first
+              # layer dense, then 8 experts of 128 in 4 groups (the best 2 kept), one shared (FP8: whole blocks, or one
+              # below)
+              "tiny-deepseek-v3": tiny(DEEPSEEK_V3, num_key_value_heads=4, head_dim=32, q_lora_rank=128,
+                                       kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+                                       n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, n_group=4,
+                                       topk_group=2, first_k_dense_replace=1),
+              "tiny-moonlight": tiny(MOONLIGHT_16B_A3B, num_key_value_heads=4, head_dim=32, kv_lora_rank=64,
+                                     qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=8,
+                                     num_experts_per_tok=2, moe_intermediate_size=128)}
 
 
 def model_config(cfg: dict):
@@ -170,10 +201,11 @@ def matrix_shapes(cfg: dict) -> dict[str, tuple[int, int, int]]:
 
     q/k/v and gate/up are listed fused, as a runner would run them (the FLOPs are the same either way); DeepSeek's
     latent attention as prefill runs it (prefill.gemm_shapes): q's LoRA input and the latent fused ("qkv"), q_b and
-    kv_b. In a MoE geometry a token meets the router and its top-k experts of each layer instead of the dense MLP."""
+    kv_b. In a MoE geometry a token meets the router, its top-k experts of each layer and the shared experts (and
+    Qwen2-MoE's gate of them) instead of the dense MLP."""
     import prefill
     h, layers, model = cfg["hidden_size"], cfg["num_hidden_layers"], model_config(cfg)
-    moe = model.layer_kinds.count("moe")  # a Qwen3-MoE's layers of experts (not the dense ones)
+    moe = model.layer_kinds.count("moe")  # the layers of experts (not the dense ones)
     shapes = {
         **{"o" if name == "o_proj" else name: (n, k, layers) for name, _, n, k in prefill.gemm_shapes(model)
            if name in ("qkv", "q_b", "kv_b", "o_proj")},
@@ -182,9 +214,13 @@ def matrix_shapes(cfg: dict) -> dict[str, tuple[int, int, int]]:
         "lm_head": (cfg["vocab_size"], h, 1),
     }
     if moe:
-        top_k, inter = cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
-        shapes.update(router=(cfg["num_experts"], h, moe), expert_gate_up=(2 * inter, h, top_k * moe),
+        top_k, inter, shared = model.num_experts_per_tok, model.moe_intermediate_size, model.shared_intermediate_size
+        shapes.update(router=(model.num_experts, h, moe), expert_gate_up=(2 * inter, h, top_k * moe),
                       expert_down=(h, inter, top_k * moe))
+        if shared:
+            shapes.update(shared_gate_up=(2 * shared, h, moe), shared_down=(h, shared, moe))
+        if model.shared_expert_gate:
+            shapes.update(shared_expert_gate=(1, h, moe))
     return shapes
 
 
@@ -208,14 +244,16 @@ def attention_flops(cfg: dict, lengths: list[int]) -> float:
 
 
 def checkpoint_bytes(cfg: dict, fp8: bool = False) -> int:
-    """Bytes of every tensor the checkpoint holds (norms and biases included): bf16, or with fp8 each layer projection
-    at a byte an element plus a float32 scale a 128x128 block (interact.write_random_checkpoint's FP8)."""
+    """Bytes of every tensor the checkpoint holds (norms and biases included): bf16 (the sigmoid router's float32), or
+    with fp8 each layer projection at a byte an element plus a float32 scale a 128x128 block
+    (interact.write_random_checkpoint's FP8)."""
     import prefill
     model = model_config(cfg)
 
     def nbytes(name, shape):
         n = math.prod(shape)
-        return n + 4 * math.prod(prefill.scale_grid(shape)) if fp8 and prefill.is_fp8_weight(name) else 2 * n
+        return n + 4 * math.prod(prefill.scale_grid(shape)) if fp8 and prefill.is_fp8_weight(name) else \
+            n * model.tensor_dtypes.get(name, prefill.DTYPE).itemsize
     layers = sum(nbytes(name, shape) for kind in model.layer_kinds for name, (_, shape) in model.layouts[kind].items())
     embed_params = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
     return layers + 2 * (model.hidden_size + embed_params)

@@ -1,7 +1,9 @@
-"""Qwen3-30B-A3B (random weights: 48 layers, 61 GB) through prefill on one GPU under GPU memory caps, against both
-floors measured in the same run, in one device command (~5 min on the H200; issue 22).
+"""A mixture of experts (random weights: Qwen3-30B-A3B by default, 48 layers, 61 GB; or another of
+bench/make_checkpoint.py's geometries, --layers cutting one the machine cannot hold) through prefill on one GPU under
+GPU memory caps, against both floors measured in the same run, in one device command (~5 min on the H200; issue 22).
 
     python bench/moe_run.py --out bench/results/2026-12-01-h200-qwen3-30b-a3b.json
+    python bench/moe_run.py --geometry glm-4.5-air --layers 10 --ckpt /dev/shm/prefill-bench/glm-4.5-air-10 --out ...
     python bench/moe_run.py --device cpu --geometry tiny-moe --ckpt /tmp/tiny-moe --texts 12 --corpus-tokens 20000 \
         --caps 0.04,0.02 --reference-texts 6 --out /tmp/moe-run.json            # the same steps, tried on the CPU
 
@@ -11,8 +13,9 @@ Steps, in order:
                  corpus of >= --corpus-tokens tokens of the same kind whose first texts are the workload's
   3. rates       measured here, on the device, before any runner holds it: the pinned host->device rate on one
                  layer's bytes (prefill.h2d_gbps), the dense GEMMs' rate on the layer's qkv, o_proj and lm_head
-                 shapes (prefill.gemm_tflops) and each expert kernel's grouped GEMM rate on one whole layer (all its
-                 experts, an expert slice's routing by a random router: the run's shapes)
+                 shapes (prefill.gemm_tflops) and each grouped GEMM's rate (the candidates but the fused experts,
+                 which have no GEMM alone: bench/moe_layer.py times them) on one whole layer (all its experts, an
+                 expert slice's routing by a random router: the run's shapes)
   4. runs        per cap: the contest protocol (interact.run_runner, as the harness drives it: T from `ready` to the
                  last loss), then the corpus mode (--input/--output) with the wave the plan picks (stats: its
                  elapsed_s, from ready to the last record); --gpu-memory is the cap less the 1.5 GiB that prefill's
@@ -22,7 +25,8 @@ Steps, in order:
 
 Per run the record holds model_type, cap_gib, t_seconds, tokens, the wave and the plan's bound line, streamed bytes,
 compute_floor_s (each token's FLOPs at the rates of step 3: attention projections, router and lm_head at the dense
-GEMM rate, its k experts at the grouped rate of the kernel the run picked, attention's scores at the dense rate too),
+GEMM rate, its k experts at the fastest grouped GEMM's rate (whichever kernel the run picked: the floor is the GEMMs'
+alone), the shared experts and attention's scores at the dense rate too),
 transfer_floor_s (the run's streamed bytes at the pinned rate), t_over_max_floor and max_rel_err. A table last.
 """
 import argparse
@@ -95,15 +99,16 @@ def measure_rates(cfg, device, chunk_tokens, moe_chunk_tokens):
     h = torch.randn(moe_chunk_tokens, cfg.hidden_size, generator=gen, device=device).to(prefill.DTYPE)
     w.router = (torch.randn(cfg.num_experts, cfg.hidden_size, generator=gen, device=device)
                 / math.sqrt(cfg.hidden_size)).to(prefill.DTYPE)
-    _, chosen = prefill.route(h, w.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    _, chosen = prefill.route(h, w, prefill.Router("softmax", cfg.num_experts_per_tok))  # the rate, any router
     pairs, bounds = prefill.expert_rows(chosen, cfg.num_experts)
     rows = h[pairs // cfg.num_experts_per_tok]
     act = torch.randn(rows.shape[0], cfg.moe_intermediate_size, device=device).to(prefill.DTYPE)
     flops = 6 * rows.shape[0] * cfg.moe_intermediate_size * cfg.hidden_size
     grouped = {}
-    for entry in prefill.check_experts(prefill.expert_candidates("auto", device), device, cfg):
-        if entry["grouped"] is not None:
-            fn = entry["grouped"]
+    candidates = [c for c in prefill.expert_candidates("auto", device, cfg, moe_chunk_tokens) if c[1] != "fused"]
+    for entry, (_, kind, tile) in zip(prefill.check_experts(candidates, device, cfg), candidates):
+        if entry["experts"] is not None:
+            fn = prefill.make_grouped(kind, tile)
             grouped[entry["name"]] = flops / seconds(lambda: (fn(rows, w.gate_up, bounds), fn(act, w.down, bounds)),
                                                      device) / 1e12
     del h, w, rows, act
@@ -112,15 +117,17 @@ def measure_rates(cfg, device, chunk_tokens, moe_chunk_tokens):
     return {"h2d_gbps": h2d, "dense_tflops": dense, "grouped_tflops": grouped}
 
 
-def compute_floor_s(cfg, geometry, counts, rates, experts):
+def compute_floor_s(cfg, geometry, counts, rates):
     # each token's FLOPs at the rate its kind of GEMM reaches here (see the docstring)
     dense, H, L = rates["dense_tflops"], cfg.hidden_size, cfg.num_hidden_layers
     moe = cfg.layer_kinds.count("moe")  # the others (mlp_only_layers, decoder_sparse_step) run the dense MLP
     per_token = sum((L - moe if name in ("gate_up", "down") else L) * 2 * N * K / (dense[name] * 1e12)
                     for name, _, N, K in prefill.gemm_shapes(cfg)[:-1])
     per_token += moe * 2 * cfg.num_experts * H / (dense["qkv"] * 1e12)  # the router, a thin dense GEMM
-    per_token += moe * cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H / (rates["grouped_tflops"][experts]
-                                                                                       * 1e12)
+    # the shared experts (DeepSeek-V3, GLM, Qwen2-MoE; and its gate), plain GEMMs
+    per_token += moe * (6 * cfg.shared_intermediate_size + 2 * cfg.shared_expert_gate) * H / (dense["qkv"] * 1e12)
+    per_token += moe * cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H / (
+        max(rates["grouped_tflops"].values()) * 1e12)
     per_token += 2 * cfg.vocab_size * H / (dense["lm_head"] * 1e12)
     return sum(counts) * per_token + make_checkpoint.attention_flops(geometry, counts) / (dense["qkv"] * 1e12)
 
@@ -168,7 +175,7 @@ def reference_losses(args, ckpt, texts):
 
 def record(kind, cap, run, cfg, geometry, counts, rates, reference):
     s = run["stats"]
-    compute = compute_floor_s(cfg, geometry, counts, rates, s["experts"])
+    compute = compute_floor_s(cfg, geometry, counts, rates)
     transfer = s["streamed_bytes"] / (rates["h2d_gbps"] * 1e9)
     t = run["t_seconds"]
     return {"workload": kind, "model_type": cfg.model_type, "cap_gib": cap, "t_seconds": t, "texts": len(counts),
@@ -187,6 +194,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the record (JSON)")
     ap.add_argument("--geometry", default="qwen3-30b-a3b", choices=sorted(make_checkpoint.GEOMETRIES))
+    ap.add_argument("--layers", type=int, help="the geometry's first N layers (a model the machine cannot hold whole)")
     ap.add_argument("--ckpt", default="/dev/shm/prefill-bench/qwen3-30b-a3b-s0", help="checkpoint folder")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--caps", default="48,24", help="GPU memory caps in GiB, comma-separated")
@@ -201,7 +209,7 @@ def main(argv=None):
                     "of one batch (--wave-tokens 65536): the same numbers, whatever the planned wave")
     args = ap.parse_args(argv)
     t0, device = time.perf_counter(), torch.device(args.device)
-    geometry = make_checkpoint.geometry(args.geometry)
+    geometry = make_checkpoint.geometry(args.geometry, args.layers)
     cfg = prefill.ModelConfig.from_json(interact.config_json(geometry))
 
     built = make_checkpoint.build(Path(args.ckpt), geometry, seed=0, device=args.device, tokenizer=args.tokenizer,
@@ -232,7 +240,8 @@ def main(argv=None):
                         + f": the same losses {runs[-1][2]['same_losses_again']}")
     reference, reference_s = reference_losses(args, args.ckpt, contest[:args.reference_texts])
     log(f"reference: {len(reference)} texts in {reference_s:.0f} s")
-    res = {"geometry": args.geometry, "model_type": cfg.model_type, "device": args.device,
+    res = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "model_type": cfg.model_type,
+           "device": args.device,
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "commit": args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                    text=True, cwd=HERE.parent).stdout.strip(),
