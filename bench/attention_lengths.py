@@ -31,8 +31,8 @@ def geometry(name: str) -> dict:
         return GEOMETRY
     sys.path.insert(0, str(ROOT))
     import interact
-    from bench.make_checkpoint import DEEPSEEK_V3, all_dense
-    return interact.config_json(all_dense(DEEPSEEK_V3))  # its attention; the layers' kind changes nothing here
+    from bench.make_checkpoint import DEEPSEEK_V3
+    return interact.config_json(DEEPSEEK_V3)  # its attention; the layers' kind changes nothing here
 
 
 def measure(name: str) -> dict:

@@ -130,9 +130,12 @@ GLM4_5_AIR = {  # zai-org/GLM-4.5-Air: 128 experts of 1408, top-8 by the sigmoid
 # DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3's; R1 and V3.1 share it): multi-head latent attention (128 heads,
 # q/k 192, v 128, latents q 1536 and kv 512), interleaved RoPE with YaRN (x40, mscale 1), 3 dense layers and 58 of
 # mixtures of experts (256 routed, 1 shared; the router's fields below); its one MTP layer (layer 61) is not written.
-# 61 layers are 1.34 TB in bf16 (a dense layer 1.17 GB, a MoE one 23.0 GB, embedding and head 3.7 GB), 0.68 TB in
-# FP8: the H200 machine (128 GiB RAM, 64 GiB disk) holds --layers 6, the 3 dense and 3 MoE (76 GB bf16 in /dev/shm;
-# the FP8 copy, 40 GB, on disk beside it). Its MoE layers need the V3 router (prefill refuses them until it lands).
+# 61 layers are 1.34 TB in bf16 (a dense layer 1.17 GB, a MoE one 23.0 GB with its float32 router, embedding and
+# head 3.7 GB), 0.67 TB in FP8. The H200 machine (128 GiB RAM holding /dev/shm, 64 GiB disk, 139 GiB GPU) holds
+# --layers 7 at most (99.9 GB bf16 in /dev/shm, transformers' reference 93 GiB on the GPU; 8 would leave 13 GiB of
+# RAM beside /dev/shm's 114.5); --layers 6, the 3 dense and 3 MoE (76.9 GB bf16, 40.7 GB FP8), leaves room for
+# transformers' load, which fuses a layer's 256 experts (21 GiB) on the way. A MoE layer is also the smallest slot:
+# two of them and a 16,384-token expert slice's scratch plan 58 GiB, whatever the cap.
 # Vocabulary 151936, not 129280: the Qwen3 tokenizer's ids reach 151668, as for Llama-3.1-70B above.
 DEEPSEEK_V3 = {
     "model_type": "deepseek_v3", "vocab_size": 151936, "hidden_size": 7168, "intermediate_size": 18432,

@@ -397,6 +397,11 @@ def test_a_side_in_partial_blocks_is_read_as_transformers_fp8_linear_reads_it():
                            else b) for a, b in zip(interact.quantize_fp8_blocks(w), quantize(w)))
     with pytest.raises(ValueError, match="not divisible by scale grid"):
         Fp8Dequantize(None)._dequantize_one(q, scales, torch.float32)
+    from bench.moe_run import partial_blocks_dequantized
+    with partial_blocks_dequantized():  # the bench's reference load (moe_run.py --fp8) reads it so, the rest as before
+        assert torch.equal(Fp8Dequantize(None)._dequantize_one(q, scales, torch.bfloat16), out)
+        whole = q[:512, :256]
+        assert torch.equal(Fp8Dequantize(None)._dequantize_one(whole, scales[:4, :2], torch.bfloat16), out[:512, :256])
     assert [prefill.misread_side(n) for n in (576, 320, 192, 200, 100, 384)] == [False] * 2 + [True] * 2 + [False] * 2
     with pytest.raises(prefill.UserError, match=r"\[192, 64\] \(self_attn.kv_a_proj_with_mqa.weight\) .* two loads"):
         prefill.ModelConfig.from_json({**GEOMETRY, "model_type": "deepseek_v3", "kv_lora_rank": 184,
