@@ -3077,9 +3077,9 @@ def attention_candidates(requested, family, cfg=None, tiles=None):
 
 
 # ----------------------------------------------------------------------------- mixture of experts
-# The feed-forward of Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 and DeepSeek-V3 (transformers 5.24,
-# models/<family>/modeling_*.py), beside mlp_block: the same layer, streamer and plan, the experts part of a layer's
-# flat bytes (ModelConfig.mlp_tensors). The router (mlp.gate) picks each token's top-k experts and weighs them as the model's
+# The feed-forward of Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3 (transformers 5.24, models/*/modeling_*.py),
+# beside mlp_block: the same layer, streamer and plan, the experts part of a layer's flat bytes
+# (ModelConfig.mlp_tensors). The router (mlp.gate) picks each token's top-k experts and weighs them as the model's
 # Router says (route: softmax or DeepSeek-V3's sigmoid), the weights cast to bf16 for the combination. Each expert is a
 # SwiGLU MLP moe_intermediate_size wide, no bias. Shared experts (DeepSeek-V3, GLM, Qwen2-MoE) run beside them as one
 # plain gated MLP, their output (Qwen2-MoE: gated) added to the routed experts' bf16 sum before the residual, as

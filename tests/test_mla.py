@@ -235,6 +235,22 @@ def test_yarn_is_transformers_bit_for_bit(name):
     assert (attention_factor == 1.0) == (name == "deepseek-v3")
 
 
+def test_yarn_on_part_of_a_head_is_transformers_bit_for_bit():
+    # partial RoPE (GLM-4.5's half of each head of 128) with YaRN: the band and the ramp over the 64 rotating channels,
+    # as _compute_yarn_parameters sizes them (int(head_dim x partial_rotary_factor)), the tables 64 wide
+    from transformers import Glm4MoeConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    raw = {"model_type": "glm4_moe", "vocab_size": 320, "hidden_size": 256, "intermediate_size": 384,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+           "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+           "max_position_embeddings": 131072, "rope_scaling": YARNS["gpt-oss"] | {"rope_theta": 1e6}}
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](Glm4MoeConfig(**raw))
+    rope = prefill.ModelConfig.from_json(raw).ropes[0]
+    assert rope.partial == 0.5 and rope.rotary_dim(128) == 64 and inv_freq.shape == (32,)
+    assert torch.equal(rope.inv_freq(128), inv_freq) and rope.attention_factor == attention_factor
+    assert prefill.rope_tables(torch.arange(5), rope, 128)[0].shape == (5, 64)
+
+
 REFUSED = [
     (dict(first_k_dense_replace=None), "first_k_dense_replace is null"),
     (dict(v_head_dim=None), "v_head_dim is null"),
