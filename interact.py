@@ -328,7 +328,8 @@ QWEN3_CONFIG_DEFAULTS = {
 # Other families: their config class's defaults fill the rest (the bench geometries spell out their own keys).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 # Everything in a Qwen3-MoE config.json besides the geometry (transformers 5.24's Qwen3MoeConfig): no layer kept
@@ -401,15 +402,18 @@ FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
 def quantize_fp8_blocks(w, block: int = 128):
-    """w [out, in], both multiples of block -> (float8_e4m3fn [out, in], float32 scales [out/block, in/block]) on w's
-    device, every block at once: scale = the block's amax / 448 (kept away from 0), q = w / scale, rounded to FP8."""
+    """w [out, in] -> (float8_e4m3fn [out, in], float32 scales [ceil(out/block), ceil(in/block)]) on w's device, every
+    block at once: scale = the block's amax / 448 (kept away from 0), q = w / scale, rounded to FP8. A side that is not
+    a multiple of block ends in a partial block (DeepSeek-V3's 576-row kv_a_proj_with_mqa): zero-padded to whole ones,
+    which changes no block's amax."""
     import torch
 
     rows, cols = w.shape
-    blocks = w.float().view(rows // block, block, cols // block, block)
-    scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [out/block, in/block]
+    R, C = -(-rows // block) * block, -(-cols // block) * block
+    blocks = torch.nn.functional.pad(w.float(), (0, C - cols, 0, R - rows)).view(R // block, block, C // block, block)
+    scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [ceil(out/block), ceil(in/block)]
     q = (blocks / scales[:, None, :, None]).to(torch.float8_e4m3fn)
-    return q.view(rows, cols), scales
+    return q.view(R, C)[:rows, :cols].contiguous(), scales
 
 
 def write_random_checkpoint(
@@ -437,8 +441,9 @@ def write_random_checkpoint(
     fp8: block-wise FP8 in the official Qwen3-*-FP8 layout (FP8_QUANTIZATION in config.json): every layer projection
     prefill reads as FP8 (prefill.is_fp8_weight) is drawn in bf16 as above, from the same generator, then quantized
     on `device` (quantize_fp8_blocks) into X.weight float8_e4m3fn and X.weight_scale_inv float32; so the FP8
-    checkpoint of a (config, seed, device) is the bf16 one's quantization. Every such projection must be a whole
-    number of 128x128 blocks.
+    checkpoint of a (config, seed, device) is the bf16 one's quantization. A side that is not a multiple of 128 ends in
+    a partial block, as DeepSeek-V3's kv_a_proj_with_mqa does (prefill refuses the sides transformers would read
+    otherwise: prefill.misread_side).
     """
     import torch
     from safetensors.torch import save_file
@@ -453,10 +458,6 @@ def write_random_checkpoint(
     float32 = {f"model.layers.{i}.{name}" for i in range(model.num_hidden_layers) for name in model.tensor_dtypes}
     block = FP8_QUANTIZATION["weight_block_size"][0]
     quantized = {name for name, _, _, _ in specs if fp8 and prefill.is_fp8_weight(name)}
-    for name, shape, _, _ in specs:
-        if name in quantized and any(n % block for n in shape):
-            raise UserError(f"--fp8: {name} has shape {list(shape)}, not a whole number of {block}x{block} blocks; "
-                            f"the FP8 writer quantizes whole blocks only (every bench geometry's projections are)")
     if fp8:
         cfg["quantization_config"] = dict(FP8_QUANTIZATION)
     out = Path(out_dir)
@@ -465,7 +466,7 @@ def write_random_checkpoint(
     def file_bytes(name, shape):
         # a quantized weight: one byte an element, and a float32 scale a block
         n = math.prod(shape)
-        return n + 4 * n // block**2 if name in quantized else (4 if name in float32 else 2) * n
+        return n + 4 * math.prod(prefill.scale_grid(shape)) if name in quantized else (4 if name in float32 else 2) * n
 
     # Plan the shards first: their file names carry the shard count.
     shards, size = [[]], 0

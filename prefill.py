@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """prefill: the per-text language-modelling loss of a Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3 model, or of a
-mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5), whose weights need not fit in GPU memory.
+mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3), whose weights need not fit in GPU memory.
 
     python prefill.py --model DIR      prints `ready`, reads one JSON array of texts from stdin,
                                        prints one loss per text (in order) and exits.
@@ -14,14 +14,14 @@ huge request is split into waves).
 This file alone is the engine: the protocol and the Python API need nothing beside it. Its sections, in reading
 order, with their main definitions (no definition reads a name defined further down; tests/test_layout.py checks
 both):
-  config: Rope, AttentionSettings, Router, moe_fields, sigmoid_moe_fields, Family, FAMILIES, ConfigFields, fp8_fields,
-      held_layout, ModelConfig
+  config: Rope, AttentionSettings, Router, moe_fields, sigmoid_moe_fields, Family, FAMILIES, ConfigFields, yarn_rope,
+      latent_fields, fp8_fields, held_layout, ModelConfig
   checkpoint loading: header_tensors, Workers, pinned_empty, Checkpoint, check_tensors, LayerWeights, layer_views,
       Stager
   memory plan: MemoryPlan, plan_memory, layer_flops, plan_wave, HostPlan, plan_host
   weight streaming: HeldLayers, StorageRing, dequantize_fp8, FP8Layer, fp8_layer, dequantize_layer, WeightStreamer
   model math: rms_norm, rope_tables, apply_rope, gated_act, token_nll, combine, Kernels, TORCH_KERNELS, Chunk,
-      attention_block, gated_mlp, mlp_block
+      latent_qkv, attention_block, gated_mlp, mlp_block
   fused kernels (Triton, optional): rms_norm_triton, head_norm_rope_triton, dequantize_layer_triton,
       token_nll_triton, TRITON_KERNELS
   attention backends: attention_sdpa, attention_triton, make_attention, ATTENTION_TILES, gpu_family,
@@ -158,14 +158,20 @@ def json_array(data, source):
 class Rope:
     """One RoPE (transformers' modeling_rope_utils): "default"; "linear" (positions / factor: Gemma 3's full layers);
     "llama3" (Llama 3.1-3.3: wavelengths beyond the original context slowed by factor, a smooth band between them;
-    static, so short texts change too). partial: partial_rotary_factor, the share of each head's channels that rotate,
-    the first int(head_dim * partial) of them (GLM-4.5: half); the others pass through."""
+    static, so short texts change too); "yarn" (_compute_yarn_parameters: frequencies below the beta_slow..beta_fast
+    band of rotations over the original context slowed by factor, a linear ramp between; cos and sin scaled by
+    attention_factor). partial: partial_rotary_factor, the share of each head's channels that rotate, the first
+    int(head_dim * partial) of them (GLM-4.5: half); the others pass through."""
     theta: float
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0  # cos and sin are multiplied by it in float32 (1 but for yarn)
     partial: float = 1.0
 
     def rotary_dim(self, head_dim):
@@ -174,7 +180,20 @@ class Rope:
     def inv_freq(self, head_dim):
         # [rotary_dim / 2] float32 on the CPU, in transformers' own float32 steps
         dim = self.rotary_dim(head_dim)
-        inv = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        pos_freqs = self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        inv = 1.0 / pos_freqs
+        if self.kind == "yarn":  # transformers' steps: Python floats for the band, float32 for the ramp
+            def dim_of(rotations):  # the dimension that turns `rotations` times over the original context
+                return (dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+                    2 * math.log(self.theta))
+            low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+            if self.truncate:
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, dim - 1)
+            if low == high:
+                high += 0.001  # transformers' guard against a zero-width ramp
+            kept = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+            return 1.0 / (self.factor * pos_freqs) * (1 - kept) + inv * kept
         if self.kind == "linear":
             return inv / self.factor
         if self.kind == "llama3":
@@ -331,10 +350,15 @@ def sigmoid_moe_fields(fields, path, layers, defaults):
     num_experts_per_tok of them a token, chosen by the sigmoid Router (n_group, topk_group, norm_topk_prob,
     routed_scaling_factor, the correction bias in the checkpoint); n_shared_experts beside them as one MLP
     n_shared_experts * moe_intermediate_size wide, added unweighted; the first first_k_dense_replace layers the dense
-    MLP, intermediate_size wide. scoring_func and topk_method, where a config gives them, must be DeepSeek-V3's."""
+    MLP, intermediate_size wide. scoring_func and topk_method, where a config gives them, must be DeepSeek-V3's; so
+    must moe_layer_freq (DeepSeek's own modeling code makes every moe_layer_freq-th layer a MoE, transformers every
+    layer from first_k_dense_replace on: they agree at 1 only)."""
     for key, method in ROUTER_METHODS.items():
         if fields.source.get(key, method) != method:
             raise UserError(f"{path}: {key} is {shown(fields.source[key])}; prefill's router reads {key} {method} only")
+    if fields.source.get("moe_layer_freq", 1) != 1:
+        raise UserError(f"{path}: moe_layer_freq is {shown(fields.source['moe_layer_freq'])}: DeepSeek's modeling code "
+                        "would keep dense MLPs between the MoE layers, transformers' would not; prefill reads 1 only")
     experts, top_k = expert_count(fields, path, ("n_routed_experts", "num_local_experts"), defaults)
     groups, kept = (fields.count(key, defaults[key]) for key in ("n_group", "topk_group"))
     # transformers ranks a group by its two best scores and keeps topk_group of them, then takes the top-k there
@@ -381,6 +405,7 @@ class Family:
     experts: object = None         # a mixture of experts: (fields, path, layers, moe_defaults) -> ModelConfig's fields
     #                                of it (which layers keep the MLP among them too); None: a dense model
     moe_defaults: tuple = ()       # (key, default) pairs of its configuration class that experts reads (none: required)
+    latent_attention: bool = False  # DeepSeek-V3: multi-head latent attention (latent_fields)
 
 
 GEMMA = dict(reads_layer_types=True, norm_offset=True, sandwich_norms=True, embed_scale=True, attention_bias=True,
@@ -407,12 +432,18 @@ FAMILIES = {
                            ("n_routed_experts", 128), ("num_experts_per_tok", 8), ("moe_intermediate_size", 1408),
                            ("n_shared_experts", 1), ("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0),
                            ("norm_topk_prob", True), ("first_k_dense_replace", 1))),
+    # DeepSeek-V3, Moonlight, Kimi-K2 (a copy whose config.json says deepseek_v3): DeepseekV3Config's defaults; its
+    # MTP layers likewise
+    "deepseek_v3": Family(attention_bias=True, latent_attention=True, experts=sigmoid_moe_fields, moe_defaults=(
+        ("n_routed_experts", 256), ("num_experts_per_tok", 8), ("moe_intermediate_size", 2048),
+        ("n_shared_experts", 1), ("n_group", 8), ("topk_group", 4), ("routed_scaling_factor", 2.5),
+        ("norm_topk_prob", True), ("first_k_dense_replace", 3))),
 }
 # keys that mark a config.json as a mixture of experts (Mixtral, GPT-OSS: num_local_experts; Qwen2-MoE, OLMoE:
 # num_experts; DeepSeek: n_routed_experts): of those, prefill runs the families whose row has experts
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' ACT2FN names
-ROPE_KINDS = ("default", "linear", "llama3")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Gemma 3 saved as multimodal (model_type gemma3): the text model's config is its text_config, its tensors lie under
 # language_model.model. (as transformers 4 saves it) or model.language_model. (5); the vision tower is never read.
@@ -457,6 +488,35 @@ class ConfigFields:
         return None if self.source.get(key, default) is None else read(key, default)
 
 
+def yarn_mscale(factor, mscale=1):  # transformers' get_mscale (yarn_get_mscale in DeepSeek-V3's modeling)
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_rope(fields, theta, partial):
+    """Every field transformers' _compute_yarn_parameters reads (5.24): factor (required: its validation raises
+    without it), original_max_position_embeddings (read_ropes defaults it to max_position_embeddings, as
+    standardize_rope_params does), beta_fast and beta_slow (32 and 1 where absent, null or 0), truncate (true where
+    absent; null is false to its truthiness), and attention_factor, else from factor (with mscale and mscale_all_dim
+    where both are set and non-zero: DeepSeek's ratio, 1 where they are equal)."""
+    number = lambda v: type(v) in (int, float) and 0 <= v < math.inf
+    factor = fields.positive("factor")
+    mscale, all_dim = (fields.get(key, 0, number, "a non-negative number") for key in ("mscale", "mscale_all_dim"))
+    if fields.source.get("attention_factor") is not None:
+        attention_factor = fields.positive("attention_factor")
+    elif mscale and all_dim:
+        attention_factor = float(yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim))
+    else:
+        attention_factor = yarn_mscale(factor)
+    truncate = fields.source.get("truncate", True)
+    if type(truncate) not in (bool, type(None)):
+        raise UserError(f"{fields.where}: truncate is {shown(truncate)}; expected true or false")
+    return Rope(theta, "yarn", factor,
+                original_max_position_embeddings=fields.count("original_max_position_embeddings"),
+                beta_fast=fields.get("beta_fast", 32, number, "a non-negative number") or 32,
+                beta_slow=fields.get("beta_slow", 1, number, "a non-negative number") or 1,
+                truncate=bool(truncate), attention_factor=attention_factor, partial=partial)
+
+
 def rope_of(params, where, partial=None):
     # partial: partial_rotary_factor's default where the family reads it (None: a factor other than 1 is refused)
     fields = ConfigFields(params, where)
@@ -474,8 +534,10 @@ def rope_of(params, where, partial=None):
         return Rope(theta, partial=part)
     if kind == "linear":
         return Rope(theta, kind, fields.positive("factor"), partial=part)
+    if kind == "yarn":
+        return yarn_rope(fields, theta, part)
     return Rope(theta, kind, fields.positive("factor"), fields.positive("low_freq_factor"),
-                fields.positive("high_freq_factor"), fields.count("original_max_position_embeddings"), part)
+                fields.positive("high_freq_factor"), fields.count("original_max_position_embeddings"), partial=part)
 
 
 def read_ropes(raw, family, path):
@@ -485,22 +547,65 @@ def read_ropes(raw, family, path):
     params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise UserError(f"{path}: rope_parameters (or rope_scaling) is {shown(params)}, not a JSON object")
-    part = {"partial_rotary_factor": raw["partial_rotary_factor"]} if "partial_rotary_factor" in raw else {}
+    common = {"partial_rotary_factor": raw["partial_rotary_factor"]} if "partial_rotary_factor" in raw else {}
+    if "max_position_embeddings" in raw:  # llama3's and yarn's original context where not given, as transformers'
+        # standardize_rope_params sets it
+        common["original_max_position_embeddings"] = raw["max_position_embeddings"]
     if family.two_ropes:
         nested = raw.get("rope_parameters") or {}
         if not isinstance(nested, dict) or not set(nested) <= set(LAYER_TYPES):
             raise UserError(f"{path}: rope_parameters must be nested by layer type ({', '.join(LAYER_TYPES)})")
         # transformers 4's rope_scaling scales the full layers
-        full = {**part, **(nested.get("full_attention") or {}), **(raw.get("rope_scaling") or {})}
+        full = {**common, **(nested.get("full_attention") or {}), **(raw.get("rope_scaling") or {})}
         full.setdefault("rope_theta", raw.get("rope_theta", 1e6))
-        sliding = {**part, **(nested.get("sliding_attention") or {})}
+        sliding = {**common, **(nested.get("sliding_attention") or {})}
         sliding.setdefault("rope_theta", raw.get("rope_local_base_freq", 1e4))
         return {"full_attention": rope_of(full, f"{path}: full_attention RoPE"),
                 "sliding_attention": rope_of(sliding, f"{path}: sliding_attention RoPE")}
     if set(params) & set(LAYER_TYPES):
         raise UserError(f"{path}: rope_parameters nested by layer type: {raw.get('model_type')} has one RoPE")
-    return {None: rope_of({"rope_theta": raw.get("rope_theta", family.rope_theta), **part, **params}, f"{path}: RoPE",
+    return {None: rope_of({"rope_theta": raw.get("rope_theta", family.rope_theta), **common, **params}, f"{path}: RoPE",
                           family.partial_rotary)}
+
+
+def latent_fields(fields, path, heads):
+    """DeepSeek-V3's fields of config.json (transformers 5.24, models/deepseek_v3), with DeepseekV3Config's defaults
+    where absent: its multi-head latent attention's q_lora_rank (null: q is q_proj, no LoRA), kv_lora_rank,
+    qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope_interleave (null is false to DeepseekV3Attention's test of
+    it), num_key_value_heads (the keys it expands are one a query head: it must be the query heads' count). Its q/k
+    head_dim is nope + rope; the config's own head_dim, where given, is what DeepseekV3Config keeps and sizes RoPE by
+    (its default: qk_rope_head_dim, which it must then be); qk_head_dim is not read. Its mixture of experts is
+    sigmoid_moe_fields'."""
+    source = fields.source
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace"):
+        if key in source and source[key] is None:  # transformers' modules would be built of None and fail
+            raise UserError(f"{path}: {key} is null; transformers' deepseek_v3 needs a number there")
+    interleave = source.get("rope_interleave", True)
+    if type(interleave) not in (bool, type(None)):
+        raise UserError(f"{path}: rope_interleave is {shown(interleave)}; expected true or false")
+    if fields.count("num_key_value_heads", heads) != heads:
+        raise UserError(f"{path}: num_key_value_heads is {source['num_key_value_heads']}, not num_attention_heads "
+                        f"({heads}): DeepSeek's latent attention expands one key and value a query head")
+    nope, rope = fields.count("qk_nope_head_dim", 128), fields.count("qk_rope_head_dim", 64)
+    if "head_dim" in source and source["head_dim"] != rope:
+        raise UserError(f"{path}: head_dim is {shown(source['head_dim'])}, not qk_rope_head_dim ({rope}): "
+                        "transformers' deepseek_v3 would size RoPE by it")
+    return dict(q_lora_rank=0 if source.get("q_lora_rank", 1536) is None else fields.count("q_lora_rank", 1536),
+                kv_lora_rank=fields.count("kv_lora_rank", 512), qk_nope_head_dim=nope, head_dim=nope + rope,
+                rope_dim=rope, v_head_dim=fields.count("v_head_dim", 128), rope_interleave=bool(interleave))
+
+
+def latent_scale(head_dim, rope, params, path):
+    """DeepseekV3Attention's softmax scale: qk_head_dim^-0.5, times yarn's mscale(factor, mscale_all_dim)^2 where the
+    RoPE is not the default one and mscale_all_dim is set and non-zero (yarn_apply_mscale, which reads the RoPE's
+    raw parameters: any type but default)."""
+    scale = head_dim ** (-0.5)
+    all_dim = ConfigFields(params, f"{path}: RoPE").get("mscale_all_dim", 0, lambda v: type(v) in (int, float)
+                                                         and 0 <= v < math.inf, "a non-negative number")
+    if rope.kind != "default" and all_dim:
+        mscale = yarn_mscale(rope.factor, all_dim)
+        scale = scale * mscale * mscale
+    return scale
 
 
 FP8 = torch.float8_e4m3fn
@@ -557,10 +662,10 @@ def fp8_fields(quantized, path):
 
 
 def is_fp8_weight(name):
-    # a layer's projections (attention, MLP, experts) are FP8 in a block-wise FP8 checkpoint, but for those
-    # modules_to_not_convert names (not_converted); norms, biases and the MoE router (mlp.gate) stay bf16, as do the
-    # embedding and lm_head
-    return name.endswith("_proj.weight")
+    # a layer's projections (attention, MLP, experts; DeepSeek's kv_a_proj_with_mqa too: transformers converts every
+    # nn.Linear) are FP8 in a block-wise FP8 checkpoint, but for those modules_to_not_convert names (not_converted);
+    # norms, biases and the MoE router (mlp.gate) stay bf16, as do the embedding and lm_head
+    return name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
 
 
 def not_converted(patterns, prefixes=()):
@@ -582,6 +687,16 @@ def scale_grid(shape):
     return tuple(-(-n // FP8_BLOCK) for n in shape)
 
 
+def misread_side(n):
+    """Whether transformers reads an FP8 weight's side of n otherwise than in FP8_BLOCK blocks, the last partial (as
+    DeepSeek's weight_dequant, and transformers' own FP8Linear and _dequantize_fp8_weight on a GPU, read it): its
+    CPU load (Fp8Dequantize, the float32 reference) takes the block from the side over its scale grid, which is
+    FP8_BLOCK where n is a multiple of it, and n itself below it; where n is neither and the grid divides it (192 over
+    2 blocks: 96), it reads blocks of that size instead. Where the grid does not divide n (DeepSeek-V3's
+    kv_a_proj_with_mqa: 576 rows over 5), that load raises and only the GPU one, in FP8_BLOCK blocks, reads it."""
+    return n > FP8_BLOCK and n % FP8_BLOCK and n % scale_grid((n,))[0] == 0
+
+
 def held_layout(layout, numel, fp8, dtypes):
     """How a layer is held (resident, in host memory, in a slot): [(name, byte offset, shape, dtype)], and its bytes.
     layout: its bf16 layout, {name: (offset in bf16 elements, shape)}, numel bf16 elements long, each tensor bf16 but
@@ -596,11 +711,10 @@ def held_layout(layout, numel, fp8, dtypes):
         parts = [(name, shape, dtypes.get(name, DTYPE))]
         if name in fp8:
             parts = [(name, shape, FP8), (name + "_scale_inv", scale_grid(shape), torch.float32)]
-            if any(n > FP8_BLOCK and n % FP8_BLOCK for n in shape):
-                # transformers takes the block from the weight's shape over its scale grid (Fp8Dequantize), which
-                # is FP8_BLOCK only where each side is a multiple of it, or one block smaller than it
+            if any(map(misread_side, shape)):
                 raise UserError(f"an FP8 weight's shape {list(shape)} ({name}) is not a multiple of the "
-                                f"{FP8_BLOCK}x{FP8_BLOCK} blocks: transformers would read its scales otherwise")
+                                f"{FP8_BLOCK}x{FP8_BLOCK} blocks, and transformers' two loads read its scales "
+                                "differently (on the CPU in blocks of its side over its scale grid)")
         for part, part_shape, dtype in parts:
             offset = -(-offset // 128) * 128
             held.append((part, offset, part_shape, dtype))
@@ -650,15 +764,27 @@ class ModelConfig:
     fp8_scales: str = None          # block-wise FP8 weights (fp8_fields): their scales' format, "float" or "ue8m0";
     #                                 None: the weights are bf16 (or f16, f32) in the files
     fp8_not_converted: tuple = ()   # its modules_to_not_convert: patterns naming modules kept bf16 (not_converted)
+    v_head_dim: int = None          # the values' head dim (None: head_dim, that of q and k); DeepSeek-V3: 128 to 192
+    rope_dim: int = None            # the channels RoPE rotates, its tables' width (None: head_dim)
+    rope_interleave: bool = False   # latent attention's RoPE pairs channels (0, 1), (2, 3), ..., not (i, i + half)
+    kv_lora_rank: int = 0           # DeepSeek's multi-head latent attention (0: none; latent_fields, latent_qkv):
+    q_lora_rank: int = 0            # the keys' and values' latent, q's (0: q_proj, no LoRA), each head's q/k
+    qk_nope_head_dim: int = 0       # channels without RoPE, then rope_dim with it
 
     def __post_init__(self):
         D = self.head_dim
+        self.v_head_dim, self.rope_dim = self.v_head_dim or D, self.rope_dim or D
         self.q_size = self.num_attention_heads * D  # != hidden_size in Qwen3-32B (8192 vs 5120)
-        self.kv_size = self.num_key_value_heads * D
+        self.kv_size = self.num_key_value_heads * D  # the keys' (and values' but for v_head_dim: v_size)
+        self.v_size = self.num_key_value_heads * self.v_head_dim
+        # the first projection's rows: q, k and v (fused); with latent attention q's (or q_a's) and the latent's
+        self.qkv_rows = ((self.q_lora_rank or self.q_size) + self.kv_lora_rank + self.rope_dim if self.kv_lora_rank
+                         else self.q_size + 2 * self.kv_size)
         if self.num_attention_heads % self.num_key_value_heads:
             raise UserError("num_attention_heads must be a multiple of num_key_value_heads")
-        if D < 2 or D % 2:
-            raise UserError(f"head_dim is {D}; RoPE rotates pairs of a head's channels: it must be even and positive")
+        if self.rope_dim < 2 or self.rope_dim % 2:
+            raise UserError(f"{'qk_rope_head_dim' if self.kv_lora_rank else 'head_dim'} is {self.rope_dim}; RoPE "
+                            "rotates pairs of a head's channels: it must be even and positive")
         for rope in set(self.ropes):
             if rope.rotary_dim(D) < 2 or rope.rotary_dim(D) % 2:
                 raise UserError(f"partial_rotary_factor {rope.partial} rotates {rope.rotary_dim(D)} of head_dim {D}'s "
@@ -712,6 +838,8 @@ class ModelConfig:
     def attention_tensors(self):
         # (name inside model.layers.N, shape, whether it continues the fused view before it): the attention half
         H, Q, KV, D = self.hidden_size, self.q_size, self.kv_size, self.head_dim
+        if self.kv_lora_rank:
+            return self.latent_attention_tensors()
         out = [("input_layernorm.weight", (H,), False), ("self_attn.q_proj.weight", (Q, H), False),
                ("self_attn.k_proj.weight", (KV, H), True), ("self_attn.v_proj.weight", (KV, H), True)]
         if self.qkv_bias:
@@ -724,6 +852,28 @@ class ModelConfig:
             out += [("self_attn.q_norm.weight", (D,), False), ("self_attn.k_norm.weight", (D,), False)]
         if self.sandwich_norms:  # Gemma's post_attention_layernorm norms the attention's output
             out.append(("post_attention_layernorm.weight", (H,), False))
+        return out
+
+    def latent_attention_tensors(self):
+        # DeepSeek's: q_a_proj (or q_proj, without q LoRA) and kv_a_proj_with_mqa in adjacent rows, both reading the
+        # normed x (one GEMM), their biases likewise where both have one (q_proj never has); then each latent's
+        # norm and up-projection, and o_proj from every head's v
+        H, A, R = self.hidden_size, self.q_lora_rank, self.kv_lora_rank
+        heads, first = self.num_attention_heads, "self_attn.q_a_proj" if self.q_lora_rank else "self_attn.q_proj"
+        latent = R + self.rope_dim
+        out = [("input_layernorm.weight", (H,), False), (f"{first}.weight", (A or self.q_size, H), False),
+               ("self_attn.kv_a_proj_with_mqa.weight", (latent, H), True)]
+        if self.qkv_bias:
+            out += [(f"{first}.bias", (A,), False)] if A else []
+            out.append(("self_attn.kv_a_proj_with_mqa.bias", (latent,), bool(A)))
+        if A:
+            out += [("self_attn.q_a_layernorm.weight", (A,), False), ("self_attn.q_b_proj.weight", (self.q_size, A),
+                                                                       False)]
+        out += [("self_attn.kv_a_layernorm.weight", (R,), False),
+                ("self_attn.kv_b_proj.weight", (heads * (self.qk_nope_head_dim + self.v_head_dim), R), False),
+                ("self_attn.o_proj.weight", (H, heads * self.v_head_dim), False)]
+        if self.o_bias:
+            out.append(("self_attn.o_proj.bias", (H,), False))
         return out
 
     def mlp_tensors(self, kind):
@@ -780,6 +930,10 @@ class ModelConfig:
             if tied is not None and tied != fields.flag("tie_word_embeddings", True):
                 raise UserError(f"{path}: tie_word_embeddings differs from the multimodal config's; not supported")
         model_type = raw.get("model_type")
+        if model_type == "kimi_k2":
+            raise UserError(f"{path}: model_type is 'kimi_k2', which transformers 5.24 maps to no model (Kimi-K2's "
+                            "own config names remote code, never run); a copy whose config.json says deepseek_v3 "
+                            "runs as DeepSeek-V3")
         family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
         if family is None:
             moe = (", a mixture of experts (of those prefill runs "
@@ -793,7 +947,8 @@ class ModelConfig:
 
         hidden, heads, layers = fields.count("hidden_size"), fields.count("num_attention_heads"), \
             fields.count("num_hidden_layers")
-        head_dim = fields.count("head_dim", family.head_dim or hidden // heads)
+        latent = latent_fields(fields, path, heads) if family.latent_attention else {}
+        head_dim = latent.pop("head_dim", None) or fields.count("head_dim", family.head_dim or hidden // heads)
         activation = fields.get(family.activation_key, family.activation, lambda v: v in ACTIVATIONS,
                                 f"one of {', '.join(ACTIVATIONS)}")
         if family.experts and ACTIVATIONS[activation] != "silu":
@@ -811,10 +966,13 @@ class ModelConfig:
                             "layers")
         softcap = fields.off_or(fields.positive, "attn_logit_softcapping", family.softcaps[0]) if family.softcaps \
             else None
+        ropes = read_ropes(raw, family, path)
         scale = 1.0 / math.sqrt(fields.positive(family.scale_key, 256) if family.scale_key else head_dim)
+        if latent:  # DeepSeek's own, from the RoPE's raw parameters
+            params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+            scale = latent_scale(head_dim, ropes[None], params, path)
         settings = {t: AttentionSettings(scale, window if t == "sliding_attention" else None, softcap)
                     for t in LAYER_TYPES}
-        ropes = read_ropes(raw, family, path)
         attention_bias = family.attention_bias and fields.flag("attention_bias")
         qkv_bias = family.qkv_bias or attention_bias or bool(family.qkv_bias_key and fields.flag(*family.qkv_bias_key))
         config = dict(
@@ -830,7 +988,7 @@ class ModelConfig:
             mlp_bias=family.mlp_bias and fields.flag("mlp_bias"), embed_scale=family.embed_scale,
             final_softcap=fields.off_or(fields.positive, "final_logit_softcapping", family.softcaps[1])
             if family.softcaps else None,
-            tensor_prefixes=prefixes, **fp8,
+            tensor_prefixes=prefixes, **fp8, **latent,
             **(family.experts(fields, path, layers, dict(family.moe_defaults)) if family.experts else {}),
             max_position_embeddings=fields.get("max_position_embeddings", 0, lambda v: type(v) is int and v >= 0,
                                                "a non-negative integer"),
@@ -1251,11 +1409,16 @@ def check_tensors(ckpt, cfg, fixed):
 @dataclass
 class LayerWeights:  # None: the family has no such tensor
     input_norm: torch.Tensor = None  # [hidden]
-    qkv: torch.Tensor = None         # [q_size + 2 kv_size, hidden]
-    qkv_bias: object = None          # [q_size + 2 kv_size]
+    qkv: torch.Tensor = None         # [qkv_rows, hidden]: q, k, v; latent attention: q_a (or q), kv_a
+    qkv_bias: object = None          # [qkv_rows]
+    latent_bias: object = None       # [kv_lora_rank + rope_dim]: kv_a's, where q (no q LoRA) has none
+    q_a_norm: object = None          # [q_lora_rank]: latent attention's (q_a_layernorm), before
+    q_b: object = None               # [q_size, q_lora_rank]
+    kv_a_norm: object = None         # [kv_lora_rank] (kv_a_layernorm), before
+    kv_b: object = None              # [heads (qk_nope_head_dim + v_head_dim), kv_lora_rank]
     q_norm: object = None            # [head_dim]
     k_norm: object = None            # [head_dim]
-    o_proj: torch.Tensor = None      # [hidden, q_size]
+    o_proj: torch.Tensor = None      # [hidden, heads v_head_dim]
     o_bias: object = None            # [hidden]
     attn_out_norm: object = None     # [hidden]: Gemma's norm of the attention's output
     mlp_norm: torch.Tensor = None    # [hidden]: the norm before the MLP
@@ -1281,7 +1444,8 @@ def layer_views(flat, cfg, kind=None):
         offset, own = layout[name]
         shape = shape or ((rows, *own[1:]) if rows else own)
         return typed(flat, offset * DTYPE.itemsize, math.prod(shape), cfg.tensor_dtypes.get(name, DTYPE)).view(shape)
-    qkv, gate_up = cfg.q_size + 2 * cfg.kv_size, 2 * cfg.intermediate_size
+    qkv, gate_up = cfg.qkv_rows, 2 * cfg.intermediate_size
+    first = "self_attn.q_a_proj" if "self_attn.q_a_proj.weight" in layout else "self_attn.q_proj"
     mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
     block, gate, _, down = cfg.expert_names
     if f"{block}.gate.weight" in layout:
@@ -1295,8 +1459,11 @@ def layer_views(flat, cfg, kind=None):
     else:
         experts = dict(gate_up=view("mlp.gate_proj.weight", gate_up), down=view("mlp.down_proj.weight"))
     return LayerWeights(
-        input_norm=view("input_layernorm.weight"), qkv=view("self_attn.q_proj.weight", qkv),
-        qkv_bias=view("self_attn.q_proj.bias", qkv), q_norm=view("self_attn.q_norm.weight"),
+        input_norm=view("input_layernorm.weight"), qkv=view(f"{first}.weight", qkv),
+        qkv_bias=view(f"{first}.bias", qkv), q_norm=view("self_attn.q_norm.weight"),
+        latent_bias=view("self_attn.kv_a_proj_with_mqa.bias") if first == "self_attn.q_proj" else None,
+        q_a_norm=view("self_attn.q_a_layernorm.weight"), q_b=view("self_attn.q_b_proj.weight"),
+        kv_a_norm=view("self_attn.kv_a_layernorm.weight"), kv_b=view("self_attn.kv_b_proj.weight"),
         k_norm=view("self_attn.k_norm.weight"), o_proj=view("self_attn.o_proj.weight"),
         o_bias=view("self_attn.o_proj.bias"),
         attn_out_norm=view("post_attention_layernorm.weight") if cfg.sandwich_norms else None,
@@ -1429,25 +1596,38 @@ def moe_scratch_per_token(cfg):
     return 2 * H + 12 * H + router + 8 * 8 * k + 2 * k * (2 * H + 3 * J) + 2 * k * H + 2 * H + shared
 
 
+def attention_scratch_per_token(cfg):
+    # bf16 elements of one token's attention activations (an upper bound: all of them alive at once): GQA's norm out,
+    # qkv, rotated q/k, attention out, o_proj out (Gemma: its normed attention output too); latent attention's norm
+    # out, first projection, normed latents, q, kv, q's and the shared key's RoPE, the q, k and v attention reads, v
+    # zero-padded to q's head dim and its output (v_padded's kinds), attention out, o_proj out
+    H, Q, heads = cfg.hidden_size, cfg.q_size, cfg.num_attention_heads
+    if not cfg.kv_lora_rank:
+        return (5 if cfg.sandwich_norms else 3) * H + 2 * (Q + cfg.kv_size) + Q
+    latent, kv = cfg.kv_lora_rank + cfg.q_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    q_k_v, padded = 2 * Q + cfg.v_size, 2 * Q
+    return 2 * H + cfg.qkv_rows + latent + Q + kv + (heads + 1) * cfg.rope_dim + q_k_v + padded + cfg.v_size
+
+
 def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_tokens=None):
-    H, D, V, L = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.num_hidden_layers
+    H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     loss_chunk_tokens = max(16, min(chunk_tokens, LOGITS_CHUNK_BYTES // (4 * V)))
     moe_chunk_tokens = MOE_CHUNK_FACTOR * chunk_tokens if cfg.num_experts else 0
-    # bf16 activations of one chunk (norm out, qkv, rotated q/k, attention out, o_proj out, gate_up, act, down out;
-    # Gemma's normed attention and MLP outputs) plus the float32 temporaries of an RMSNorm over the widest row; a MoE
-    # model's attention chunk (with a dense layer's MLP, where it has one), or its expert slice, whichever holds more
-    attention = 2 * ((5 if cfg.sandwich_norms else 3) * H + 2 * (cfg.q_size + cfg.kv_size) + cfg.q_size)
+    # bf16 activations of one chunk (attention's, then the MLP's gate_up, act, down out, Gemma's normed MLP output)
+    # plus the float32 temporaries of an RMSNorm over the widest row; a MoE model's attention chunk (with a dense
+    # layer's MLP, where it has one), or its expert slice, whichever holds more
+    attention = 2 * attention_scratch_per_token(cfg)
     mlp = 2 * 3 * cfg.intermediate_size if "mlp" in cfg.layouts else 0
     layer_scratch = max(chunk_tokens * (attention + mlp + 12 * max(H, cfg.q_size)),
                         moe_chunk_tokens * moe_scratch_per_token(cfg) if "moe" in cfg.layouts else 0)
     loss_scratch = loss_chunk_tokens * V * (2 + 4 + 4)  # bf16 logits, float32 copy, float32 log-softmax
-    state = 2 * H + 4 * D * len(set(cfg.ropes)) + 32  # per token: hidden states, each RoPE's cos/sin (Gemma 3 has
-    #                                                   two), ids/targets/positions
+    state = 2 * H + 4 * cfg.rope_dim * len(set(cfg.ropes)) + 32  # per token: hidden states, each RoPE's cos/sin
+    #                                                             (Gemma 3 has two), ids/targets/positions
     wave_state = wave_tokens * state
     # a prefix tree's wave keeps every token's keys and values across the layer's chunks: fewer tokens, same bytes (a
-    # tree is one batch: its wave never holds another)
+    # tree is one batch: its wave never holds another). DeepSeek-V3's are 80 KB a token (128 heads of 192 + 128)
     batch_tokens = batch_tokens or wave_tokens
-    tree_wave_tokens = max(1, batch_tokens * state // (state + 4 * cfg.kv_size))
+    tree_wave_tokens = max(1, batch_tokens * state // (state + 2 * (cfg.kv_size + cfg.v_size)))
     # FP8 layers: the bf16 scratch each is dequantized into before it runs
     working = wave_state + max(layer_scratch, loss_scratch) + ALLOCATOR_SLACK + cfg.dequantized_bytes
     fixed = ((1 if cfg.tie_word_embeddings else 2) * V * H + H) * DTYPE.itemsize
@@ -1470,14 +1650,17 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_t
 # --- how large a wave hides the copies: a streamed layer's bytes cross PCIe once a wave, its FLOPs grow with the wave
 
 def layer_flops(cfg, kind, tokens, attended=0):
-    # matrix FLOPs of one layer of kind over `tokens` tokens: attention projections, the MLP (a MoE layer: router, the
-    # k active experts' SwiGLU, the shared experts' and Qwen2-MoE's gate of them), and attention's scores and values for
-    # `attended` keys per query on average
-    H, Q, KV = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    # matrix FLOPs of one layer of kind over `tokens` tokens: attention projections (2 a weight: every matrix of the
+    # layout's attention half, MLA's latent ones too), the MLP (a MoE layer: router, the k active experts' SwiGLU, the
+    # shared experts' and Qwen2-MoE's gate of them), and attention's scores and values for `attended` keys per query
+    # on average
+    H = cfg.hidden_size
+    projections = sum(math.prod(shape) for name, (_, shape) in cfg.layouts[kind].items()
+                      if name.startswith("self_attn.") and len(shape) == 2)
     mlp = (2 * cfg.num_experts * H + cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H
            + 6 * cfg.shared_intermediate_size * H + 2 * H * cfg.shared_expert_gate if kind == "moe"
            else 6 * cfg.intermediate_size * H)
-    return tokens * (2 * H * (2 * Q + 2 * KV) + mlp + 4 * attended * Q)
+    return tokens * (2 * projections + mlp + 2 * attended * cfg.num_attention_heads * (cfg.head_dim + cfg.v_head_dim))
 
 
 def layer_balance(cfg, wave_tokens, h2d_gbps, tflops, attended=0):
@@ -1750,15 +1933,16 @@ DEQUANTIZE_ELEMENTS = 1 << 24  # dequantize_fp8's float32 temporaries: up to thi
 
 def dequantize_fp8(q, scales, out):
     """out [rows, cols] bf16 <- q [rows, cols] float8_e4m3fn times scales [grid rows, grid cols] float32, as
-    transformers' Fp8Dequantize computes it: q in float32 reshaped to the block grid (each block rows / grid rows by
-    cols / grid cols), times its block's scale in float32, rounded to bf16; a few block rows at a time."""
-    (R, C), (gr, gc) = q.shape, scales.shape
-    bm, bn = R // gr, C // gc
+    transformers computes it: q in float32 times its block's scale in float32, rounded to bf16, the blocks
+    FP8_BLOCK x FP8_BLOCK (min(side, FP8_BLOCK)), the last row and column of them partial where a side is not a
+    multiple (misread_side); a few block rows at a time."""
+    (R, C), gr = q.shape, scales.shape[0]
+    bm, bn = min(R, FP8_BLOCK), min(C, FP8_BLOCK)
     step = max(1, DEQUANTIZE_ELEMENTS // (bm * C))
     for g in range(0, gr, step):
-        n = min(step, gr - g)
-        blocks = q[g * bm:(g + n) * bm].float().view(n, bm, gc, bn) * scales[g:g + n, None, :, None]
-        out[g * bm:(g + n) * bm].copy_(blocks.view(n * bm, C))
+        rows = slice(g * bm, min((g + step) * bm, R))
+        s = scales[g:g + step].repeat_interleave(bm, 0)[:rows.stop - rows.start].repeat_interleave(bn, 1)[:, :C]
+        out[rows].copy_(q[rows].float() * s)
 
 
 @dataclass
@@ -1941,17 +2125,18 @@ def rms_norm(x, weight, eps, offset=False):
 
 
 def rope_tables(positions, rope, head_dim):
-    # positions: [tokens] int64 -> cos, sin: [tokens, rotary_dim] (head_dim but for partial RoPE); angles in float32 as
-    # transformers, then cast
+    # positions: [tokens] int64 -> cos, sin: [tokens, rotary_dim] (head_dim, or DeepSeek's rope_dim, but for partial
+    # RoPE); angles in float32 as transformers, scaled by yarn's attention_factor there (1 elsewhere: the same bits),
+    # then cast
     inv_freq = rope.inv_freq(head_dim)  # on the CPU, as transformers computes it
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [tokens, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(DTYPE), emb.sin().to(DTYPE)
+    return (emb.cos() * rope.attention_factor).to(DTYPE), (emb.sin() * rope.attention_factor).to(DTYPE)
 
 
 def wave_rope_tables(positions, cfg):
     # {Rope: (cos, sin)} of each RoPE the model's layers use (Gemma 3: two), at positions [tokens] on the device
-    return {rope: rope_tables(positions, rope, cfg.head_dim) for rope in dict.fromkeys(cfg.ropes)}
+    return {rope: rope_tables(positions, rope, cfg.rope_dim) for rope in dict.fromkeys(cfg.ropes)}
 
 
 def apply_rope(x, cos, sin):
@@ -1965,10 +2150,18 @@ def apply_rope(x, cos, sin):
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def head_norm_rope(x, weight, cos, sin, eps, offset):
+def deinterleaved(x):
+    # [..., D] -> its channels 0, 2, 4, ... then 1, 3, 5, ...: interleaved RoPE (DeepSeek's pairs (0, 1), (2, 3), ...)
+    # is rotate_half's on these, bit for bit (transformers' apply_rotary_pos_emb_interleave says so, and returns them
+    # in this order too: q and k alike, so the scores do not change)
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def head_norm_rope(x, weight, cos, sin, eps, offset, interleave=False):
     # x: [tokens, heads, head_dim] (a view into qkv); the per-head q/k RMSNorm (Qwen3, Gemma 3), then RoPE; weight
-    # None (no q/k norm): RoPE alone
-    return apply_rope(x if weight is None else rms_norm(x, weight, eps, offset), cos, sin)
+    # None (no q/k norm): RoPE alone; interleave: on the head's channels deinterleaved
+    x = x if weight is None else rms_norm(x, weight, eps, offset)
+    return apply_rope(deinterleaved(x) if interleave else x, cos, sin)
 
 
 def gated_act(gate_up, activation):
@@ -2042,7 +2235,7 @@ class Kernels:
     """The per-token elementwise work: plain PyTorch, or the fused Triton kernels below (same roundings)."""
     name: str
     rms_norm: object        # (x [tokens, n], weight [n], eps, offset) -> [tokens, n]
-    head_norm_rope: object  # (x [tokens, heads, head_dim], weight or None, cos, sin, eps, offset) -> x's shape
+    head_norm_rope: object  # (x [tokens, heads, D], weight or None, cos, sin, eps, offset, interleave) -> x's shape
     gated_act: object       # (gate_up [tokens, 2 intermediate], activation) -> [tokens, intermediate]
     token_nll: object       # (logits [tokens, vocab], targets [tokens]) -> [tokens] float32
     combine: object         # (x [tokens, hidden] += each token's k expert rows of out, weighted: see combine)
@@ -2082,21 +2275,57 @@ def chunk_keys(chunk, i, k):
     return keys, keys.numel() - (e - s)
 
 
+def grouped_qkv(h, w, cos, sin, cfg, kernels):
+    # h: [tokens, hidden], the normed x -> q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim]: GQA
+    T, Q, KV, D = h.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
+    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+    qkv = F.linear(h, w.qkv, w.qkv_bias)  # [tokens, q_size + 2 kv_size]
+    q = kernels.head_norm_rope(qkv[:, :Q].view(T, -1, D), w.q_norm, cos, sin, eps, offset)  # q/k norm before RoPE
+    k = kernels.head_norm_rope(qkv[:, Q:Q + KV].view(T, -1, D), w.k_norm, cos, sin, eps, offset)
+    return q, k, qkv[:, Q + KV:].reshape(T, -1, D).contiguous()
+
+
+LATENT_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's: DeepseekV3Attention builds them without rms_norm_eps
+
+
+def latent_qkv(h, w, cos, sin, cfg, kernels):
+    """h: [tokens, hidden], the normed x -> q, k [tokens, heads, nope + rope], v [tokens, heads, v_head_dim]: DeepSeek's
+    multi-head latent attention (transformers 5.24, DeepseekV3Attention). q is q_b(norm(q_a(h))), or q_proj(h)
+    without q LoRA; kv_a(h) is the latent (kv_lora_rank) and one RoPE key shared by every head (rope_dim); kv_b of
+    the normed latent is each head's k_nope and v. RoPE rotates q's last rope_dim channels and the shared key.
+    The latent is expanded through kv_b for every token, not absorbed into q and o as decoding does: every token of
+    a prefill is a query and a key, so both forms cost the same GEMMs a token (kv_b's 2 x 512 x 32768 FLOPs in V3,
+    or its halves folded into q and o), and then each (query, key) pair reads 192 + 128 channels a head expanded,
+    576 + 512 absorbed (3.4x). The expanded keys and values take 80 KB a token in V3 (plan_memory counts them)."""
+    T, heads, N, P, R = h.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.rope_dim, cfg.kv_lora_rank
+    A, eps = cfg.q_lora_rank or cfg.q_size, cfg.rms_norm_eps
+    if w.latent_bias is None:  # q_a (or q) and kv_a read the same normed x: one GEMM
+        first = F.linear(h, w.qkv, w.qkv_bias)  # [tokens, A + R + P]
+        q, kv_a = first[:, :A], first[:, A:]
+    else:  # q_proj without a bias beside kv_a_proj_with_mqa with one: two GEMMs, each rounded once as transformers'
+        q, kv_a = F.linear(h, w.qkv[:A]), F.linear(h, w.qkv[A:], w.latent_bias)
+    if w.q_b is not None:
+        q = F.linear(kernels.rms_norm(q, w.q_a_norm, LATENT_EPS), w.q_b)  # [tokens, heads (N + P)]
+    q = q.view(T, heads, N + P)
+    kv = F.linear(kernels.rms_norm(kv_a[:, :R], w.kv_a_norm, LATENT_EPS), w.kv_b).view(T, heads, -1)  # [.., N + V]
+    q_rope = kernels.head_norm_rope(q[..., N:], None, cos, sin, eps, False, cfg.rope_interleave)  # [tokens, heads, P]
+    k_rope = kernels.head_norm_rope(kv_a[:, R:].view(T, 1, P), None, cos, sin, eps, False, cfg.rope_interleave)
+    return (torch.cat((q[..., :N], q_rope), dim=-1), torch.cat((kv[..., :N], k_rope.expand(T, heads, P)), dim=-1),
+            kv[..., N:].contiguous())
+
+
 def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels, how, wave_kv=None):
     # x: [tokens, hidden] — a chunk of whole sequences, updated in place; how: the layer's AttentionSettings. wave_kv:
     # a prefix tree's wave, whose keys and values stay for the chunks after this one (a node's descendants):
-    # ([wave tokens, kv_heads, head_dim],) * 2
-    T, Q, KV, D = x.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
-    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
-    qkv = F.linear(kernels.rms_norm(x, w.input_norm, eps, offset), w.qkv, w.qkv_bias)  # [tokens, q_size + 2 kv_size]
-    q = kernels.head_norm_rope(qkv[:, :Q].view(T, -1, D), w.q_norm, cos, sin, eps, offset)  # q/k norm before RoPE
-    k = kernels.head_norm_rope(qkv[:, Q:Q + KV].view(T, -1, D), w.k_norm, cos, sin, eps, offset)
-    v = qkv[:, Q + KV:].reshape(T, -1, D).contiguous()
+    # [wave tokens, kv_heads, head_dim] and [wave tokens, kv_heads, v_head_dim]
+    T, eps, offset = x.shape[0], cfg.rms_norm_eps, cfg.norm_offset
+    h = kernels.rms_norm(x, w.input_norm, eps, offset)
+    q, k, v = (latent_qkv if cfg.kv_lora_rank else grouped_qkv)(h, w, cos, sin, cfg, kernels)
     if wave_kv is not None:
         wave_kv[0][chunk.start:chunk.end], wave_kv[1][chunk.start:chunk.end] = k, v
         if chunk.ancestors is not None:
             k, v = wave_kv
-    o = F.linear(attend(q, k, v, chunk, how).reshape(T, Q), w.o_proj, w.o_bias)  # [tokens, hidden]
+    o = F.linear(attend(q, k, v, chunk, how).reshape(T, -1), w.o_proj, w.o_bias)  # [tokens, hidden]
     x += o if w.attn_out_norm is None else kernels.rms_norm(o, w.attn_out_norm, eps, offset)
 
 
@@ -2172,27 +2401,36 @@ if triton is not None:
 
     @triton.jit
     def _head_norm_rope_kernel(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps,
-                               HEADS: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr):
+                               HEADS: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr,
+                               HEAD_STRIDE: tl.constexpr, INTERLEAVE: tl.constexpr):
         # NORM: 0 RoPE alone (no q/k norm), 1 Qwen3's per-head RMSNorm first, 2 Gemma 3's (x̂·(1 + w)). ROT: half the
         # channels that rotate (the tables' width / 2): HALF, or less for partial RoPE (GLM-4.5), whose first 2 ROT
-        # channels rotate, reread, and whose others pass through (normed)
+        # channels rotate, reread, and whose others pass through (normed). HEAD_STRIDE: between heads of x (2 HALF,
+        # but DeepSeek's RoPE channels end heads of nope + rope). INTERLEAVE (never with partial RoPE: no model has
+        # both): the pairs are channels (2i, 2i + 1), rotated into i and HALF + i as
+        # apply_rotary_pos_emb_interleave returns them
         t = tl.program_id(0)
         h = tl.arange(0, HEADS)[:, None]
         c = tl.arange(0, HALF)[None, :]
         mask = h < heads
-        src = x_ptr + t * x_stride + h * (2 * HALF)
-        x1 = tl.load(src + c, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + c, mask=mask, other=0.0).to(tl.float32)
+        if INTERLEAVE:
+            first, second = 2 * c, 2 * c + 1
+        else:
+            first, second = c, HALF + c
+        src = x_ptr + t * x_stride + h * HEAD_STRIDE
+        x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + second, mask=mask, other=0.0).to(tl.float32)
         rstd = 0.0
         if NORM != 0:
             rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
         dst = out_ptr + (t * heads + h) * (2 * HALF)
         if ROT == HALF:
-            o1, o2 = _rope_halves(_head_norm(x1, rstd, w_ptr + c, NORM), _head_norm(x2, rstd, w_ptr + HALF + c, NORM),
+            o1, o2 = _rope_halves(_head_norm(x1, rstd, w_ptr + first, NORM), _head_norm(x2, rstd, w_ptr + second, NORM),
                                   cos_ptr + t * 2 * ROT + c, sin_ptr + t * 2 * ROT + c, ROT)
             tl.store(dst + c, o1, mask=mask)
             tl.store(dst + HALF + c, o2, mask=mask)
         else:
+            tl.static_assert(not INTERLEAVE)
             y1, y2 = _head_norm(x1, rstd, w_ptr + c, NORM), _head_norm(x2, rstd, w_ptr + HALF + c, NORM)
             tl.store(dst + c, y1.to(tl.bfloat16), mask=mask & (c >= 2 * ROT))
             tl.store(dst + HALF + c, y2.to(tl.bfloat16), mask=mask & (HALF + c >= 2 * ROT))
@@ -2254,20 +2492,44 @@ if triton is not None:
         tl.store(out_ptr + row, tl.where(target >= 0, lse - picked, 0.0))
 
     @triton.jit
+    def _tile(at, rows_ok, channels_ok, ROWS: tl.constexpr, CHANNELS: tl.constexpr):
+        # a tile at `at`, 0 where ROWS says rows_ok fails or CHANNELS says channels_ok does (a head dim padded to a
+        # power of two: DeepSeek's 192 in 256 lanes); each mask only where asked, so that a tile that needs none
+        # compiles to a plain load
+        if ROWS and CHANNELS:
+            tile = tl.load(at, mask=rows_ok & channels_ok, other=0.0)
+        elif ROWS:
+            tile = tl.load(at, mask=rows_ok, other=0.0)
+        elif CHANNELS:
+            tile = tl.load(at, mask=channels_ok, other=0.0)
+        else:
+            tile = tl.load(at)
+        return tile
+
+    @triton.jit
+    def _store(at, tile, rows_ok, channels_ok, CHANNELS: tl.constexpr):
+        # _tile's store: where rows_ok, and channels_ok where CHANNELS (a padded head dim)
+        if CHANNELS:
+            tl.store(at, tile, mask=rows_ok & channels_ok)
+        else:
+            tl.store(at, tile, mask=rows_ok)
+
+    @triton.jit
     def _attention_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, rows, length, n_lo, n_hi, scale_log2, window, cap_log2,
-                         KV_STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr,
-                         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                         KV_HEADS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr,
+                         DVP: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr, WINDOW: tl.constexpr,
+                         SOFTCAP: tl.constexpr):
         # online softmax over key tiles [n_lo, n_hi); only the tiles on the diagonal, and with WINDOW those on its
-        # left edge (DIAGONAL too), need the causal/length/window mask. SOFTCAP: scores capped to ±cap (log2 units)
-        d = tl.arange(0, D)
+        # left edge (DIAGONAL too), need the causal/length/window mask. SOFTCAP: scores capped to ±cap (log2 units).
+        # k: rows of KV_HEADS heads of D channels (DP lanes, the padding masked to 0: it adds nothing to q.k), v of DV
+        # (DVP lanes)
+        d = tl.arange(0, DP)
+        dv = tl.arange(0, DVP)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
-            k_at = k_ptr + cols[None, :].to(tl.int64) * KV_STRIDE + d[:, None]  # [D, BLOCK_N]
-            v_at = v_ptr + cols[:, None].to(tl.int64) * KV_STRIDE + d[None, :]  # [BLOCK_N, D]
-            if DIAGONAL:
-                k = tl.load(k_at, mask=cols[None, :] < length, other=0.0)
-            else:
-                k = tl.load(k_at)
+            k_at = k_ptr + cols[None, :].to(tl.int64) * (KV_HEADS * D) + d[:, None]  # [DP, BLOCK_N]
+            v_at = v_ptr + cols[:, None].to(tl.int64) * (KV_HEADS * DV) + dv[None, :]  # [BLOCK_N, DVP]
+            k = _tile(k_at, cols[None, :] < length, d[:, None] < D, DIAGONAL, DP != D)
             s = tl.dot(q, k) * scale_log2  # [BLOCK_M, BLOCK_N] float32, in log2 units
             if SOFTCAP:
                 s = cap_log2 * _tanh(s / cap_log2)
@@ -2284,20 +2546,19 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_exp)
             p = tl.exp2(s - m_exp[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            if DIAGONAL:
-                v = tl.load(v_at, mask=cols[:, None] < length, other=0.0)
-            else:
-                v = tl.load(v_at)
+            v = _tile(v_at, cols[:, None] < length, dv[None, :] < DV, DIAGONAL, DVP != DV)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # P rounded to the input type, as flash kernels do
             m_i = m_new
         return acc, m_i, l_i
 
     @triton.jit
     def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, scale_log2, window, cap_log2, HEADS: tl.constexpr,
-                          KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
-        # one program: BLOCK_M query rows of one head of one sequence; q/out: [tokens, HEADS, D], k/v: [tokens,
-        # KV_HEADS, D]; query head h reads kv head h // (HEADS // KV_HEADS). Every row sees its own key, so no row
+                          KV_HEADS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr,
+                          DVP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                          SOFTCAP: tl.constexpr):
+        # one program: BLOCK_M query rows of one head of one sequence; q: [tokens, HEADS, D], k: [tokens, KV_HEADS,
+        # D], v: [tokens, KV_HEADS, DV], out: [tokens, HEADS, DV] (DP, DVP: those head dims' powers of two, the lanes
+        # a tile has); query head h reads kv head h // (HEADS // KV_HEADS). Every row sees its own key, so no row
         # divides by 0. WINDOW: the key tiles left of every row's window are skipped, not masked.
         block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(cu_ptr + seq)
@@ -2305,10 +2566,15 @@ if triton is not None:
         m0 = block * BLOCK_M
         if m0 < length:
             rows = m0 + tl.arange(0, BLOCK_M)
-            q_at = ((start + rows[:, None]).to(tl.int64) * HEADS + head) * D + tl.arange(0, D)[None, :]
-            q = tl.load(q_ptr + q_at, mask=rows[:, None] < length, other=0.0)  # [BLOCK_M, D]
-            kv = start.to(tl.int64) * KV_HEADS * D + head // (HEADS // KV_HEADS) * D
-            acc = tl.zeros((BLOCK_M, D), tl.float32)
+            # offsets as int64 tensors, then one pointer add: other association orders compiled to one more VGPR for
+            # gfx1100 at 64x32, where this kernel sits at 256 of 256 (tests/test_gfx1100_compile.py)
+            token_head = (start + rows[:, None]).to(tl.int64) * HEADS + head
+            q = _tile(q_ptr + (token_head * D + tl.arange(0, DP)[None, :]), rows[:, None] < length,
+                      tl.arange(0, DP)[None, :] < D, True, DP != D)  # [BLOCK_M, DP]
+            kv_head = head // (HEADS // KV_HEADS)
+            k_at = k_ptr + (start.to(tl.int64) * KV_HEADS * D + kv_head * D)
+            v_at = v_ptr + (start.to(tl.int64) * KV_HEADS * DV + kv_head * DV)
+            acc = tl.zeros((BLOCK_M, DVP), tl.float32)
             m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
             l_i = tl.zeros((BLOCK_M,), tl.float32)
             inside = 0  # key tiles from here to the diagonal lie inside every row's window
@@ -2316,35 +2582,38 @@ if triton is not None:
                 first = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N  # the first tile the top row sees
                 inside = tl.minimum((tl.maximum(m0 + BLOCK_M - window, first) + BLOCK_N - 1) // BLOCK_N * BLOCK_N,
                                     m0)
-                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, first,
-                                                 inside, scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N,
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, first, inside,
+                                                 scale_log2, window, cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N,
                                                  True, WINDOW, SOFTCAP)
-            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, inside, m0,
-                                             scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N, False, WINDOW,
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, inside, m0, scale_log2,
+                                             window, cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N, False, WINDOW,
                                              SOFTCAP)
-            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, m0,
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, m0,
                                              tl.minimum(m0 + BLOCK_M, length), scale_log2, window, cap_log2,
-                                             KV_HEADS * D, D, BLOCK_N, True, WINDOW, SOFTCAP)
-            tl.store(out_ptr + q_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=rows[:, None] < length)
+                                             KV_HEADS, D, DP, DV, DVP, BLOCK_N, True, WINDOW, SOFTCAP)
+            dv = tl.arange(0, DVP)[None, :]
+            _store(out_ptr + (token_head * DV + dv), (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                   rows[:, None] < length, dv < DV, DVP != DV)
 
     @triton.jit
     def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, kv_start, anc_cu_ptr, anc_ptr, depth_ptr,
                                scale_log2, window, cap_log2, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                               D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
                                SOFTCAP: tl.constexpr):
         # _attention_kernel for a prefix tree's chunk: one program, BLOCK_M query rows of one KV head's group of
         # query heads in one node, row r the node's token r // GROUP in head r % GROUP of the group, so that a key tile
         # serves GROUP heads at once: a tree's nodes are short (a question's 80 tokens under a 700-token few-shot
         # prefix) and their ancestors' keys long, so a program per query head re-read every ancestor key GROUP times
-        # and filled its last row block by a fraction. q/out: the chunk's [tokens, HEADS, D], k/v: the whole wave's
-        # [tokens, KV_HEADS, D], the chunk's own at kv_start. A node first reads its ancestors' key ranges whole
-        # (anc_ptr[anc_cu_ptr[node]:...], [start, end) pairs in the wave), then its own keys causally. A range's last
-        # partial tile is masked by the diagonal path with every row at the range's end. A root node (no ranges) is
-        # _attention_kernel's case; the first tile read holds key 0 of a range or of the node, so no row's running
-        # max stays -inf. WINDOW is by depth (depth_ptr: the wave's): a range of an ancestor covers consecutive
-        # depths, so a row compares as row + (node's depth - range's depth) against the range's columns, which puts
-        # every column before it (causal: all seen) and the window's edge where it lies; the tiles left of the top
-        # row's window are skipped, the rest masked.
+        # and filled its last row block by a fraction. q: the chunk's [tokens, HEADS, D], out: [tokens, HEADS, DV],
+        # k/v: the whole wave's [tokens, KV_HEADS, D or DV], the chunk's own at kv_start. A node first reads its
+        # ancestors' key ranges whole (anc_ptr[anc_cu_ptr[node]:...], [start, end) pairs in the wave), then its own
+        # keys causally. A range's last partial tile is masked by the diagonal path with every row at the range's
+        # end. A root node (no ranges) is _attention_kernel's case; the first tile read holds key 0 of a range or of
+        # the node, so no row's running max stays -inf. WINDOW is by depth (depth_ptr: the wave's): a range of an
+        # ancestor covers consecutive depths, so a row compares as row + (node's depth - range's depth) against the
+        # range's columns, which puts every column before it (causal: all seen) and the window's edge where it lies;
+        # the tiles left of the top row's window are skipped, the rest masked.
         GROUP: tl.constexpr = HEADS // KV_HEADS
         block, node, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(cu_ptr + node)
@@ -2354,10 +2623,10 @@ if triton is not None:
             packed = m0 + tl.arange(0, BLOCK_M)
             rows = packed // GROUP  # each row's token in the node: what the causal mask compares
             valid = packed < length * GROUP
-            q_at = (((start + rows[:, None]).to(tl.int64) * HEADS + kv_head * GROUP + packed[:, None] % GROUP) * D
-                    + tl.arange(0, D)[None, :])
-            q = tl.load(q_ptr + q_at, mask=valid[:, None], other=0.0)  # [BLOCK_M, D]
-            acc = tl.zeros((BLOCK_M, D), tl.float32)
+            token_head = (start + rows[:, None]).to(tl.int64) * HEADS + kv_head * GROUP + packed[:, None] % GROUP
+            q = _tile(q_ptr + (token_head * D + tl.arange(0, DP)[None, :]), valid[:, None],
+                      tl.arange(0, DP)[None, :] < D, True, DP != D)  # [BLOCK_M, DP]
+            acc = tl.zeros((BLOCK_M, DVP), tl.float32)
             m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
             l_i = tl.zeros((BLOCK_M,), tl.float32)
             if WINDOW:
@@ -2365,37 +2634,41 @@ if triton is not None:
             for a in range(tl.load(anc_cu_ptr + node), tl.load(anc_cu_ptr + node + 1)):
                 lo = tl.load(anc_ptr + 2 * a)
                 n = tl.load(anc_ptr + 2 * a + 1) - lo
-                kv = lo.to(tl.int64) * KV_HEADS * D + kv_head * D
+                k_at = k_ptr + (lo.to(tl.int64) * KV_HEADS * D + kv_head * D)
+                v_at = v_ptr + (lo.to(tl.int64) * KV_HEADS * DV + kv_head * DV)
                 if WINDOW:
                     shift = depth - tl.load(depth_ptr + lo)  # >= n: the range lies above the node
                     first = tl.maximum(m0 // GROUP + shift - window + 1, 0) // BLOCK_N * BLOCK_N
-                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows + shift, n,
-                                                     first, n, scale_log2, window, cap_log2, KV_HEADS * D, D,
+                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows + shift, n, first, n,
+                                                     scale_log2, window, cap_log2, KV_HEADS, D, DP, DV, DVP,
                                                      BLOCK_N, True, WINDOW, SOFTCAP)
                 else:
                     whole = n // BLOCK_N * BLOCK_N
-                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, n, 0, whole,
-                                                     scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N, False,
+                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, n, 0, whole, scale_log2,
+                                                     window, cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N, False,
                                                      WINDOW, SOFTCAP)
-                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv,
+                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at,
                                                      tl.zeros((BLOCK_M,), tl.int32) + (n - 1), n, whole, n,
-                                                     scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N, True,
-                                                     WINDOW, SOFTCAP)
-            kv = (kv_start + start).to(tl.int64) * KV_HEADS * D + kv_head * D
+                                                     scale_log2, window, cap_log2, KV_HEADS, D, DP, DV, DVP,
+                                                     BLOCK_N, True, WINDOW, SOFTCAP)
+            k_at = k_ptr + ((kv_start + start).to(tl.int64) * KV_HEADS * D + kv_head * D)
+            v_at = v_ptr + ((kv_start + start).to(tl.int64) * KV_HEADS * DV + kv_head * DV)
             first = m0 // GROUP // BLOCK_N * BLOCK_N  # every row's keys below it are unmasked (without a window)
             if WINDOW:  # the window's first tile for the top row on, masked
-                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length,
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length,
                                                  tl.maximum(m0 // GROUP - window + 1, 0) // BLOCK_N * BLOCK_N,
-                                                 first, scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N,
-                                                 True, WINDOW, SOFTCAP)
+                                                 first, scale_log2, window, cap_log2, KV_HEADS, D, DP, DV, DVP,
+                                                 BLOCK_N, True, WINDOW, SOFTCAP)
             else:
-                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, 0, first,
-                                                 scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N, False,
-                                                 WINDOW, SOFTCAP)
-            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, first,
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, 0, first, scale_log2,
+                                                 window, cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N, False, WINDOW,
+                                                 SOFTCAP)
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, first,
                                              tl.minimum((m0 + BLOCK_M - 1) // GROUP + 1, length), scale_log2, window,
-                                             cap_log2, KV_HEADS * D, D, BLOCK_N, True, WINDOW, SOFTCAP)
-            tl.store(out_ptr + q_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
+                                             cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N, True, WINDOW, SOFTCAP)
+            dv = tl.arange(0, DVP)[None, :]
+            _store(out_ptr + (token_head * DV + dv), (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), valid[:, None],
+                   dv < DV, DVP != DV)
 
 
 if triton is not None:
@@ -2449,15 +2722,15 @@ def rms_norm_triton(x, weight, eps, offset=False):
     return out
 
 
-def head_norm_rope_triton(x, weight, cos, sin, eps, offset):
+def head_norm_rope_triton(x, weight, cos, sin, eps, offset, interleave=False):
     # cos, sin: [tokens, rotary_dim], the whole head_dim but for partial RoPE
     T, heads, D = x.shape
-    assert x.stride(2) == 1 and x.stride(1) == D and cos.is_contiguous() and sin.is_contiguous()
+    assert x.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
     out = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
     norm = 0 if weight is None else 2 if offset else 1
     _head_norm_rope_kernel[(T,)](x, x.stride(0), x if weight is None else weight, cos, sin, out, heads, eps,
                                  HEADS=triton.next_power_of_2(heads), HALF=D // 2, ROT=cos.shape[1] // 2, NORM=norm,
-                                 num_warps=4)
+                                 HEAD_STRIDE=x.stride(1), INTERLEAVE=interleave, num_warps=4)
     return out
 
 
@@ -2502,8 +2775,9 @@ TRITON_KERNELS = Kernels("triton", rms_norm_triton, head_norm_rope_triton, gated
 
 
 # ----------------------------------------------------------------------------- attention backends
-# Every backend computes attend(q, k, v, chunk, how) -> [tokens, heads, D] over the chunk's texts, causal, GQA, with
-# the layer's AttentionSettings `how` (scale, window, softcap), or is not offered for a model that needs what it lacks.
+# Every backend computes attend(q, k, v, chunk, how) -> [tokens, heads, v's head dim] over the chunk's texts, causal,
+# GQA, with the layer's AttentionSettings `how` (scale, window, softcap), or is not offered for a model that needs what
+# it lacks.
 
 SDPA_SCORES = 1 << 24  # scores one SDPA call may hold (64 MB in float32): its math backend keeps a few copies
 
@@ -2543,7 +2817,7 @@ def attention_sdpa(q, k, v, chunk, how):
     # to its math backend there. They run while the weights fill the GPU. A window is an explicit mask; a softcap
     # goes through softcapped_attention, the last resort of a model with one. In a prefix tree's chunk (k/v: the
     # wave's) a sequence's ancestors' keys come first, seen by every query row (within its window, by depth).
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:2], v.shape[2])
     heads, group = q.shape[1], q.shape[1] // k.shape[1]
     scale = own_scale(how, q.shape[2])
     for i, (s, e) in enumerate(zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:])):
@@ -2579,19 +2853,23 @@ ATTENTION_KINDS = ["triton", "flash", "torch-flash", "cudnn", "sdpa"]
 # sm80-sm121 (check_cudnn_hardware_support there): it is never offered on AMD, and the start-up check refuses it where
 # torch cannot run it.
 ATTENTION_FAMILIES = {"cudnn": ("nvidia",)}
-# What each kind computes besides causal GQA at the model's scale: a sliding window, a softcap of the scores (Gemma 2).
-# flash-attn has both (window_size, softcap); torch's flash kernel a window (window_size_left/right) but no softcap;
-# cuDNN's SDPA neither; SDPA a window as a mask and a softcap through float32 math written out. A kind a model needs
-# more of is not offered for it.
-ATTENTION_FEATURES = {"triton": {"window", "softcap"}, "flash": {"window", "softcap"}, "torch-flash": {"window"},
-                      "cudnn": set(), "sdpa": {"window", "softcap"}}
+# What each kind computes besides causal GQA at the model's scale: a sliding window, a softcap of the scores (Gemma 2),
+# a value head dim other than the query's and key's (DeepSeek's MLA: 128 to 192). flash-attn has a window and a softcap
+# (window_size, softcap); torch's flash kernel a window (window_size_left/right) but no softcap; cuDNN's SDPA neither;
+# SDPA a window as a mask and a softcap through float32 math written out. Values of their own head dim: prefill's
+# Triton kernels and SDPA read them as they are; flash-attn, torch's flash kernel and cuDNN take one head dim for q, k
+# and v, so they get v zero-padded to it and their output cut back (v_padded: exact, the zero columns add nothing to
+# any output column; 1.5x the value bytes and p·v FLOPs at 192 to 128). A kind a model needs more of is not offered.
+ATTENTION_FEATURES = {"triton": {"window", "softcap", "v_head_dim"}, "flash": {"window", "softcap", "v_head_dim"},
+                      "torch-flash": {"window", "v_head_dim"}, "cudnn": {"v_head_dim"},
+                      "sdpa": {"window", "softcap", "v_head_dim"}}
 # On AMD GPUs flash-attn is its Triton backend (the CK one builds for CDNA only), whose varlen_fwd of 2.8.3 takes
 # window_size_left/right and softcap and never reads them (flash_attn/flash_attn_triton_amd/interface_fa.py at
 # v2.8.3): plain causal attention where a window or softcap was asked for. Not offered for such a model there, rather
-# than left to the sharp inputs of the start-up check.
+# than left to the sharp inputs of the start-up check (values zero-padded to q's head dim it computes as any kernel).
 FEATURE_GAPS = {("flash", family): "flash-attn's Triton AMD varlen_fwd (2.8.3) ignores window_size and softcap"
                 for family in ("rdna3", "amd")}
-FAMILY_FEATURES = dict.fromkeys(FEATURE_GAPS, frozenset())
+FAMILY_FEATURES = dict.fromkeys(FEATURE_GAPS, frozenset({"v_head_dim"}))
 
 
 def attention_features(kind, family):
@@ -2601,7 +2879,8 @@ def attention_features(kind, family):
 def attention_needs(cfg):
     # the features beyond causal GQA that some layer of the model needs
     return ({"window"} if any(how.window for how in cfg.attention) else set()) | \
-        ({"softcap"} if any(how.softcap for how in cfg.attention) else set())
+        ({"softcap"} if any(how.softcap for how in cfg.attention) else set()) | \
+        ({"v_head_dim"} if cfg.v_head_dim != cfg.head_dim else set())
 
 
 def unoffered_attention(family, cfg):
@@ -2614,32 +2893,44 @@ def unoffered_attention(family, cfg):
 
 
 def attention_triton(q, k, v, chunk, how, tile):
-    # q: [tokens, heads, D], k/v: [tokens, kv_heads, D]; one launch per chunk, no per-sequence Python loop. The
-    # grid covers the longest sequence; shorter ones' surplus programs exit at once. No recompilation per max_len.
-    # A window and a softcap are compile-time variants: a model without them runs the kernel it ran before.
-    T, heads, D = q.shape
+    # q: [tokens, heads, D], k: [tokens, kv_heads, D], v: [tokens, kv_heads, DV] -> [tokens, heads, DV]; one launch
+    # per chunk, no per-sequence Python loop. The grid covers the longest sequence; shorter ones' surplus programs
+    # exit at once. No recompilation per max_len. A window and a softcap are compile-time variants, and head dims
+    # that are not powers of two (DeepSeek's 192) padded ones: a model without them runs the kernel it ran before.
+    (T, heads, D), DV = q.shape, v.shape[2]
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
     block_m, block_n, warps, stages = tile
     assert block_m % block_n == 0  # the unmasked tiles must end exactly where the diagonal ones start
-    out = torch.empty_like(q)
+    out = q.new_empty(T, heads, DV)
     grid = (triton.cdiv(chunk.max_len, block_m), len(chunk.seq_bounds) - 1, heads)
     scale_log2, cap_log2 = math.log2(math.e) * how.scale, math.log2(math.e) * (how.softcap or 1.0)
-    variant = dict(WINDOW=how.window is not None, SOFTCAP=how.softcap is not None)
+    variant = dict(HEADS=heads, KV_HEADS=k.shape[1], D=D, DP=triton.next_power_of_2(D), DV=DV,
+                   DVP=triton.next_power_of_2(DV), BLOCK_M=block_m, BLOCK_N=block_n, WINDOW=how.window is not None,
+                   SOFTCAP=how.softcap is not None, num_warps=warps, num_stages=stages)
     if chunk.ancestors is not None:  # a prefix tree's chunk: k/v are the wave's; a program per KV head's group
         grid = (triton.cdiv(chunk.max_len * (heads // k.shape[1]), block_m), len(chunk.seq_bounds) - 1, k.shape[1])
         _tree_attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, chunk.start, chunk.ancestor_bounds,
                                      chunk.ancestor_ranges, chunk.depths, scale_log2, how.window or 0, cap_log2,
-                                     HEADS=heads, KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n,
-                                     **variant, num_warps=warps, num_stages=stages)
+                                     **variant)
         return out
-    _attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, scale_log2, how.window or 0, cap_log2, HEADS=heads,
-                            KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n, **variant, num_warps=warps,
-                            num_stages=stages)
+    _attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, scale_log2, how.window or 0, cap_log2, **variant)
     return out
 
 
+def v_padded(attend):
+    # attend for a kind that takes one head dim for q, k and v (flash-attn, torch's flash, cuDNN), given v of
+    # another: v zero-padded to q's head dim, the output's first v head dim channels kept (each output channel is p·v
+    # of its own v column)
+    def attend_padded(q, k, v, chunk, how):
+        D, DV = q.shape[2], v.shape[2]
+        if DV == D:
+            return attend(q, k, v, chunk, how)
+        return attend(q, k, F.pad(v, (0, D - DV)), chunk, how)[..., :DV]  # (v's is the smaller: DeepSeek's)
+    return attend_padded
+
+
 def make_attention(kind, tile=None):
-    """An attention function (q, k, v, chunk, how) -> [tokens, heads, D] for the named backend."""
+    """An attention function (q, k, v, chunk, how) -> [tokens, heads, v's head dim] for the named backend."""
     if kind == "sdpa":
         return attention_sdpa
     if kind == "flash":
@@ -2651,7 +2942,7 @@ def make_attention(kind, tile=None):
                          **({"window_size": (how.window - 1, 0)} if how.window else {}),  # j >= i - (window - 1)
                          **({"softcap": how.softcap} if how.softcap else {}))
             return flash_attn_varlen_func(q, k, v, chunk.cu_seqlens, chunk.cu_seqlens, n, n, causal=True, **extra)
-        return attention_flash
+        return v_padded(attention_flash)
     if kind == "triton":
         if triton is None:
             raise RuntimeError("triton is not installed")
@@ -2670,7 +2961,7 @@ def make_attention(kind, tile=None):
                                                        is_causal=True, enable_gqa=True, scale=scale)  # [1, heads, n, D]
                     out[s:e] = o[0].transpose(0, 1)
             return out
-        return attention_cudnn
+        return v_padded(attention_cudnn)
     if kind == "torch-flash":
         # torch's own flash kernel, called directly: its varlen_attn wrapper (torch 2.11) has no GQA and would need
         # the KV heads repeated 8x, which cost 0.2 s of copies and attention per 45k-token request on the H200
@@ -2681,16 +2972,17 @@ def make_attention(kind, tile=None):
             extra = dict(({"scale": scale} if scale else {}),
                          **({"window_size_left": how.window - 1, "window_size_right": 0} if how.window else {}))
             return flash_forward(q, k, v, cu, cu, chunk.max_len, chunk.max_len, 0.0, True, False, **extra)[0]
-        return attention_torch_flash
+        return v_padded(attention_torch_flash)
     raise UserError(f"unknown attention backend {kind!r}")
 
 
 def attention_inputs(device, cfg, lens, seed):
     # random q, k, v for texts of the given lengths, drawn on the device (a 4096-token set is 42M values)
     gen = torch.Generator(device=device).manual_seed(seed)
-    heads, kv_heads, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     T = sum(lens)
-    q, k, v = (torch.randn(T, h, D, generator=gen, device=device, dtype=DTYPE) for h in (heads, kv_heads, kv_heads))
+    q, k, v = (torch.randn(T, h, D, generator=gen, device=device, dtype=DTYPE)
+               for h, D in ((heads, cfg.head_dim), (kv_heads, cfg.head_dim), (kv_heads, cfg.v_head_dim)))
     bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
     return q, k, v, Chunk(0, T, bounds, torch.tensor(bounds, dtype=torch.int32, device=device), max(lens))
 
@@ -2716,7 +3008,9 @@ ATTENTION_TILES["amd"] = ATTENTION_TILES["rdna3"]
 
 # RDNA3's tiles for the window and softcap variants: in 64-row tiles those spill under Triton 3.9 (window: 5-49 VGPRs,
 # window and softcap: 5-48, Gemma 3 and Gemma 2 27B), these two do not (221-253 VGPRs). A head_dim over 128 (Gemma 3
-# 4B-12B, Gemma 2 9B: 256) spills 190-560 VGPRs in every tile tried (16-64 rows): the kernel is not offered there.
+# 4B-12B, Gemma 2 9B: 256) spills 190-560 VGPRs in every tile tried (16-64 rows), DeepSeek's 192 (in 256 lanes, v
+# 128) 166-422 in these four and the two above, the tree kernel 208-406: the kernel is not offered there (SDPA,
+# flash-attn with v zero-padded, torch's flash kernel are).
 RDNA3_VARIANT_TILES = [(32, 16, 8, 1), (16, 16, 4, 1)]
 
 
@@ -2783,7 +3077,7 @@ def attention_candidates(requested, family, cfg=None, tiles=None):
 
 
 # ----------------------------------------------------------------------------- mixture of experts
-# The feed-forward of Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5 (transformers 5.24, models/<family>/modeling_*.py),
+# The feed-forward of Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3 (transformers 5.24, models/*/modeling_*.py),
 # beside mlp_block: the same layer, streamer and plan, the experts part of a layer's flat bytes
 # (ModelConfig.mlp_tensors). The router (mlp.gate) picks each token's top-k experts and weighs them as the model's
 # Router says (route: softmax or DeepSeek-V3's sigmoid), the weights cast to bf16 for the combination. Each expert is a
@@ -3439,7 +3733,7 @@ def check_error(got, want):
 def attention_reference(q, k, v, chunk, how):
     # float32 causal attention written out: softmax(softcap(q k^T · scale)) v per text and KV head ([group, n, n]
     # scores), over the keys each row sees (its window's)
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    out = torch.empty(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device)
     kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
     for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
@@ -3462,7 +3756,7 @@ def tree_attention_reference(q, k, v, seen, how):
     # float32 attention written out over an explicit visibility mask: q [rows, heads, D], k/v [keys, kv_heads, D],
     # seen [rows, keys] bool (a prefix tree's: each row's own path within its window, from tree_visibility); the
     # scale and softcap of how
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    out = torch.empty(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device)
     group = q.shape[1] // k.shape[1]
     for h in range(k.shape[1]):
         heads = slice(h * group, (h + 1) * group)
@@ -3850,11 +4144,11 @@ def rms_norm_f32(x, weight, eps, offset):
 
 
 # The layer-level dequantization's check (kernel_checks) dequantizes the layer of this tiny FP8 Qwen3-MoE, held as a
-# real one is: vectors and the router copied as bf16, projections of 2 x 2 whole blocks and of a side below FP8_BLOCK
-# (one partial block: the experts' 40), and 8 experts' 24. Whatever the model, its launches are this one's: the
-# shapes are in the tables, not in the kernel's arguments. (A dense layer would add nothing but time: 1 s in the
-# interpreter.)
-FP8_CHECK_MODEL = dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=384, num_hidden_layers=1,
+# real one is: vectors and the router copied as bf16, projections of 2 whole blocks by 2.5 (a side of 320, the last
+# block partial, as DeepSeek-V3's 576-row kv_a_proj_with_mqa) and of a side below FP8_BLOCK (one partial block: the
+# experts' 40), and 8 experts' 24. Whatever the model, its launches are this one's: the shapes are in the tables, not
+# in the kernel's arguments. (A dense layer would add nothing but time: 1 s in the interpreter.)
+FP8_CHECK_MODEL = dict(model_type="qwen3_moe", hidden_size=320, intermediate_size=384, num_hidden_layers=1,
                        num_attention_heads=4, num_key_value_heads=1, head_dim=64, vocab_size=64, rms_norm_eps=1e-6,
                        tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
                        quantization_config={"quant_method": "fp8", **FP8_CONFIG})
@@ -3899,15 +4193,25 @@ def kernel_checks(device, cfg):
     variant); gated_act at the dense MLP's width, the experts' and the shared experts';
     rms_norm with the model's norm offset and, for the experts' input, without. Every input is laid out as in a run
     (q and k views of one qkv tensor, its row stride) so that each launch matches a run's but for the token count,
-    which only the grid sees. An FP8 model's layer-level dequantization: dequantize_checks."""
+    which only the grid sees. Latent attention (latent_qkv): RoPE on q's last channels of each head and on the key
+    all heads share, both views of their projections' outputs, interleaved where the model's RoPE is; rms_norm on
+    the latents, views of the first projection's output. An FP8 model's layer-level dequantization:
+    dequantize_checks."""
     gen = torch.Generator().manual_seed(1)
     T, H, D, eps, offset = 67, cfg.hidden_size, cfg.head_dim, 1e-6, cfg.norm_offset
-    Q, KV = cfg.q_size, cfg.kv_size
-    qkv = torch.randn(T, Q + 2 * KV, generator=gen).to(device, DTYPE)
+    Q, KV, heads, interleave = cfg.q_size, cfg.kv_size, cfg.num_attention_heads, cfg.rope_interleave
+    first = torch.randn(T, cfg.qkv_rows, generator=gen).to(device, DTYPE)  # the first projection's output
     x = torch.randn(T, H, generator=gen).to(device, DTYPE)
     w_h, w_d = (torch.rand(n, generator=gen).add(0.5).to(device, DTYPE) for n in (H, D))
-    cos, sin = rope_tables(torch.arange(T, device=device), cfg.ropes[0], D)
+    cos, sin = rope_tables(torch.arange(T, device=device), cfg.ropes[0], cfg.rope_dim)
     w_qk = w_d if cfg.qk_norm else None
+    if cfg.kv_lora_rank:
+        A, R, N, P = cfg.q_lora_rank or Q, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.rope_dim
+        q = torch.randn(T, Q, generator=gen).to(device, DTYPE) if cfg.q_lora_rank else first[:, :A]  # q_b's, or q's
+        ropes = (("query", q.view(T, heads, N + P)[..., N:]), ("key", first[:, A + R:].view(T, 1, P)))
+        latents = [first[:, start:start + n] for start, n in ((0, cfg.q_lora_rank), (A, R)) if n]
+    else:
+        ropes, latents = (("query", first[:, :Q].view(T, -1, D)), ("key", first[:, Q:Q + KV].view(T, -1, D))), []
     logits = (torch.randn(T, cfg.vocab_size, generator=gen) * 4).to(device)  # float32, as LOGITS has them
     targets = torch.randint(cfg.vocab_size, (T,), generator=gen).to(device)
     targets[::7] = -100
@@ -3918,11 +4222,15 @@ def kernel_checks(device, cfg):
     for norm_offset in dict.fromkeys([offset] + ([False] if cfg.num_experts else [])):
         check("rms_norm", f"{H} wide" + (", offset" if norm_offset else ""), rms_norm_triton(x, w_h, eps, norm_offset),
               rms_norm_f32(x, w_h, eps, norm_offset))
-    for what, heads in (("query", qkv[:, :Q].view(T, -1, D)), ("key", qkv[:, Q:Q + KV].view(T, -1, D))):
-        want = apply_rope(rms_norm_f32(heads, w_d, eps, offset) if cfg.qk_norm else heads.float(), cos.float(),
-                          sin.float())
-        check("head_norm_rope", f"{heads.shape[1]} {what} heads",
-              head_norm_rope_triton(heads, w_qk, cos, sin, eps, offset), want)
+    for latent in latents:
+        w_latent = torch.rand(latent.shape[1], generator=gen).add(0.5).to(device, DTYPE)
+        check("rms_norm", f"{latent.shape[1]} wide, a latent", rms_norm_triton(latent, w_latent, LATENT_EPS),
+              rms_norm_f32(latent, w_latent, LATENT_EPS, False))
+    for what, x_heads in ropes:
+        normed = rms_norm_f32(x_heads, w_d, eps, offset) if cfg.qk_norm else x_heads.float()
+        want = apply_rope(deinterleaved(normed) if interleave else normed, cos.float(), sin.float())
+        check("head_norm_rope", f"{x_heads.shape[1]} {what} heads" + (", interleaved" if interleave else ""),
+              head_norm_rope_triton(x_heads, w_qk, cos, sin, eps, offset, interleave), want)
     widths = ([(cfg.intermediate_size, cfg.activation)] if "mlp" in cfg.layouts else []) + (
         [(cfg.moe_intermediate_size, "silu")] if cfg.num_experts else []) + (
         [(cfg.shared_intermediate_size, "silu")] if cfg.shared_intermediate_size else [])
@@ -4014,10 +4322,14 @@ def pick_kernels(requested, device, cfg):
 
 def gemm_shapes(cfg, tokens=4096):
     # (name, M, N, K) of each GEMM of a layer step (the gated MLP's where some layer has one), then the loss's last;
-    # a MoE layer's experts are grouped GEMMs, not these (pick_experts times them)
-    H, Q, KV, I = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    # a MoE layer's experts are grouped GEMMs, not these (pick_experts times them). Each name but lm_head's is that of
+    # its weight in LayerWeights; latent attention's up-projections (q_b where q has a LoRA, kv_b) among them
+    H, I, R = cfg.hidden_size, cfg.intermediate_size, cfg.kv_lora_rank
+    latent = ([("q_b", tokens, cfg.q_size, cfg.q_lora_rank)] if cfg.q_lora_rank else []) + [
+        ("kv_b", tokens, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), R)] if R else []
     mlp = [("gate_up", tokens, 2 * I, H), ("down", tokens, H, I)] if "mlp" in cfg.layouts else []
-    return [("qkv", tokens, Q + 2 * KV, H), ("o_proj", tokens, H, Q), *mlp, ("lm_head", tokens, cfg.vocab_size, H)]
+    return [("qkv", tokens, cfg.qkv_rows, H), *latent, ("o_proj", tokens, H, cfg.num_attention_heads * cfg.v_head_dim),
+            *mlp, ("lm_head", tokens, cfg.vocab_size, H)]
 
 
 def gemm_tflops(device, shapes, weights=None, repeats=TIMING_REPEATS):
@@ -4132,6 +4444,7 @@ def machine_key(device, cfg):
                 triton.__version__ if triton is not None else None, package_version("flash_attn")]
     geometry = [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim]
     geometry += [cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size] if cfg.num_experts else []
+    geometry += [cfg.v_head_dim] if cfg.v_head_dim != cfg.head_dim else []
     geometry += [cfg.model_type] + [[how.scale, how.window, how.softcap] for how in attention_settings(cfg)]
     return json.dumps([device.type, *gpu, *versions, *geometry, source])
 
@@ -5146,7 +5459,8 @@ class Runner:
         x = embed_tokens(self.embed, ids, cfg)  # [tokens, hidden]
         positions = wave.positions.to(dev)  # each token's depth
         tables = wave_rope_tables(positions, cfg)
-        wave_kv = [torch.empty(T, cfg.num_key_value_heads, cfg.head_dim, dtype=DTYPE, device=dev) for _ in range(2)]
+        wave_kv = [torch.empty(T, cfg.num_key_value_heads, D, dtype=DTYPE, device=dev)
+                   for D in (cfg.head_dim, cfg.v_head_dim)]
         self.run_layers(x, tables, wave.chunks, layers, attend, wave_kv)
         del wave_kv
         timer.mark("loss")

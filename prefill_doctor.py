@@ -109,9 +109,9 @@ def doctor(runner):
         w = runner.streamer.scratch_views[kind] if cfg.fp8_scales else \
             next((w for i, w in runner.streamer.resident.items() if cfg.layer_kinds[i] == kind), None) \
             or runner.streamer.slot_views[0][kind]  # an FP8 model's: the bf16 scratch its layers are dequantized into
-        own = {"qkv": w.qkv, "o_proj": w.o_proj, "gate_up": w.gate_up, "down": w.down, "lm_head": runner.lm_head}
         shapes = gemm_shapes(cfg, plan.chunk_tokens)[:-1] + [("lm_head", plan.loss_chunk_tokens, cfg.vocab_size,
                                                               cfg.hidden_size)]
+        own = {name: getattr(w, name) for name, _, _, _ in shapes[:-1]} | {"lm_head": runner.lm_head}
         fig["gemm_tflops"] = {}
         for library in BLAS_LIBRARIES:
             torch.backends.cuda.preferred_blas_library(library)
@@ -151,6 +151,13 @@ def doctor(runner):
              f"{runner.lock_s:.1f} s" + (f"; 1 GiB locks in {fig['lock_s_per_gb']['register']:.2f} s/GB by "
                                          f"register, {fig['lock_s_per_gb']['alloc']:.2f} s/GB by alloc; "
                                          f"host->device {fig['h2d_gbps']:.1f} GB/s" if cuda else "")]
+    if cfg.kv_lora_rank:  # DeepSeek's: what the kernels below run on
+        lines.append(f"attention  multi-head latent (MLA): {cfg.num_attention_heads} heads, q/k head dim "
+                     f"{cfg.head_dim} ({cfg.qk_nope_head_dim} + RoPE {cfg.rope_dim}"
+                     + (", interleaved" if cfg.rope_interleave else "") + f"), v {cfg.v_head_dim}; latents "
+                     + (f"q {cfg.q_lora_rank}, " if cfg.q_lora_rank else "q none (q_proj), ")
+                     + f"kv {cfg.kv_lora_rank}, expanded per token; softmax scale {cfg.attention[0].scale:.4g}"
+                     + (f", {cfg.ropes[0].kind} RoPE" if cfg.ropes[0].kind != "default" else ""))
     lines.append(f"attention  by the longest text in a chunk: {attention_summary(runner.attention)} (each checked "
                  f"against float32 attention on texts of {CHECK_LENGTHS}, then each bucket's own; rel. error: the "
                  "worst row's largest difference over that row's largest value)")

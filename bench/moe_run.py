@@ -4,11 +4,14 @@ GPU memory caps, against both floors measured in the same run, in one device com
 
     python bench/moe_run.py --out bench/results/2026-12-01-h200-qwen3-30b-a3b.json
     python bench/moe_run.py --geometry glm-4.5-air --layers 10 --ckpt /dev/shm/prefill-bench/glm-4.5-air-10 --out ...
+    python bench/moe_run.py --geometry deepseek-v3 --layers 6 --fp8 --caps 64,60 \
+        --ckpt /dev/shm/prefill-bench/deepseek-v3-6-fp8 --out ...     # block-wise FP8 weights (NOTES.md: why these)
     python bench/moe_run.py --device cpu --geometry tiny-moe --ckpt /tmp/tiny-moe --texts 12 --corpus-tokens 20000 \
         --caps 0.04,0.02 --reference-texts 6 --out /tmp/moe-run.json            # the same steps, tried on the CPU
 
 Steps, in order:
-  1. checkpoint  bench/make_checkpoint.py's random weights (--reuse: kept across runs of this script)
+  1. checkpoint  bench/make_checkpoint.py's random weights (--reuse: kept across runs of this script); with --fp8
+                 their block-wise FP8 quantization (the official layout, each layer projection per 128x128 block)
   2. texts       the contest-like workload (bench/workload.py: 100 chat-rendered math texts, ~45k tokens), and a
                  corpus of >= --corpus-tokens tokens of the same kind whose first texts are the workload's
   3. rates       measured here, on the device, before any runner holds it: the pinned host->device rate on one
@@ -21,15 +24,19 @@ Steps, in order:
                  elapsed_s, from ready to the last record); --gpu-memory is the cap less the 1.5 GiB that prefill's
                  own default keeps for the CUDA context (on the CPU: the cap)
   5. reference   transformers' bf16 model on the device (interact.load_reference_model, after every runner has gone)
-                 on the first --reference-texts texts: each run's max_rel_err over those
+                 on the first --reference-texts texts: each run's max_rel_err over those. An FP8 checkpoint's is its
+                 dequantized model (FineGrainedFP8Config(dequantize=True)), each weight q x scale rounded to bf16;
+                 a side its load cannot read (partial_blocks_dequantized: DeepSeek-V3's kv_a_proj_with_mqa) is
+                 dequantized by transformers' own _dequantize_fp8_weight, as its FP8Linear reads it
 
 Per run the record holds model_type, cap_gib, t_seconds, tokens, the wave and the plan's bound line, streamed bytes,
-compute_floor_s (each token's FLOPs at the rates of step 3: attention projections, router and lm_head at the dense
-GEMM rate, its k experts at the fastest grouped GEMM's rate (whichever kernel the run picked: the floor is the GEMMs'
-alone), the shared experts and attention's scores at the dense rate too),
-transfer_floor_s (the run's streamed bytes at the pinned rate), t_over_max_floor and max_rel_err. A table last.
+compute_floor_s (each token's FLOPs at the rates of step 3, as prefill.layer_flops counts them: attention
+projections (prefill.gemm_shapes: MLA's q_b and kv_b too), router and lm_head at the dense GEMM rate, its k experts
+at the fastest grouped GEMM's rate (whichever kernel the run picked: the floor is the GEMMs' alone), the shared
+experts and attention's scores at the dense rate too), transfer_floor_s (the run's streamed bytes at the pinned rate), t_over_max_floor and max_rel_err. A table last.
 """
 import argparse
+import contextlib
 import json
 import math
 import subprocess
@@ -165,9 +172,33 @@ def max_rel_err(losses, reference):
     return max(errs) if errs else None
 
 
+@contextlib.contextmanager
+def partial_blocks_dequantized():
+    """transformers' FP8 load (Fp8Dequantize, with dequantize=True on any device) takes a weight's block from its
+    shape over its scale grid and raises where the grid does not divide it: DeepSeek-V3's kv_a_proj_with_mqa, 576 rows
+    over 5 rows of scales (prefill.misread_side). Its own FP8Linear reads such a weight in 128x128 blocks, the last
+    partial (_dequantize_fp8_weight: prefill's dequantization, bit for bit, tests/test_mla.py); within this block its
+    load dequantizes those weights so, and every other weight as before."""
+    from unittest import mock
+
+    from transformers.integrations import finegrained_fp8
+
+    whole = finegrained_fp8.Fp8Dequantize._dequantize_one
+
+    def dequantize_one(self, quantized, scales, output_dtype=None):
+        if quantized.dtype != prefill.FP8 or not any(n % g for n, g in zip(quantized.shape[-2:], scales.shape[-2:])):
+            return whole(self, quantized, scales, output_dtype)
+        out = finegrained_fp8._dequantize_fp8_weight(quantized, scales, [prefill.FP8_BLOCK] * 2, torch.float32)
+        return out.to(output_dtype or torch.bfloat16)
+
+    with mock.patch.object(finegrained_fp8.Fp8Dequantize, "_dequantize_one", dequantize_one):
+        yield
+
+
 def reference_losses(args, ckpt, texts):
     t = time.perf_counter()
-    model = interact.load_reference_model(ckpt, args.device)
+    with partial_blocks_dequantized() if args.fp8 else contextlib.nullcontext():
+        model = interact.load_reference_model(ckpt, args.device)
     losses = interact.reference_losses(model, interact.load_tokenizer(ckpt), texts)
     del model
     return losses, time.perf_counter() - t
@@ -195,6 +226,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="the record (JSON)")
     ap.add_argument("--geometry", default="qwen3-30b-a3b", choices=sorted(make_checkpoint.GEOMETRIES))
     ap.add_argument("--layers", type=int, help="the geometry's first N layers (a model the machine cannot hold whole)")
+    ap.add_argument("--fp8", action="store_true", help="the checkpoint in block-wise FP8 (make_checkpoint.py --fp8: "
+                    "the same random weights quantized; the reference is its dequantized bf16 model)")
     ap.add_argument("--ckpt", default="/dev/shm/prefill-bench/qwen3-30b-a3b-s0", help="checkpoint folder")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--caps", default="48,24", help="GPU memory caps in GiB, comma-separated")
@@ -212,10 +245,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     t0, device = time.perf_counter(), torch.device(args.device)
     geometry = make_checkpoint.geometry(args.geometry, args.layers)
-    cfg = prefill.ModelConfig.from_json(interact.config_json(geometry))
+    cfg = prefill.ModelConfig.from_json(interact.config_json(geometry) | (
+        {"quantization_config": interact.FP8_QUANTIZATION} if args.fp8 else {}))
 
     built = make_checkpoint.build(Path(args.ckpt), geometry, seed=0, device=args.device, tokenizer=args.tokenizer,
-                                  reuse=True)
+                                  reuse=True, fp8=args.fp8)
     log(f"checkpoint {built['path']}: {built['bytes'] / 1e9:.1f} GB, {built['seconds']:.0f} s"
         + (" (reused)" if built["reused"] else ""))
     tok = workload.load_tokenizer(args.ckpt)
@@ -243,7 +277,7 @@ def main(argv=None):
                         + f": the same losses {runs[-1][2]['same_losses_again']}")
     reference, reference_s = reference_losses(args, args.ckpt, contest[:args.reference_texts])
     log(f"reference: {len(reference)} texts in {reference_s:.0f} s")
-    res = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "model_type": cfg.model_type,
+    res = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "model_type": cfg.model_type, "fp8": args.fp8,
            "device": args.device,
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "commit": args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

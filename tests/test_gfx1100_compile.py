@@ -42,8 +42,8 @@ import torch
 
 import interact
 import prefill
-from bench.make_checkpoint import (GEMMA3_27B, GLM4_5_AIR, LLAMA_3_1_70B, MIXTRAL_8X7B, QWEN1_5_MOE_A2_7B, QWEN2_5_32B,
-                                   QWEN3_30B_A3B, QWEN3_32B)
+from bench.make_checkpoint import (DEEPSEEK_V3, GEMMA3_27B, GLM4_5_AIR, LLAMA_3_1_70B, MIXTRAL_8X7B, MOONLIGHT_16B_A3B,
+                                   QWEN1_5_MOE_A2_7B, QWEN2_5_32B, QWEN3_30B_A3B, QWEN3_32B)
 
 # Every geometry docs/models.md claims a family by, with its head counts (the query and the key launches of
 # head_norm_rope, the attention kernels' HEADS and KV_HEADS) and head_dim: Qwen3-0.6B's (its config.json) block sizes
@@ -56,6 +56,12 @@ from bench.make_checkpoint import (GEMMA3_27B, GLM4_5_AIR, LLAMA_3_1_70B, MIXTRA
 # variant of head_norm_rope), its dense first layer and shared expert (gated_act at 1408, beside its experts'), 96 query
 # heads; GLM-4.5's the same with its q/k norm (zai-org/GLM-4.5: 5120 wide, 160 experts of 1536, 3 dense layers of
 # 12288); Mixtral's experts 14336 wide; Qwen1.5-MoE-A2.7B's shared expert of 5632, 16 heads of 128 over 2048.
+# DeepSeek-V3 its latent attention: the latents' norms, interleaved RoPE on q's last 64 channels of 192 (a head stride
+# of its own) and on the one key all heads share, a q/k head dim of 192 (no Triton attention kernel on RDNA3: over
+# 128), its 3 dense layers of 18432 and the V3 router's top-8 of 256 experts of 2048 over 7168; Moonlight the same
+# without q's LoRA (q_proj's rows beside the latent's), here with rope_interleave false (as a copy whose RoPE rows were
+# de-interleaved would say) so that both RoPE variants compile at MLA's strides, and its top-6 of 64 experts of 1408
+# with 2 shared.
 MODELS = {"Qwen3-32B": QWEN3_32B,
           "Qwen3-0.6B": {**QWEN3_32B, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                          "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True},
@@ -86,9 +92,11 @@ MODELS = {"Qwen3-32B": QWEN3_32B,
           "GLM-4.5": {**GLM4_5_AIR, "hidden_size": 5120, "intermediate_size": 12288, "num_hidden_layers": 92,
                       "n_routed_experts": 160, "moe_intermediate_size": 1536, "first_k_dense_replace": 3,
                       "routed_scaling_factor": 2.5, "use_qk_norm": True},
-          "Mixtral-8x7B": MIXTRAL_8X7B, "Qwen1.5-MoE-A2.7B": QWEN1_5_MOE_A2_7B}
+          "Mixtral-8x7B": MIXTRAL_8X7B, "Qwen1.5-MoE-A2.7B": QWEN1_5_MOE_A2_7B,
+          "DeepSeek-V3": DEEPSEEK_V3, "Moonlight-16B-A3B": {**MOONLIGHT_16B_A3B, "rope_interleave": False}}
 # the grouped GEMM's N, K and expert stride differ; the others' shared experts and routers
-MOE_MODELS = ("Qwen3-30B-A3B", "Qwen3-235B-A22B", "GLM-4.5-Air", "GLM-4.5", "Mixtral-8x7B", "Qwen1.5-MoE-A2.7B")
+MOE_MODELS = ("Qwen3-30B-A3B", "Qwen3-235B-A22B", "GLM-4.5-Air", "GLM-4.5", "Mixtral-8x7B", "Qwen1.5-MoE-A2.7B",
+              "DeepSeek-V3", "Moonlight-16B-A3B")
 KNOWN_SPILLING_TILE = (64, 64, 4, 2)  # spills 205 VGPRs under Triton 3.9, 16 under 3.6 (and 137 with 2 stages in an earlier review of Triton 3.6)
 LDS_BYTES = 65536  # per workgroup on RDNA3
 TOKENS = 3  # no launch parameter depends on the token count
@@ -197,7 +205,7 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
     flat = torch.empty(cfg.layer_numel, dtype=prefill.DTYPE)  # never touched: only its views' shapes and offsets
     w = prefill.layer_views(flat, cfg)
     x = torch.zeros(TOKENS, cfg.hidden_size, dtype=prefill.DTYPE)
-    cos, sin = prefill.rope_tables(torch.arange(TOKENS), cfg.ropes[0], cfg.head_dim)
+    cos, sin = prefill.rope_tables(torch.arange(TOKENS), cfg.ropes[0], cfg.rope_dim)
     chunk = prefill.Chunk(0, TOKENS, [0, TOKENS], torch.tensor([0, TOKENS], dtype=torch.int32), TOKENS)
     # a prefix tree's chunk (the tree kernel): a root token, then a node of the others reading it
     tree_chunk = prefill.Chunk(0, TOKENS, [0, 1, TOKENS], torch.tensor([0, 1, TOKENS], dtype=torch.int32),
@@ -210,9 +218,13 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
         for tile, how in itertools.product(tiles, prefill.attention_settings(cfg)):
             attend = prefill.make_attention("triton", tile)
             prefill.attention_block(x, w, cos, sin, chunk, cfg, attend, prefill.TRITON_KERNELS, how)
+        if not tiles:  # no Triton attention here (DeepSeek's 192 on RDNA3): another backend's, around the same kernels
+            prefill.attention_block(x, w, cos, sin, chunk, cfg, lambda q, k, v, chunk, how: q.new_empty(
+                *q.shape[:2], v.shape[2]), prefill.TRITON_KERNELS, prefill.attention_settings(cfg).most_common()[0][0])
         for tile, how in itertools.product(tree_tiles, prefill.attention_settings(cfg)):
             attend = prefill.make_attention("triton", tile)
-            wave_kv = [torch.zeros(TOKENS, cfg.num_key_value_heads, cfg.head_dim, dtype=prefill.DTYPE)] * 2
+            wave_kv = [torch.zeros(TOKENS, cfg.num_key_value_heads, D, dtype=prefill.DTYPE)
+                       for D in (cfg.head_dim, cfg.v_head_dim)]
             prefill.attention_block(x, w, cos, sin, tree_chunk, cfg, attend, prefill.TRITON_KERNELS, how, wave_kv)
         if "mlp" in cfg.layouts:  # a mixture of experts' feed-forward: moe_launches
             prefill.mlp_block(x, prefill.layer_views(flat, cfg, "mlp"), cfg, TOKENS, prefill.TRITON_KERNELS)
@@ -373,8 +385,10 @@ def test_every_kernel_prefill_launches_is_recorded_in_every_offered_variant(offe
         assert variants == {(False, False), (True, False), (False, True), (True, True)}, kernel  # every one launched
     assert not offered_tiles("Gemma-3-4B") and offered_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
     assert not offered_tree_tiles("Gemma-3-4B") and offered_tree_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
-    norms = {launch.named_constexprs()["NORM"] for launch in launches if launch.kernel == "_head_norm_rope_kernel"}
-    assert norms == {0, 1, 2}
+    ropes = {(c["NORM"], c["INTERLEAVE"]) for launch in launches if launch.kernel == "_head_norm_rope_kernel"
+             for c in [launch.named_constexprs()]}
+    assert ropes == {(0, False), (1, False), (2, False), (0, True)}
+    assert not offered_tiles("DeepSeek-V3") and not offered_tree_tiles("Moonlight-16B-A3B")  # q/k head dim 192
     partial = {(launch.model, c["ROT"]) for launch in launches if launch.kernel == "_head_norm_rope_kernel"
                for c in [launch.named_constexprs()] if c["ROT"] < c["HALF"]}
     assert partial == {("GLM-4.5-Air", 32), ("GLM-4.5", 32)}  # RoPE on half of their heads of 128: 64 channels

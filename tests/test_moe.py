@@ -155,9 +155,8 @@ def test_what_is_not_built_is_refused_in_one_line(moe_checkpoint):
                          ({"moe_intermediate_size": 0}, "moe_intermediate_size is 0"),
                          ({"model_type": "minimax", "num_local_experts": 8}, "'minimax', a mixture of experts"),
                          ({"model_type": "qwen3_next"}, "'qwen3_next', a mixture of experts"),
-                         ({"model_type": "deepseek_v3", "num_experts": None, "n_routed_experts": 8},
-                          "'deepseek_v3', a mixture of experts (of those prefill runs qwen3_moe, qwen2_moe, mixtral, "
-                          "glm4_moe only)")]:
+                         ({"model_type": "olmoe"}, "'olmoe', a mixture of experts (of those prefill runs qwen3_moe, "
+                          "qwen2_moe, mixtral, glm4_moe, deepseek_v3 only)")]:
         with pytest.raises(prefill.UserError) as e:
             prefill.ModelConfig.from_json(hub_config(saved, **bad), "hub.json")
         assert message in str(e.value) and str(e.value).startswith("hub.json") and "\n" not in str(e.value)

@@ -367,7 +367,7 @@ REFUSED = [
                layer_types=["sliding_attention"] * 3), "use_sliding_window is off"),
     (config_of("qwen2_moe", num_local_experts=8, **EXPERTS, shared_expert_intermediate_size=48), "lacks num_experts"),
     (config_of("qwen3_next", num_experts=8), "'qwen3_next', a mixture of experts (of those prefill runs qwen3_moe, "
-                                             "qwen2_moe, mixtral, glm4_moe only)"),
+                                             "qwen2_moe, mixtral, glm4_moe, deepseek_v3 only)"),
     (config_of("minimax", num_local_experts=8), "model_type is 'minimax', a mixture of experts"),
     (config_of("llama4", text_config={}), "model_type is 'llama4'"),
 ]
@@ -393,12 +393,12 @@ for kernel, torch_kernel in [("rms_norm", prefill.rms_norm), ("gated_act", prefi
     setattr(prefill, f"{kernel}_triton", torch_kernel)
 prefill.combine_triton = prefill.combine
 
-def whole_head(x, w, cos, sin, eps, offset):  # every channel rotated, with the tables of the whole head
+def whole_head(x, w, cos, sin, eps, offset, interleave):  # every channel rotated, with the tables of the whole head
     rope = dataclasses.replace(cfg.ropes[0], partial=1.0)
-    return good(x, w, *prefill.rope_tables(torch.arange(x.shape[0]), rope, x.shape[2]), eps, offset)
+    return good(x, w, *prefill.rope_tables(torch.arange(x.shape[0]), rope, x.shape[2]), eps, offset, interleave)
 
-def tail_unnormed(x, w, cos, sin, eps, offset):  # the channels that do not rotate passed through as they came
-    out = good(x, w, cos, sin, eps, offset)
+def tail_unnormed(x, w, cos, sin, eps, offset, interleave):  # the channels that do not rotate pass through unnormed
+    out = good(x, w, cos, sin, eps, offset, interleave)
     out[..., cos.shape[1]:] = x[..., cos.shape[1]:]
     return out
 
@@ -451,10 +451,12 @@ def test_partial_rope_and_the_float32_router_in_the_fused_kernels(family):
 
 # ----------------------------------------------------------------------------- the bench's checkpoints and the plan
 
-@pytest.mark.parametrize("geometry", ["tiny-mixtral", "tiny-qwen1.5-moe", "tiny-glm-4.5-air"])
+@pytest.mark.parametrize("geometry", ["tiny-mixtral", "tiny-qwen1.5-moe", "tiny-glm-4.5-air", "tiny-deepseek-v3",
+                                      "tiny-moonlight"])
 def test_the_bench_writes_checkpoints_transformers_loads_whole(tmp_path, qwen_tokenizer_dir, geometry):
-    # bench/make_checkpoint.py's writer lists prefill's own tensors (Mixtral's by their Hub names, GLM's router
-    # float32 as transformers keeps it): transformers finds every parameter and buffer, nothing missing or unexpected
+    # bench/make_checkpoint.py's writer lists prefill's own tensors (Mixtral's by their Hub names, GLM's and
+    # DeepSeek-V3's router float32 as transformers keeps it; V3's latent attention): transformers finds every parameter
+    # and buffer, nothing missing or unexpected
     from transformers import AutoModelForCausalLM
     from bench.make_checkpoint import checkpoint_bytes, geometry as bench_geometry
     cfg = {**bench_geometry(geometry), "vocab_size": 512}
@@ -463,7 +465,7 @@ def test_the_bench_writes_checkpoints_transformers_loads_whole(tmp_path, qwen_to
     assert not any(info.values()), info
     files = load_file(tmp_path / "model.safetensors")
     assert sum(t.nbytes for t in files.values()) == checkpoint_bytes(cfg)
-    if "glm" in geometry:
+    if geometry in ("tiny-glm-4.5-air", "tiny-deepseek-v3", "tiny-moonlight"):
         assert files["model.layers.1.mlp.gate.weight"].dtype == torch.float32
         assert torch.equal(model.model.layers[1].mlp.gate.e_score_correction_bias,
                            files["model.layers.1.mlp.gate.e_score_correction_bias"])
@@ -494,3 +496,18 @@ def test_the_plan_counts_a_moe_family_s_real_bytes_and_flops():
     assert 5.5e9 < prefill.MOE_CHUNK_FACTOR * 4096 * per_token < 6.5e9
     plan = prefill.plan_memory(cfg, 48 * prefill.GiB)
     assert plan.slot_bytes == 2 * cfg.layer_bytes and plan.total_bytes <= 48 * prefill.GiB and 0 in plan.resident_layers
+
+
+@pytest.mark.parametrize("geometry", ["deepseek-v3", "moonlight-16b-a3b", "glm-4.5-air", "qwen1.5-moe-a2.7b",
+                                      "mixtral-8x7b"])
+def test_the_moe_bench_s_compute_floor_counts_the_plan_s_flops(geometry):
+    # bench/moe_run.py's floor at 1 TFLOP/s for every GEMM: each token's FLOPs as prefill.layer_flops counts them
+    # (MLA's q_b and kv_b, the router, the k experts, the shared ones) and lm_head's, and attention's scores and values
+    from bench import make_checkpoint, moe_run
+    config = make_checkpoint.geometry(geometry)
+    cfg = prefill.ModelConfig.from_json(interact.config_json(config))
+    unit = {"dense_tflops": {name: 1.0 for name, _, _, _ in prefill.gemm_shapes(cfg)}, "grouped_tflops": {"any": 1.0}}
+    counts = [700, 3000]
+    flops = sum(counts) * (sum(prefill.layer_flops(cfg, kind, 1) for kind in cfg.layer_kinds)
+                           + 2 * cfg.vocab_size * cfg.hidden_size) + make_checkpoint.attention_flops(config, counts)
+    assert math.isclose(moe_run.compute_floor_s(cfg, config, counts, unit) * 1e12, flops, rel_tol=1e-12)

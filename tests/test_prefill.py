@@ -975,8 +975,8 @@ def model_faults(path, tmp_path):
     good = json.loads((path / "config.json").read_text())
     return [Fault("'minimax', a mixture of experts", model=folder_with(tmp_path, "moe", dict(
                 good, model_type="minimax", num_local_experts=8))),
-            Fault("RoPE type 'yarn' is not supported",
-                  model=folder_with(tmp_path, "yarn", dict(good, rope_parameters={"rope_type": "yarn"}))),
+            Fault("RoPE type 'dynamic' is not supported",
+                  model=folder_with(tmp_path, "dynamic", dict(good, rope_parameters={"rope_type": "dynamic"}))),
             Fault("quantized weights (quantization_config 'awq')", model=folder_with(
                 tmp_path, "awq", dict(good, quantization_config={"quant_method": "awq"}))),
             Fault("intermediate_size is a list (layers of different sizes)", model=folder_with(
