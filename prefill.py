@@ -67,8 +67,24 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+# How a SIGINT or SIGTERM ends a run: one line on stderr and this exit code, whenever it comes. main() installs
+# on_signal (the protocol and the command line); until then, through the seconds of `import torch`, a signal ends the
+# process at once with the same line, where Python's default would print the traceback of whatever was importing.
+SIGNAL_ENDS = {signal.SIGINT: ("interrupted (SIGINT)", 130), signal.SIGTERM: ("terminated (SIGTERM)", 143)}
+
+
+def exit_at_once(signum, frame):
+    line, code = SIGNAL_ENDS[signum]
+    os.write(2, f"prefill: {line}\n".encode())
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    for signum in SIGNAL_ENDS:
+        signal.signal(signum, exit_at_once)
+
+import torch  # noqa: E402 (after the signal handlers above: importing it takes seconds)
+import torch.nn.functional as F  # noqa: E402
 
 GiB = 2**30
 DTYPE = torch.bfloat16
@@ -4292,18 +4308,23 @@ class Runner:
     def tokenize(self, texts):
         return self.tokenizer(texts) if texts else []
 
-    def score(self, texts):
+    def score(self, texts, progress=None):
         """The Python API: scores texts (one string, or an iterable of strings read as it goes) with the model kept
         loaded, yielding one Score (index, tokens, loss, nll_sum) per text, in order, a batch at a time. The same
         path as the command line's: texts are tokenized a few batches ahead on a side thread, each batch runs as
         one wave, and batches are cut from the token counts alone, so the numbers are those of
         `prefill.py --input`. An item that is not a string raises UserError with the command line's message
         ("element 1 is int, not a string") once the batches before it are scored. self.stats covers this call
-        alone: emptied when its iteration starts, complete once the iterator is exhausted."""
+        alone: emptied when its iteration starts, complete once the iterator is exhausted. progress: a Progress to
+        add each batch to, as it is scored."""
         texts = [texts] if isinstance(texts, str) else texts  # a string is one text, not an iterable of characters
         self.stats = {}
-        for batch in self.text_batches(text_of(t, f"element {i}") for i, t in enumerate(texts)):
-            yield from self.score_batch(batch)
+        with contextlib.closing(self.text_batches(text_of(t, f"element {i}") for i, t in enumerate(texts))) as cut:
+            for batch in cut:
+                scores = self.score_batch(batch)
+                if progress is not None:
+                    progress.add(len(scores), sum(s.tokens for s in scores))
+                yield from scores
 
     def losses(self, token_lists, layers=None):
         """Mean losses (nan below 2 tokens) of token lists already tokenized, in the same batches as score (layers:
@@ -4338,7 +4359,7 @@ class Runner:
 
         def tokenized():
             items_left, index, error = iter(items), 0, None
-            while not error:
+            while not error and not stop.is_set():  # the consumer gone: read and tokenize no further
                 group = []
                 try:
                     group.extend(itertools.islice(items_left, TOKENIZE_GROUP))  # keeps what came before a failure
@@ -4380,11 +4401,11 @@ class Runner:
                 self._note_long_texts(batch, kind, length)
                 yield batch
         finally:
+            # closed by its consumer (the corpus loop, Runner.score) where the run ends, never left to a later garbage
+            # collection or the interpreter's exit. The producer ends within a tokenizer call of `stop`; one blocked
+            # reading its input (stdin) is left behind after a second, in CPython's own read, which the exit leaves be
+            # (nothing on this thread runs torch, whose C++ a finalizing interpreter must not return into: on_signal)
             stop.set()
-            # a daemon thread still inside native code (the tokenizer, GIL released) when the interpreter finalizes
-            # can abort the process: seen once after a SIGINT, "terminate called without an active exception"
-            # (pytorch#38228). The producer ends within a tokenizer call of `stop`; one blocked reading its input
-            # is left behind after a second.
             producer.join(timeout=1.0)
 
     def _note_long_texts(self, batch, kind, length):
@@ -4643,33 +4664,40 @@ class Runner:
 # Without a terminal, a progress line at most this often, and less often as the run grows (every tenth of the time
 # elapsed): a day's run logs ~60 lines, and the harness, which reads stderr only after a run of seconds, gets none
 PROGRESS_LINE_S = 60
+# An ETA only from the rate of this many batches or more: texts land a batch at a time, and one batch says little of
+# the rate (a single long text, or the first with the run's one-off costs). Counted a text at a time, the demo's one
+# batch of 100 read `1 texts of 100, ETA 1:40:41` a second before the end (issue 38).
+ETA_BATCHES = 2
 
 
 class Progress:
     """Texts and tokens done, tokens/s and ETA: a tqdm bar on a terminal; elsewhere a line PROGRESS_LINE_S after the
     start, then at most that often, and less often as the run grows (none in a run of seconds, such as the harness's,
-    which reads stderr only after the run)."""
+    which reads stderr only after the run, nor once every text is done: the summary line follows). Texts are added a
+    batch at a time, as they are scored; the ETA extrapolates the rate of ETA_BATCHES batches or more."""
 
     def __init__(self, total, unit="text"):  # unit: "request" for continuations
         self.total, self.texts, self.scored, self.tokens, self.t0 = total, 0, 0, 0, time.perf_counter()
-        self.next_line, self.unit = self.t0 + PROGRESS_LINE_S, unit
+        self.next_line, self.unit, self.batches = self.t0 + PROGRESS_LINE_S, unit, 0
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True, smoothing=0.05)
 
-    def add(self, texts, scored_tokens, held=False):  # held: texts --resume kept, which take no time
+    def add(self, texts, scored_tokens, held=False):  # a batch; held: texts --resume kept, which take no time
         self.texts += texts
         self.scored += 0 if held else texts
+        self.batches += 0 if held else 1
         self.tokens += scored_tokens
         now = time.perf_counter()
         elapsed = max(1e-9, now - self.t0)
         if self.bar is not None:
             self.bar.set_postfix_str(f"{self.tokens} tokens, {self.tokens / elapsed:.0f} tokens/s", refresh=False)
             self.bar.update(texts)
-        elif now >= self.next_line:
+        elif now >= self.next_line and self.texts != self.total:
             self.next_line = now + max(PROGRESS_LINE_S, elapsed / 10)
-            eta = (self.total - self.texts) * elapsed / self.scored if self.total and self.scored else None
+            eta = (self.total - self.texts) * elapsed / self.scored if self.total and self.batches >= ETA_BATCHES \
+                else None
             left = f" of {self.total}" + (f", ETA {datetime.timedelta(seconds=round(eta))}" if eta is not None
                                           else "") if self.total else ""
             log(f"{self.texts} {self.unit}s{left}; {self.tokens} tokens, {self.tokens / elapsed:.0f} tokens/s")
@@ -4952,11 +4980,10 @@ def serve_protocol(args, protocol):
         return 1
     texts = parse_request(line)
     t0, start_unix_s = time.perf_counter(), time.time()  # wall clock: bench times a run's ready
-    progress, scores = Progress(len(texts)), []
+    progress = Progress(len(texts))
     try:
-        for score in runner.score(texts):
-            scores.append(score)
-            progress.add(1, score.tokens)
+        with contextlib.closing(runner.score(texts, progress)) as scoring:
+            scores = list(scoring)
     finally:
         progress.close()
     print_losses(protocol, scores)
@@ -4978,26 +5005,41 @@ class PeerFailed(Exception):
     why."""
 
 
-# A SIGINT or SIGTERM that arrives while a batch's records are written waits until they are on disk, so that a
-# signal never leaves a partial record (main installs on_signal for both).
-SIGNALS_HELD = {"on": False, "pending": None}
+# main installs on_signal for SIGINT and SIGTERM. One that arrives while a batch's records are written waits until
+# they are on disk, so that a signal never leaves a partial record. The first one raised ends the run; a later one
+# (or one after main has returned) is ignored while the run winds down (side threads joined, generators closed, the
+# exit's finalizers run), which then ends in the first one's line and code; only a wind-down stuck past
+# WIND_DOWN_S is cut short by one, at once, with that line and code. A second signal is common: a terminal's Ctrl-C
+# signals `uv run` and prefill alike, and users press it twice. Raised during the wind-down, it cut the wind-down
+# short: a traceback from whatever finalizer it hit (the tokenizer thread's join in Runner.read_ahead, an atexit hook,
+# threading's exit); and where it cut the join of a thread still inside torch (the start-up checks', when it came
+# during the load), the interpreter finalized under that thread, whose return from torch's C++ into Python then
+# aborted the process (pybind11's gil_scoped_release, pytorch#38228): "terminate called without an active
+# exception", exit 134 (8 of 8 tries here with three SIGINTs 0.3 s apart during the load; bench/NOTES.md, issue 38).
+WIND_DOWN_S = 10.0
+SIGNALS = {"held": False, "pending": None, "first": None, "ending": None}  # ending: since when (time.monotonic)
 
 
 def on_signal(signum, frame):
-    if SIGNALS_HELD["on"]:
-        SIGNALS_HELD["pending"] = signum
+    if SIGNALS["ending"] is not None:
+        if time.monotonic() - SIGNALS["ending"] > WIND_DOWN_S:
+            exit_at_once(SIGNALS["first"] or signum, frame)
         return
+    if SIGNALS["held"]:
+        SIGNALS["pending"] = SIGNALS["pending"] or signum
+        return
+    SIGNALS["first"], SIGNALS["ending"] = signum, time.monotonic()
     raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
 
 
 @contextlib.contextmanager
 def signals_held():
-    SIGNALS_HELD["on"] = True
+    SIGNALS["held"] = True
     try:
         yield
     finally:
-        SIGNALS_HELD["on"] = False
-        signum, SIGNALS_HELD["pending"] = SIGNALS_HELD["pending"], None
+        SIGNALS["held"] = False
+        signum, SIGNALS["pending"] = SIGNALS["pending"], None
         if signum:
             on_signal(signum, None)
 
@@ -5050,11 +5092,11 @@ def main(argv=None):
         os.dup2(os.open(os.devnull, os.O_WRONLY), protocol.fileno())
         return failed("stdout closed before every loss was written", 1)
     except (KeyboardInterrupt, Terminated, PeerFailed) as e:  # a corpus run's note: how far it got, how to resume
-        why = "interrupted (SIGINT)" if isinstance(e, KeyboardInterrupt) else \
-            "terminated (SIGTERM)" if isinstance(e, Terminated) else "error: stopped"
+        why, code = SIGNAL_ENDS[signal.SIGINT] if isinstance(e, KeyboardInterrupt) else \
+            SIGNAL_ENDS[signal.SIGTERM] if isinstance(e, Terminated) else ("error: stopped", 1)
         cause = str(e) if isinstance(e, PeerFailed) else group.cause() if group else None
         log("; ".join([why + (f": {cause}" if cause else ""), *getattr(e, "__notes__", [])]))
-        return 130 if isinstance(e, KeyboardInterrupt) else 143 if isinstance(e, Terminated) else 1
+        return code
     except Exception as e:
         if os.environ.get("PREFILL_DEBUG"):
             traceback.print_exc()
@@ -5070,6 +5112,8 @@ if __name__ == "__main__":
     # the siblings' `import prefill` is this module, run as __main__: a second copy would have its own UserError,
     # signal state and registrar
     sys.modules.setdefault("prefill", sys.modules[__name__])
-    for signum in (signal.SIGINT, signal.SIGTERM):  # 130 and 143 with one line, never amid a batch's records
+    for signum in SIGNAL_ENDS:  # 130 and 143 with one line, never amid a batch's records
         signal.signal(signum, on_signal)
-    sys.exit(main())
+    code = main()
+    SIGNALS["ending"] = time.monotonic()
+    sys.exit(code)

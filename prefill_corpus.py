@@ -16,14 +16,13 @@ import os
 import shlex
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from prefill import (JSON_SPACE, LOGITS, PAIR_FIELDS, SAFETENSORS_MAX_HEADER, WAVE_STEP, ModelConfig, PeerFailed,
-                     Progress, Terminated, UserError, check_writable, decoded, json_array, log, model_folder,
+                     Progress, Terminated, UserError, Workers, check_writable, decoded, json_array, log, model_folder,
                      parse_json, parse_request, print_losses, report, request_line, runner_of, shown, signals_held,
                      since_process_start, text_of, warmed_up)
 from prefill_dist import (RankZeroPicks, all_ready, publish_loglikelihoods, publish_picks, publish_scores,
@@ -443,10 +442,11 @@ def serve(args, protocol, group=None):
         head = list(itertools.islice(records, CHECKED_RECORDS if args.output else None))
         if len(head) < CHECKED_RECORDS or not args.output:
             total = len(head)
-        elif args.input != "-":  # counted while the model loads, for the progress bar's ETA
-            counter = ThreadPoolExecutor(1)
+        elif args.input != "-":  # counted while the model loads, for the progress bar's ETA, on a daemon thread:
+            # an interrupt does not wait for it to read the rest of a huge file
+            counter = Workers(1, "prefill-counter")
             total = counter.submit(count_records, args.input)
-            counter.shutdown(wait=False)
+            counter.close()
         records = itertools.chain(head, records)
         pairs = bool(head) and head[0].text is None
         if args.token_logprobs and not pairs:
@@ -520,14 +520,17 @@ def serve(args, protocol, group=None):
         if output:
             output.close()
     except (KeyboardInterrupt, Terminated, PeerFailed) as e:
-        if output:  # to paste as it is: this interpreter (or torchrun's module under it), the arguments quoted
-            command = shlex.join((group.relaunch() if group else [sys.executable]) + args.command
-                                 + ([] if args.resume else ["--resume"]))
+        if output:  # to paste as it is, in any directory: this one's, this interpreter (or torchrun's module under
+            # it), the script and the arguments as given, quoted
+            command = f"cd {shlex.quote(os.getcwd())} && " + shlex.join(
+                (group.relaunch() if group else [sys.executable]) + args.command + ([] if args.resume else ["--resume"]))
             e.add_note(f"{output.records} of {progress.total or 'all'} {progress.unit}s done in {args.output}; "
                        "resume with: "
                        f"{command}")
         raise
-    finally:
+    finally:  # the batches' side thread ends here, not at a later garbage collection or the interpreter's exit
+        results.close()
+        batches.close()
         progress.close()
     if not output and kind is CONTINUATIONS:  # one JSON line per record, --output's fields but the digest, at once
         protocol.write("".join(output_line(kind, result, ids, record) for result, (_, ids, record) in scores))
