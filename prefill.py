@@ -1800,10 +1800,21 @@ def gated_act(gate_up, activation):
     return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
 
 
+CPU_LOSS_BYTES = 8 * 2**20  # logits a CPU's log-softmax takes at a time: its output stays in cache (32 MiB of L3 here)
+
+
 def token_nll(logits, targets):
     # logits: [tokens, vocab] float32 (bf16 where LOGITS says so, upcast as transformers upcasts its bf16 logits)
-    # -> [tokens] float32; 0 at -100
-    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none")
+    # -> [tokens] float32; 0 at -100. On the CPU in blocks of rows, the same bits (each row's log-softmax is its own):
+    # cross_entropy writes a whole chunk's float32 log-softmax to memory and reads it back, and did so in 0.45 s of
+    # the demo's 883-token loss chunk, against its head GEMM's 0.6 s, on two AVX2 cores (bench/NOTES.md, issue 38)
+    if logits.device.type != "cpu":
+        return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none")
+    rows, nll = max(1, CPU_LOSS_BYTES // (4 * logits.shape[1])), torch.empty(logits.shape[0], dtype=torch.float32)
+    for r in range(0, logits.shape[0], rows):
+        nll[r:r + rows] = F.cross_entropy(logits[r:r + rows].float(), targets[r:r + rows], ignore_index=-100,
+                                          reduction="none")
+    return nll
 
 
 def embed_tokens(embed, ids, cfg):
@@ -1822,11 +1833,13 @@ def embed_tokens(embed, ids, cfg):
 LOGITS = {"texts": "float32", "continuations": "float32"}
 
 
-def lm_logits(h, lm_head, final_norm, cfg, kernels, dtype="float32"):
+def lm_logits(h, lm_head, final_norm, cfg, kernels, dtype="float32", out=None):
     # h: [tokens, hidden] -> [tokens, vocab] float32 (or bf16): the final norm (bf16), lm_head, and Gemma 2's final
-    # softcap in the logits' dtype, in transformers' steps (divide, tanh, multiply), in place
+    # softcap in the logits' dtype, in transformers' steps (divide, tanh, multiply), in place. out: float32 room for
+    # at least h's rows of logits, reused from chunk to chunk (None: a new tensor)
     x = kernels.rms_norm(h, final_norm, cfg.rms_norm_eps, cfg.norm_offset)
-    logits = kernels.head(x, lm_head) if dtype == "float32" else F.linear(x, lm_head)
+    logits = kernels.head(x, lm_head, None if out is None else out[:x.shape[0]]) if dtype == "float32" else \
+        F.linear(x, lm_head)
     if cfg.final_softcap is not None:
         logits.div_(cfg.final_softcap).tanh_().mul_(cfg.final_softcap)
     return logits
@@ -1844,16 +1857,18 @@ def combine(x, out, row_of, weights):
 HEAD_SLICE = 8192  # vocabulary rows upcast at a time by head_upcast: a slice of lm_head in float32, never all of it
 
 
-def head_out_dtype(x, w):
-    # x: [tokens, hidden] bf16, w: [vocab, hidden] bf16 -> [tokens, vocab] float32: bf16 operands, float32 output
-    # (torch 2.11 on the H200: as fast as bf16 logits; not on the CPU)
-    return torch.mm(x, w.T, out_dtype=torch.float32)
+def head_out_dtype(x, w, out=None):
+    # x: [tokens, hidden] bf16, w: [vocab, hidden] bf16 -> [tokens, vocab] float32 (into out, where given): bf16
+    # operands, float32 output (torch 2.11 on the H200: as fast as bf16 logits; not on the CPU)
+    return torch.mm(x, w.T, out_dtype=torch.float32, out=out)
 
 
-def head_upcast(x, w):
-    # the same product from float32 copies of the operands: the plain fallback (its products of bf16 values are exact
-    # in float32, so it differs from head_out_dtype only in summation order)
-    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+def head_upcast(x, w, out=None):
+    # the same product from float32 copies of the operands: the plain fallback, and the CPU's (its products of bf16
+    # values are exact in float32, so it differs from head_out_dtype only in summation order). On 2 AVX2 cores it
+    # runs at the rate of a float32 GEMM of the whole head (the slices' upcasts cost ~4%), 7x a bf16 GEMM's, into a
+    # reused out; a new out of 0.5 GB cost 20% more in page faults (bench/NOTES.md, issue 38)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device) if out is None else out
     xf = x.float()
     for v in range(0, w.shape[0], HEAD_SLICE):
         torch.mm(xf, w[v:v + HEAD_SLICE].float().T, out=out[:, v:v + HEAD_SLICE])
@@ -1870,7 +1885,8 @@ class Kernels:
     token_nll: object       # (logits [tokens, vocab], targets [tokens]) -> [tokens] float32
     combine: object         # (x [tokens, hidden] += each token's k expert rows of out, weighted: see combine)
     dequantize_layer: object  # (held [a layer's bytes], out [its bf16 elements], FP8Layer): see dequantize_layer
-    head: object = head_upcast  # (x [tokens, hidden], lm_head [vocab, hidden]) -> float32 logits: pick_head's
+    head: object = head_upcast  # (x [tokens, hidden], lm_head [vocab, hidden], out [tokens, vocab] float32 or
+    #                             None) -> float32 logits: pick_head's
 
 
 # late-bound, so that tests can swap a piece of the math for a broken one
@@ -3348,7 +3364,7 @@ def pick_head(device, cfg):
     want = x.double() @ w.double().T
     for head in (head_out_dtype, head_upcast):
         try:
-            got = head(x, w)
+            got = head(x, w, torch.empty(want.shape, dtype=torch.float32, device=device))  # into room, as the loss
             error = check_error(got.double(), want) if got.dtype == torch.float32 else math.inf
         except Exception as e:  # the CPU has no out_dtype kernel (torch 2.15): NotImplementedError
             error, reason = math.inf, failure(e)
@@ -3582,9 +3598,11 @@ def sequence_nll(h, lm_head, final_norm, targets, seq_index, n_seqs, cfg, chunk_
     # host. Returns [n_seqs] float64 sums, added on the host in token order: index_add_ on a GPU adds with atomics in
     # whatever order the threads arrive, so its last bits would vary from run to run.
     nll = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    room = torch.empty(min(chunk_tokens, h.shape[0]), cfg.vocab_size, dtype=torch.float32, device=h.device) \
+        if LOGITS["texts"] == "float32" else None  # every chunk's logits, in turn
     for s in range(0, h.shape[0], chunk_tokens):
-        logits = lm_logits(h[s:s + chunk_tokens], lm_head, final_norm, cfg, kernels, LOGITS["texts"])  # [chunk, vocab]
-        nll[s:s + chunk_tokens] = kernels.token_nll(logits, targets[s:s + chunk_tokens])
+        logits = lm_logits(h[s:s + chunk_tokens], lm_head, final_norm, cfg, kernels, LOGITS["texts"], room)
+        nll[s:s + chunk_tokens] = kernels.token_nll(logits, targets[s:s + chunk_tokens])  # logits: [chunk, vocab]
     return torch.zeros(n_seqs, dtype=torch.float64).index_add_(0, seq_index, nll.cpu().double())
 
 
@@ -3873,10 +3891,12 @@ def continuation_logprobs(h, rows, targets, lm_head, final_norm, cfg, chunk_toke
     on the host."""
     logprob = torch.empty(rows.numel(), dtype=torch.float32, device=h.device)
     greedy = torch.empty(rows.numel(), dtype=torch.bool, device=h.device)
+    room = torch.empty(min(chunk_tokens, rows.numel()), cfg.vocab_size, dtype=torch.float32, device=h.device) \
+        if LOGITS["continuations"] == "float32" else None  # every chunk's logits, in turn
     for s in range(0, rows.numel(), chunk_tokens):
         unique, inverse = torch.unique_consecutive(rows[s:s + chunk_tokens], return_inverse=True)
-        logits = lm_logits(h[unique.to(h.device)], lm_head, final_norm, cfg, kernels,
-                           LOGITS["continuations"])  # [rows, vocab] float32
+        logits = lm_logits(h[unique.to(h.device)], lm_head, final_norm, cfg, kernels, LOGITS["continuations"],
+                           room)  # [rows, vocab] float32
         inverse, t = inverse.to(h.device), targets[s:s + chunk_tokens].to(h.device)
         greedy[s:s + t.numel()] = logits.argmax(-1)[inverse] == t
         if unique.numel() < t.numel():  # several targets read one row (a question's choices): a row for each

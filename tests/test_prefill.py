@@ -319,6 +319,22 @@ def test_batches_keep_sequences_whole_and_bounded():
     assert prefill.wave_of([[1], []], chunk_tokens=10) is None
 
 
+def test_the_cpu_log_softmax_in_blocks_of_rows_gives_the_bits_of_one_over_the_chunk(monkeypatch):
+    # token_nll on the CPU takes a few rows at a time (their log-softmax stays in cache): the same bits as
+    # cross_entropy over the whole chunk, float32 and bf16 logits, -100 targets included, whatever the block
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (320, 5000):
+        logits = torch.randn(37, vocab, generator=gen) * 4
+        targets = torch.randint(vocab, (37,), generator=gen)
+        targets[::5] = -100
+        for dtype in (torch.float32, torch.bfloat16):
+            whole = torch.nn.functional.cross_entropy(logits.to(dtype).float(), targets, ignore_index=-100,
+                                                      reduction="none")
+            for rows in (1, 3, 36, 64):
+                monkeypatch.setattr(prefill, "CPU_LOSS_BYTES", rows * 4 * vocab)
+                assert torch.equal(prefill.token_nll(logits.to(dtype), targets), whole), (vocab, dtype, rows)
+
+
 QWEN3_32B = dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                  num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
                  rope_theta=1e6, tie_word_embeddings=False)
