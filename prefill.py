@@ -3535,6 +3535,29 @@ def default_picks_path():
 BATCH_TEXTS = 8192  # texts in one batch at most, so that a run of texts too short to compute cannot pile up
 
 
+# A corpus's batch (--output without --wave-tokens; records land a batch at a time): about BATCH_SECONDS of compute
+# at its device family's nominal rate, so that a record lands every few seconds and an interrupt loses at most that
+# much work, whatever the device. The rate is fixed per family and never measured, and so is the batch: which texts
+# share a batch decides the last bits of their numbers (on two AVX2 cores a float32 GEMM of 1-3, 5-7 or 9-11 rows sums
+# in another order than one of more, and a batch's last loss chunk can be that short: bench/NOTES.md, issue 38; a GPU
+# picks GEMM kernels and attention backends by sizes), so that a resumed run must cut the batches the interrupted
+# one cut: the batch is kept in OUT.settings.json, and another is refused. GPUs: the wave plan's nominal rates
+# (PLAN_RATES), at which Qwen3-32B's 64 GFLOP a token fill the 65,536 tokens of the default wave on NVIDIA and 8,192
+# on RDNA3; the CPU: two AVX2 cores (bf16 GEMMs at ~8 GFLOP/s a core, the float32 head at ~60).
+BATCH_SECONDS = 10
+BATCH_TFLOPS = {**{family: tflops for family, (_, tflops) in PLAN_RATES.items()}, "cpu": 0.02}
+BATCH_MIN_TOKENS = 256
+
+
+def timed_batch_tokens(cfg, family):
+    """A corpus's batch for cfg on a device of family: the largest power of two of tokens, from BATCH_MIN_TOKENS to
+    WAVE_STEP, whose FLOPs (every layer's matrices and the head; attention's scores left out) take at most
+    BATCH_SECONDS at the family's nominal rate. Settings and model alone: no timing, no free memory."""
+    flops = sum(layer_flops(cfg, kind, 1) for kind in cfg.layer_kinds) + 2 * cfg.hidden_size * cfg.vocab_size
+    tokens = int(BATCH_SECONDS * BATCH_TFLOPS[family] * 1e12 / flops)
+    return max(BATCH_MIN_TOKENS, min(WAVE_STEP, 1 << max(0, tokens.bit_length() - 1)))
+
+
 @dataclass
 class Wave:
     seqs: list        # positions (in the batch) of the sequences in this wave, in packing order
@@ -4218,7 +4241,7 @@ class Runner:
 
     def __init__(self, model_dir, device=None, gpu_memory_gib=None, attention="auto", kernels="auto",
                  chunk_tokens=4096, wave_tokens=WAVE_STEP, workers=None, load="auto", pin="auto", picks=None,
-                 host_memory_gib=None, experts="auto"):
+                 host_memory_gib=None, experts="auto", timed_batches=False):
         t0 = time.perf_counter()
         self.load_wall_s, marks = {}, [t0]  # where time-to-ready goes, for --stats
         # when each phase of the time to `ready` ended, in seconds since the process started (--stats)
@@ -4251,11 +4274,16 @@ class Runner:
             tokenizer = side.submit(side_task, "tokenizer", load_tokenizer, model_dir)
             self.times_attention = attention_to_time(attention, self.device, self.picks)
             self.wave_plan = None  # wave_tokens None: WAVE_STEP, or for a MoE model the wave plan_wave picks
-            if wave_tokens is None and cfg.num_experts:
+            # timed_batches (a corpus's records): texts cut into batches of timed_batch_tokens, at most the wave, each
+            # its own wave (where they are WAVE_STEP, a MoE model's planned wave still holds several)
+            batch = min(timed_batch_tokens(cfg, gpu_family(self.device)), wave_tokens or WAVE_STEP) \
+                if timed_batches else None
+            if wave_tokens is None and cfg.num_experts and batch in (None, WAVE_STEP):
                 self.plan, self.wave_plan = plan_wave(cfg, self._budget(gpu_memory_gib), chunk_tokens,
                                                       PLAN_RATES[gpu_family(self.device)])
             else:
-                self.plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens or WAVE_STEP)
+                self.plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens or WAVE_STEP,
+                                        batch)
             plan = self.plan
             lap("setup")
             # so do the kernels' JIT compilation, checks and timings
@@ -4300,7 +4328,7 @@ class Runner:
         self.streamer = WeightStreamer(cfg, {i: on_device[i] for i in plan.resident_layers}, host,
                                        plan.streamed_layers, self.device, self.kernels.dequantize_layer)
         weakref.finalize(self, self.streamer.stop)  # its threads end with this Runner, or before the process exits
-        self.stats = {}
+        self.stats, self.timed_batches = {}, timed_batches
         self.requested_attention, self.tree_attend = attention, None  # the latter picked at the first prefix tree
         log(f"loaded {cfg.num_hidden_layers}-layer {cfg.model_type} ({self._model_bytes() / 1e9:.1f} GB) from "
             f"{model_dir} in {time.perf_counter() - t0:.1f} s on {self.device}, {self.load_mode} ({self.load_seconds}); "
@@ -4743,9 +4771,13 @@ def parse_request(data, source="stdin"):
     try:
         values = json_array(data, source)
     except UserError:
-        if ends_short(decoded(data)):  # the first line of a pretty-printed array, say
+        text = decoded(data)
+        if ends_short(text) and text.endswith("\n"):  # the first line of a pretty-printed array, say
             raise UserError(f"{source}: the request ends at a line break before its JSON array does: the protocol "
                             "takes the whole request on one line (--input FILE reads texts in any layout)") from None
+        if ends_short(text):  # no line break: the input ended (stdin closed) inside the array
+            raise UserError(f"{source}: the request's input ended before its JSON array did (cut short: stdin "
+                            "closed inside it)") from None
         raise
     return [text_of(t, f"{source}: element {i}") for i, t in enumerate(values)]
 
@@ -4778,6 +4810,10 @@ def bounded(kind, low, high):
 
 
 MAX_TOKENS = 2**31 - 1  # cu_seqlens are int32
+# --attention's kinds described in --help, in the order of its choices (ATTENTION_KINDS; a test checks each has one)
+ATTENTION_HELP = {"triton": "prefill's own Triton kernel", "flash": "flash_attn's varlen kernel",
+                  "torch-flash": "torch's flash kernel", "cudnn": "torch's cuDNN SDPA per text (NVIDIA only)",
+                  "sdpa": "SDPA per text"}
 PAIR_FIELDS = ("context", "continuation")  # --context-field, --continuation-field
 
 
@@ -4840,8 +4876,8 @@ def parse_args(argv):
                    help="default: cuda when torch sees a GPU, else cpu; a GPU that this torch build cannot see is an "
                         "error (exit 2), not a silent CPU run")
     p.add_argument("--attention", default="auto", choices=["auto"] + ATTENTION_KINDS,
-                   help="attention kernel: flash_attn's varlen kernel, prefill's own Triton kernel, torch's flash "
-                        "kernel, torch's cuDNN SDPA per text (NVIDIA only), or SDPA per text (default: of those that "
+                   help=f"attention kernel: {', '.join(ATTENTION_HELP.get(k, k) for k in ATTENTION_KINDS[:-1])}, "
+                        f"or {ATTENTION_HELP.get(ATTENTION_KINDS[-1], ATTENTION_KINDS[-1])} (default: of those that "
                         "run here and match float32 attention at start-up, per bucket of a chunk's longest text "
                         f"({', '.join(BUCKET_LABELS)} tokens) the one kept in --picks; the first run on a GPU times "
                         "them per bucket and keeps the first in a fixed order unless another is clearly (10%%) "
@@ -4912,13 +4948,14 @@ def check_writable(path, option="--stats"):
         os.unlink(path)
 
 
-def runner_of(args, wave_tokens, picks=None):
-    """The Runner the command line's options ask for, with wave_tokens (None: planned, for a mixture of experts' corpus)
-    and picks (None: the --picks file's; a rank > 0 takes rank 0's)."""
+def runner_of(args, wave_tokens, picks=None, timed_batches=False):
+    """The Runner the command line's options ask for, with wave_tokens (None: planned, for a mixture of experts'
+    corpus), picks (None: the --picks file's; a rank > 0 takes rank 0's) and timed_batches (a corpus's records:
+    batches of timed_batch_tokens)."""
     return Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
                   kernels=args.kernels, chunk_tokens=args.chunk_tokens, wave_tokens=wave_tokens, load=args.load,
                   pin=args.pin, host_memory_gib=args.host_memory, experts=args.experts,
-                  picks=args.picks if picks is None else picks)
+                  picks=args.picks if picks is None else picks, timed_batches=timed_batches)
 
 
 def warmed_up(runner):  # seconds the warm-up took

@@ -611,6 +611,27 @@ def test_a_request_of_several_lines_says_the_protocol_takes_one(gqa_checkpoint):
     assert len(errors) == 1 and "takes the whole request on one line (--input FILE reads" in errors[0], p.stderr
 
 
+def test_a_request_cut_short_says_where_it_ended():
+    # a line break inside the array (a pretty-printed request's first line), or none: the input ended inside it
+    with pytest.raises(prefill.UserError, match="ends at a line break before its JSON array does"):
+        prefill.parse_request(b'["one",\n')
+    for cut in (b'["one", "two"', b'["one",', '["one"'):
+        with pytest.raises(prefill.UserError) as e:
+            prefill.parse_request(cut)
+        assert "input ended before its JSON array did" in str(e.value) and "line break" not in str(e.value)
+    with pytest.raises(prefill.UserError, match="not JSON"):  # wrong, not short
+        prefill.parse_request(b'["one" "two"]')
+
+
+def test_the_attention_option_describes_its_choices_in_their_order(capsys):
+    with pytest.raises(SystemExit):
+        prefill.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert set(prefill.ATTENTION_HELP) == set(prefill.ATTENTION_KINDS)
+    at = [text.index(prefill.ATTENTION_HELP[kind]) for kind in prefill.ATTENTION_KINDS]
+    assert at == sorted(at) and f"{{auto,{','.join(prefill.ATTENTION_KINDS)}}}" in text
+
+
 # ----------------------------------------------------------------------------- the Python API
 
 def readme_api_example():
@@ -854,7 +875,9 @@ def shared_runner(model, chunk_tokens, wave_tokens, **kw):
         RUNNERS[key] = REAL_RUNNER(model, **kw)
     r = RUNNERS[key]
     # the plan those options give, whole: the loss chunks' rows too, which decide the float32 head's GEMM shapes
-    r.plan = prefill.plan_memory(r.cfg, r.plan.budget_bytes, chunk_tokens, wave_tokens or prefill.WAVE_STEP)
+    batch = min(prefill.timed_batch_tokens(r.cfg, "cpu"), wave_tokens or prefill.WAVE_STEP) \
+        if kw.get("timed_batches") else None
+    r.plan = prefill.plan_memory(r.cfg, r.plan.budget_bytes, chunk_tokens, wave_tokens or prefill.WAVE_STEP, batch)
     return r
 
 
@@ -1249,12 +1272,12 @@ def corpus_in_process(monkeypatch, capsys, model, *args):
     return rc, err
 
 
-def batch_ends(output):
+def batch_ends(output, batch_tokens=64):
     """Byte offsets at which the batches of an --output file end, by the batching rule applied to its tokens."""
     lines = output.read_bytes().splitlines(keepends=True)
     items = [(i, [0] * json.loads(line)["tokens"], len(line)) for i, line in enumerate(lines)]
     ends, size = [], 0
-    for batch in prefill.batches(items, wave_tokens=64):
+    for batch in prefill.batches(items, wave_tokens=batch_tokens):
         size += sum(n for _, _, n in batch)
         ends.append(size)
     return ends
@@ -1376,14 +1399,48 @@ def test_resume_refuses_a_record_scored_from_another_text_or_with_other_settings
                           "with the same ones (checkpoint: a digest of config.json", before_load=True)
     # another kernel picked at start-up (the picks file changed): named once the model is loaded
     settings.write_text(json.dumps(dict(kept, **{"attention <=1024": "triton 64x64"})))
-    refused(texts, expect="made with other kernels than this start-up picked (attention <=1024 'triton 64x64', now "
-                          "'sdpa')")
+    refused(texts, expect="made with other kernels or batches than this start-up picked (attention <=1024 'triton "
+                          "64x64', now 'sdpa')")
     settings.write_bytes(kept_settings)
     # records an older prefill wrote, without digests: none can be proven, so none is kept
     data = b"".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "digest"}).encode() + NEWLINE
                     for line in data.splitlines())
     out.write_bytes(data)
     refused(texts, expect="was written by an older prefill.py, whose records carry no digest", before_load=True)
+
+
+def test_a_corpus_cuts_batches_by_time_and_a_resume_keeps_them(gqa_checkpoint, tmp_path, monkeypatch, capsys):
+    # --output without --wave-tokens: batches of timed_batch_tokens, of the model and the device family's nominal
+    # rate alone (here a slower one, so that 150 texts make several batches), each appended as it is scored. The
+    # batch is kept in OUT.settings.json: a resume that would cut other batches (another prefill's rule) is refused
+    # before anything is written; one that cuts the same finishes the uninterrupted run's bytes.
+    path, _ = gqa_checkpoint
+    monkeypatch.setitem(prefill.BATCH_TFLOPS, "cpu", 1e-6)
+    assert prefill.timed_batch_tokens(prefill.ModelConfig.from_dir(path), "cpu") == prefill.BATCH_MIN_TOKENS == 256
+    texts = corpus_file(tmp_path / "in.jsonl", 150)
+    full, out = tmp_path / "full.jsonl", tmp_path / "out.jsonl"
+    appended, append = [], prefill_corpus.CorpusOutput.append
+
+    def run(output, *more):
+        with monkeypatch.context() as patch:
+            patch.setattr(prefill_corpus.CorpusOutput, "append", lambda self, scores, batch: (
+                appended.append(len(batch)), append(self, scores, batch)))
+            return main_in_process(patch, capsys, path, Fault("", ("--input", texts, "--output", output,
+                                                                   "--chunk-tokens", 40, *more)))
+    rc, _, err = run(full)
+    want, ends = full.read_bytes(), batch_ends(full, 256)
+    settings = json.loads((tmp_path / "full.jsonl.settings.json").read_text())
+    assert rc == 0 and settings["batch_tokens"] == 256 and settings["wave_tokens"] == prefill.WAVE_STEP, err
+    assert len(appended) == len(ends) > 3 and sum(appended) == 150  # a batch at a time
+    (tmp_path / "out.jsonl.settings.json").write_text(json.dumps(settings))
+    out.write_bytes(want[:ends[1] + 20])  # two batches and a cut line
+    rc, _, err = run(out, "--resume")
+    assert rc == 0 and out.read_bytes() == want and "resume: " in err, err
+    out.write_bytes(want[:ends[1]])
+    monkeypatch.setattr(prefill, "BATCH_MIN_TOKENS", 512)
+    rc, _, err = run(out, "--resume")
+    assert rc == 2 and "made with other kernels or batches than this start-up picked (batch_tokens 256, now 512)" \
+        in err.splitlines()[-1] and out.read_bytes() == want[:ends[1]], err
 
 
 def test_a_kill_while_the_settings_are_written_leaves_the_old_file_whole(tmp_path, monkeypatch):
