@@ -28,7 +28,7 @@ both):
   mixture of experts: route, expert_rows, moe_ffn, moe_block, grouped_loop, grouped_triton, expert_candidates
   start-up checks and picks: check_attention, pick_attention, check_experts, pick_experts, check_kernels,
       pick_kernels, pick_blas, Picks
-  packing and loss: Wave, batches, wave_of, Score, sequence_nll
+  packing and loss: timed_batch_tokens, Wave, batches, wave_of, Score, sequence_nll
   evaluation: the prefix tree: Request, Loglikelihood, PrefixTrie, request_batches, tree_wave, pick_tree_attention,
       continuation_logprobs
   tokenizer: plain_tokenizer, load_tokenizer
@@ -4896,7 +4896,8 @@ def parse_args(argv):
                         f"each streaming the layers again (default {WAVE_STEP}; for a mixture of experts with "
                         "--input, the smallest multiple of it whose compute hides the wave's copies at the GPU "
                         "family's nominal rates, as large as memory allows: one stderr line says which bound; not "
-                        "under torchrun)")
+                        "under torchrun). With --output, also the batch whose records land at once (default: about "
+                        f"{BATCH_SECONDS} s of compute at the device family's nominal rate, at most {WAVE_STEP})")
     p.add_argument("--experts", default="auto", choices=["auto"] + EXPERT_KINDS,
                    help="a mixture of experts' grouped GEMMs: torch's grouped_mm, prefill's Triton kernel, or one "
                         "GEMM per expert (default: of those that match float32 experts at start-up, the one kept in "

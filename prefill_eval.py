@@ -236,26 +236,28 @@ def refusing_generation(evaluate):
 
 
 def main(argv=None):
-    import lm_eval.evaluator
     from lm_eval._cli.harness import HarnessCLI
     from lm_eval.utils import setup_logging
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:  # prefill's model_args, then lm-eval's own help (which exits)
         print(MODEL_ARGS, flush=True)
-    lm_eval.evaluator.evaluate = refusing_generation(lm_eval.evaluator.evaluate)
     setup_logging()  # what lm-eval's cli_evaluate does, under this script's name
     cli = HarnessCLI()
     for parser in [getattr(cli, "_parser", None), *getattr(getattr(cli, "_subparsers", None), "choices", {}).values()]:
         if parser is not None:
             parser.prog = parser.prog.replace("lm-eval", PROG, 1)
     sys.argv = [sys.argv[0], *argv]
+    args = cli.parse_args()
+    if getattr(args, "command", None) == "run":  # the evaluator, as lm-eval's run imports it
+        import lm_eval.evaluator
+        lm_eval.evaluator.evaluate = refusing_generation(lm_eval.evaluator.evaluate)
     try:
-        cli.execute(cli.parse_args())
+        cli.execute(args)
     except Exception as e:  # a UserError comes from the model, and so only after prefill is imported
         prefill = sys.modules.get("prefill")
         if not isinstance(e, Refused) and not (prefill and isinstance(e, prefill.UserError)):
             raise
-        print(f"prefill_eval: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+        print(f"prefill_eval: error: {prefill.one_line(str(e)) if prefill else e}", file=sys.stderr)
         return 2
     return 0
 

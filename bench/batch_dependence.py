@@ -7,8 +7,8 @@ sums differ in any bit from those of one batch of all, and by how much; then the
     python bench/batch_dependence.py --device cuda --geometry mid --geometry tiny-moe   # the GPU path's logic
 
 A corpus's batches are sized by time (prefill.timed_batch_tokens) only because the answer is yes: a resumed run must
-cut the batches the interrupted one cut, so the batch is kept in OUT.settings.json. Writes $OUT/batch_dependence.json
-where $OUT is set; the table is printed last.
+cut the batches the interrupted one cut, so the batch is kept in OUT.settings.json. Writes OUT/batch_dependence.json
+with --out OUT (default: $OUT, where set); the table is printed last.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def main(argv=None):
     ap.add_argument("--texts", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoints", help="folder for the checkpoints (default: a temporary one)")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="a folder for the JSON report (default: $OUT)")
     args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,8 +87,8 @@ def main(argv=None):
             folder.mkdir(parents=True, exist_ok=True)
             build(folder, GEOMETRIES[name], seed=0, device=args.device, tokenizer=None, reuse=True)
             rows += run(name, folder, args.device, args.texts, args.seed)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "batch_dependence.json").write_text(json.dumps(rows, indent=1))
+    if args.out:
+        Path(args.out, "batch_dependence.json").write_text(json.dumps(rows, indent=1))
     print(f"{'geometry':10} {'part':12} {'batch':>6} {'batches':>7} {'differ':>8} {'max rel':>9}")
     for r in rows:
         print(f"{r['geometry']:10} {r['part']:12} {r['batch_tokens']:>6} {r['batches']:>7} "
