@@ -189,8 +189,11 @@ def partial_blocks_dequantized():
     whole = finegrained_fp8.Fp8Dequantize._dequantize_one
 
     def dequantize_one(self, quantized, scales, output_dtype=None):
-        if quantized.dtype != prefill.FP8 or not any(n % g for n, g in zip(quantized.shape[-2:], scales.shape[-2:])):
+        if not any(n % g for n, g in zip(quantized.shape[-2:], scales.shape[-2:])):
             return whole(self, quantized, scales, output_dtype)
+        if quantized.dtype != prefill.FP8:  # transformers 5.17 on the H200 handed it over as another dtype
+            log(f"reference: a {quantized.dtype} side in partial blocks, read as its FP8 bytes")
+            quantized = quantized.view(prefill.FP8) if quantized.element_size() == 1 else quantized.to(prefill.FP8)
         out = finegrained_fp8._dequantize_fp8_weight(quantized, scales, [prefill.FP8_BLOCK] * 2, torch.float32)
         return out.to(output_dtype or torch.bfloat16)
 
