@@ -191,10 +191,15 @@ def partial_blocks_dequantized():
     def dequantize_one(self, quantized, scales, output_dtype=None):
         if not any(n % g for n, g in zip(quantized.shape[-2:], scales.shape[-2:])):
             return whole(self, quantized, scales, output_dtype)
-        if quantized.dtype != prefill.FP8:  # transformers 5.17 on the H200 handed it over as another dtype
-            log(f"reference: a {quantized.dtype} side in partial blocks, read as its FP8 bytes")
+        if quantized.dtype != prefill.FP8:  # transformers 5.17 (the H200's) hands it over in bf16: FP8 values, exact
+            log(f"reference: a {quantized.dtype} side in partial blocks, its values cast back to FP8")
             quantized = quantized.view(prefill.FP8) if quantized.element_size() == 1 else quantized.to(prefill.FP8)
-        out = finegrained_fp8._dequantize_fp8_weight(quantized, scales, [prefill.FP8_BLOCK] * 2, torch.float32)
+        reader = getattr(finegrained_fp8, "_dequantize_fp8_weight", None)
+        if reader is None:  # transformers 5.17 (the H200's) has no FP8Linear reader: prefill's, equal to 5.24's
+            out = torch.empty(quantized.shape, dtype=output_dtype or torch.bfloat16, device=quantized.device)
+            prefill.dequantize_fp8(quantized, scales.float(), out)  # bit for bit (tests/test_mla.py)
+            return out
+        out = reader(quantized, scales, [prefill.FP8_BLOCK] * 2, torch.float32)
         return out.to(output_dtype or torch.bfloat16)
 
     with mock.patch.object(finegrained_fp8.Fp8Dequantize, "_dequantize_one", dequantize_one):
