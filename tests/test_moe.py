@@ -155,7 +155,7 @@ def test_what_is_not_built_is_refused_in_one_line(moe_checkpoint):
                          ({"model_type": "mixtral", "num_local_experts": 8}, "'mixtral', a mixture of experts"),
                          ({"model_type": "qwen2_moe"}, "'qwen2_moe', a mixture of experts"),
                          ({"model_type": "deepseek_v3", "num_experts": None, "n_routed_experts": 8},
-                          "'deepseek_v3', a mixture of experts (of those prefill runs qwen3_moe only)")]:
+                          "'deepseek_v3', a mixture of experts (of those prefill runs qwen3_moe and gpt_oss)")]:
         with pytest.raises(prefill.UserError) as e:
             prefill.ModelConfig.from_json(hub_config(saved, **bad), "hub.json")
         assert message in str(e.value) and str(e.value).startswith("hub.json") and "\n" not in str(e.value)
@@ -534,7 +534,7 @@ def test_start_up_check_passes_torch_experts_and_refuses_planted_bugs(check_cfg,
             prefill.pick_experts("loop", CPU, cfg, prefill.Picks(None, "key"))
     monkeypatch.undo()
     route = prefill.route
-    monkeypatch.setattr(prefill, "route", lambda h, router, k, renormalize: route(h, router, k, False))
+    monkeypatch.setattr(prefill, "route", lambda h, router, k, renormalize, *kind: route(h, router, k, False, *kind))
     with pytest.raises(prefill.UserError, match="grouped_mm: differs.*loop: differs"):
         prefill.pick_experts("auto", CPU, cfg, prefill.Picks(None, "key"))
 
