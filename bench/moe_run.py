@@ -4,6 +4,8 @@ floors measured in the same run, in one device command (~5 min on the H200; issu
     python bench/moe_run.py --out bench/results/2026-12-01-h200-qwen3-30b-a3b.json
     python bench/moe_run.py --device cpu --geometry tiny-moe --ckpt /tmp/tiny-moe --texts 12 --corpus-tokens 20000 \
         --caps 0.04,0.02 --reference-texts 6 --out /tmp/moe-run.json            # the same steps, tried on the CPU
+    python bench/moe_run.py --geometry gpt-oss-120b --layers 20 --mxfp4 --ckpt /dev/shm/prefill-bench/gpt-oss-120b-20l \
+        --out bench/results/…-h200-gpt-oss-120b-mxfp4.json     # gpt-oss (make_checkpoint.py's docstring: which cut)
 
 Steps, in order:
   1. checkpoint  bench/make_checkpoint.py's random weights (--reuse: kept across runs of this script)
@@ -187,6 +189,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the record (JSON)")
     ap.add_argument("--geometry", default="qwen3-30b-a3b", choices=sorted(make_checkpoint.GEOMETRIES))
+    ap.add_argument("--layers", type=int, help="fewer layers than the geometry's (make_checkpoint.py --layers)")
+    ap.add_argument("--mxfp4", action="store_true", help="a gpt-oss geometry's experts in MXFP4, as released")
     ap.add_argument("--ckpt", default="/dev/shm/prefill-bench/qwen3-30b-a3b-s0", help="checkpoint folder")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--caps", default="48,24", help="GPU memory caps in GiB, comma-separated")
@@ -201,11 +205,10 @@ def main(argv=None):
                     "of one batch (--wave-tokens 65536): the same numbers, whatever the planned wave")
     args = ap.parse_args(argv)
     t0, device = time.perf_counter(), torch.device(args.device)
-    geometry = make_checkpoint.geometry(args.geometry)
-    cfg = prefill.ModelConfig.from_json(interact.config_json(geometry))
-
+    geometry = make_checkpoint.geometry(args.geometry, args.layers)
     built = make_checkpoint.build(Path(args.ckpt), geometry, seed=0, device=args.device, tokenizer=args.tokenizer,
-                                  reuse=True)
+                                  reuse=True, mxfp4=args.mxfp4)
+    cfg = prefill.ModelConfig.from_dir(args.ckpt)  # as the runs read it (MXFP4's layer bytes)
     log(f"checkpoint {built['path']}: {built['bytes'] / 1e9:.1f} GB, {built['seconds']:.0f} s"
         + (" (reused)" if built["reused"] else ""))
     tok = workload.load_tokenizer(args.ckpt)
@@ -232,7 +235,8 @@ def main(argv=None):
                         + f": the same losses {runs[-1][2]['same_losses_again']}")
     reference, reference_s = reference_losses(args, args.ckpt, contest[:args.reference_texts])
     log(f"reference: {len(reference)} texts in {reference_s:.0f} s")
-    res = {"geometry": args.geometry, "model_type": cfg.model_type, "device": args.device,
+    res = {"geometry": args.geometry, "model_type": cfg.model_type, "layers": cfg.num_hidden_layers,
+           "mxfp4": args.mxfp4, "device": args.device,
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "commit": args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                    text=True, cwd=HERE.parent).stdout.strip(),
