@@ -42,7 +42,7 @@ import torch
 
 import interact
 import prefill
-from bench.make_checkpoint import GEMMA3_27B, LLAMA_3_1_70B, QWEN2_5_32B, QWEN3_30B_A3B, QWEN3_32B
+from bench.make_checkpoint import GEMMA3_27B, GPT_OSS_120B, LLAMA_3_1_70B, QWEN2_5_32B, QWEN3_30B_A3B, QWEN3_32B
 
 # Every geometry docs/models.md claims a family by, with its head counts (the query and the key launches of
 # head_norm_rope, the attention kernels' HEADS and KV_HEADS) and head_dim: Qwen3-0.6B's (its config.json) block sizes
@@ -51,7 +51,9 @@ from bench.make_checkpoint import GEMMA3_27B, LLAMA_3_1_70B, QWEN2_5_32B, QWEN3_
 # two) and q/k/v biases; Mistral 7B v0.1 a window on every layer; Llama-3.2-1B a head_dim of 64, SmolLM2-135M (the
 # real checkpoint the tests run) 9 query heads to 3 KV heads. The other families bring the kernels' variants: Gemma 3
 # its (1 + w) norms, q/k norm, GELU and a window (4B: head_dim 256), Gemma 2 a window with a softcap, Llama RoPE
-# without a q/k norm.
+# without a q/k norm, gpt-oss (20b's kernels are 120b's) sinks with and without a window, its norms' float32 product,
+# the clamped SwiGLU, its experts' out-contiguous weights and MXFP4 (its RoPE the default here: prefill refuses YaRN
+# until it is built, and RoPE's tables are no kernel's).
 MODELS = {"Qwen3-32B": QWEN3_32B,
           "Qwen3-0.6B": {**QWEN3_32B, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                          "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True},
@@ -77,8 +79,10 @@ MODELS = {"Qwen3-32B": QWEN3_32B,
                            "head_dim": 64, "tie_word_embeddings": True},
           "SmolLM2-135M": {**LLAMA_3_1_70B, "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
                            "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                           "head_dim": 64, "tie_word_embeddings": True, "rope_scaling": None, "rope_theta": 1e5}}
-MOE_MODELS = ("Qwen3-30B-A3B", "Qwen3-235B-A22B")  # the grouped GEMM's N, K and expert stride differ
+                           "head_dim": 64, "tie_word_embeddings": True, "rope_scaling": None, "rope_theta": 1e5},
+          "gpt-oss-120b": {**GPT_OSS_120B, "rope_scaling": None, "rope_theta": 150000.0,
+                           "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}}
+MOE_MODELS = ("Qwen3-30B-A3B", "Qwen3-235B-A22B", "gpt-oss-120b")  # the grouped GEMM's N, K and expert stride differ
 KNOWN_SPILLING_TILE = (64, 64, 4, 2)  # spills 205 VGPRs under Triton 3.9, 16 under 3.6 (and 137 with 2 stages in an earlier review of Triton 3.6)
 LDS_BYTES = 65536  # per workgroup on RDNA3
 TOKENS = 3  # no launch parameter depends on the token count
@@ -146,7 +150,10 @@ def model_config(geometry):
 
 
 def fp8_config(cfg):
-    # the model as a block-wise FP8 checkpoint, or None where its shapes are not in whole blocks (SmolLM2's 576)
+    # the model as its quantized releases hold it: gpt-oss in MXFP4; the others as a block-wise FP8 checkpoint, or
+    # None where its shapes are not in whole blocks (SmolLM2's 576)
+    if cfg.fused_experts:
+        return dataclasses.replace(cfg, mxfp4=True)
     try:
         return dataclasses.replace(cfg, fp8_scales="float")
     except prefill.UserError:
@@ -210,13 +217,13 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
         head = lambda x, w: torch.empty(x.shape[0], w.shape[0])  # float32 logits, by shape only, as F.linear's
         prefill.sequence_nll(x, lm_head, final_norm, targets, torch.zeros(TOKENS, dtype=torch.int64), 1,
                              cfg, TOKENS, prefill.dataclasses.replace(prefill.TRITON_KERNELS, head=head))
-        # the model as a block-wise FP8 checkpoint would hold it (where its shapes allow one): each kind of layer
-        # dequantized in one launch, its tables built as the streamer builds them
+        # the model as a block-wise FP8 (gpt-oss: MXFP4) checkpoint would hold it (where its shapes allow one): each
+        # kind of layer dequantized in one launch, its tables built as the streamer builds them
         fp8 = fp8_config(cfg)
         for kind, layer in {kind: layer for layer, kind in enumerate(fp8.layer_kinds)}.items() if fp8 else ():
             prefill.dequantize_layer_triton(torch.empty(fp8.layer_numel, dtype=prefill.DTYPE),
                                             torch.empty(fp8.dequantized_bytes // 2, dtype=prefill.DTYPE),
-                                            prefill.fp8_layer(fp8.held[layer], fp8.layouts[kind], "cpu"))
+                                            prefill.fp8_layer(fp8.held[layer], fp8.layouts[kind], "cpu", fp8.mxfp4))
     return list(dict.fromkeys(launches)), kernels
 
 
@@ -227,6 +234,12 @@ def moe_launches(target, tiles, model):
     w = prefill.LayerWeights(mlp_norm=torch.ones(H, dtype=prefill.DTYPE), router=torch.zeros(E, H, dtype=prefill.DTYPE),
                              gate_up=torch.empty(E, 2 * I, H, dtype=prefill.DTYPE),
                              down=torch.empty(E, H, I, dtype=prefill.DTYPE))
+    if cfg.fused_experts:  # gpt-oss: its experts' [experts, in, out] read through strides, and their biases
+        w = dataclasses.replace(w, router_bias=torch.zeros(E, dtype=prefill.DTYPE),
+                                gate_up=torch.empty(E, H, 2 * I, dtype=prefill.DTYPE).transpose(1, 2),
+                                down=torch.empty(E, I, H, dtype=prefill.DTYPE).transpose(1, 2),
+                                gate_up_bias=torch.zeros(E, 2 * I, dtype=prefill.DTYPE),
+                                down_bias=torch.zeros(E, H, dtype=prefill.DTYPE))
     x = torch.zeros(TOKENS, H, dtype=prefill.DTYPE)
     launches = []
     with launches_recorded(target, model, launches):
@@ -336,9 +349,10 @@ def test_every_kernel_prefill_launches_is_recorded_in_every_offered_variant(offe
     for kernel, offers in (("_attention_kernel", offered_tiles), ("_tree_attention_kernel", offered_tree_tiles)):
         tiles = {(launch.model, attention_tile(launch)) for launch in launches if launch.kernel == kernel}
         assert tiles == {(model, tile) for model in MODELS for tile in offers(model)}, kernel
-        variants = {tuple(launch.named_constexprs()[k] for k in ("WINDOW", "SOFTCAP")) for launch in launches
+        variants = {tuple(launch.named_constexprs()[k] for k in ("WINDOW", "SOFTCAP", "SINKS")) for launch in launches
                     if launch.kernel == kernel}
-        assert variants == {(False, False), (True, False), (False, True), (True, True)}, kernel  # every one launched
+        assert variants == {(False, False, False), (True, False, False), (False, True, False), (True, True, False),
+                            (False, False, True), (True, False, True)}, kernel  # every one launched
     assert not offered_tiles("Gemma-3-4B") and offered_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
     assert not offered_tree_tiles("Gemma-3-4B") and offered_tree_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
     norms = {launch.named_constexprs()["NORM"] for launch in launches if launch.kernel == "_head_norm_rope_kernel"}
@@ -362,15 +376,16 @@ def test_every_kernel_prefill_launches_compiles_for_gfx1100_without_spills(fresh
 
 
 def test_the_fp8_layer_dequantization_compiles_for_gfx1100_without_spills(fresh_triton_cache):
-    # the test above compiles it with the rest; here alone (-k fp8), for every model an FP8 checkpoint can hold.
-    # The shapes are in its tables, so its configurations are its pointers' alone: within 2 GiB, over, and as in
-    # Qwen3-235B-A22B's run (the held layer and its scratch over, the tables within)
+    # the test above compiles it with the rest; here alone (-k fp8), for every model an FP8 (gpt-oss: MXFP4)
+    # checkpoint can hold. The shapes are in its tables, so its configurations are its pointers' alone: within 2 GiB,
+    # over, and as in Qwen3-235B-A22B's run (the held layer and its scratch over, the tables within); MXFP4's as
+    # gpt-oss-120b's run (the held layer within, its scratch over) and within
     triton, target = amd_backend()
     launches = [launch for model in MODELS for launch in prefill_launches(target, model, ())[0]
                 if launch.kernel == "_dequantize_layer_kernel"]
     assert {launch.model for launch in launches} == {m for m in MODELS if fp8_config(model_config(MODELS[m]))}
     compiles = distinct_compiles(launches)
-    assert len(compiles) == 3
+    assert sorted(launch.named_constexprs()["MXFP4"] for launch in compiles) == [False] * 3 + [True] * 2
     failures = [p for launch in compiles for p in problems(launch, gfx1100_registers(launch))]
     assert not failures, f"gfx1100, Triton {triton.__version__}:\n" + "\n".join(failures)
 
