@@ -252,6 +252,24 @@ def test_backends_without_sinks_are_not_offered():
     assert prefill.attention_tiles("rdna3", cfg) == prefill.RDNA3_VARIANT_TILES
 
 
+def test_the_plan_counts_mxfp4_s_bytes_its_scratch_and_a_201k_vocabulary():
+    # gpt-oss-120b's geometry: 4.25 bits an expert weight (1.75 GB a layer, 6.43 GB in bf16: the scratch each is
+    # dequantized into), loss chunks of 667 tokens' float32 logits (201,088 of them: 512 MiB), 18 of 36 layers streamed
+    # under a 48 GiB budget
+    from bench import make_checkpoint
+    geometry = {**make_checkpoint.geometry("gpt-oss-120b"), "rope_scaling": None, "rope_parameters": ROPE}
+    raw = interact.config_json(geometry)
+    bf16, mxfp4 = (prefill.ModelConfig.from_json({**raw, **quantized}) for quantized in (
+        {}, {"quantization_config": MXFP4_CONFIG}))
+    experts = 128 * 3 * 2880 * 2880
+    assert mxfp4.layer_bytes - (bf16.layer_bytes - 2 * experts) == pytest.approx(experts * 4.25 / 8, rel=1e-4)
+    assert mxfp4.dequantized_bytes == bf16.layer_bytes == pytest.approx(6.43e9, rel=1e-3)
+    plan = prefill.plan_memory(mxfp4, int(46.5 * prefill.GiB))
+    assert plan.loss_chunk_tokens == 667 and plan.loss_chunk_tokens * 4 * 201088 <= prefill.LOGITS_CHUNK_BYTES
+    assert len(plan.streamed_layers) == 18 and plan.total_bytes <= 46.5 * prefill.GiB
+    assert plan.working_bytes > mxfp4.dequantized_bytes + plan.loss_chunk_tokens * 201088 * 10
+
+
 # ----------------------------------------------------------------------------- MXFP4, against transformers
 
 def test_mxfp4_is_transformers_dequantization_bit_for_bit_and_its_network(oss, mxfp4, monkeypatch):
@@ -378,6 +396,18 @@ for name, bug in {"clamp dropped": lambda gu, a: gated(gu, prefill.ClampedSwiGLU
                   }.items():
     prefill.gated_act_triton = bug
     report[name] = prefill.check_kernels(torch.device("cpu"), cfg)["gated_act"]
+# the grouped GEMM on gpt-oss's out-contiguous views of [experts, in, out] ([experts, out, in] with strides (., 1, out)),
+# every tile offered anywhere, against float32 products per expert; then read as if in-contiguous
+E, K, N, counts = 3, 64, 96, [40, 0, 23]
+a = torch.randn(sum(counts), K, generator=gen, dtype=torch.float16)
+w = torch.randn(E, K, N, generator=gen, dtype=torch.float16).transpose(1, 2)
+bounds = torch.tensor([sum(counts[:e]) for e in range(E + 1)])
+want = torch.cat([a[s:e].float() @ w[i].float().T for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))])
+for tile in sorted({t for family in prefill.EXPERT_TILES.values() for t in family}):
+    worst("experts", prefill.check_error(prefill.grouped_triton(a, w, bounds, tile), want))
+inner = prefill.EXPERT_TILES["cpu"][0]
+worst("experts read in-contiguous", prefill.check_error(prefill.grouped_triton(
+    a, w.contiguous().view(E, K, N).transpose(1, 2), bounds, inner), want))
 print(json.dumps(report))
 """
 
@@ -385,7 +415,8 @@ print(json.dumps(report))
 def test_triton_kernels_compute_sinks_and_the_clamp_and_the_check_refuses_them_dropped():
     # the text and tree attention kernels with sinks (a window's variant too) in a tile of each GPU family, against
     # float32 attention; a sink dropped, another head's or in log2 units misses; the start-up check of the fused
-    # elementwise kernels passes gpt-oss's and refuses two planted bugs. The tree: test_eval's small one, a window 24
+    # elementwise kernels passes gpt-oss's and refuses two planted bugs; the grouped GEMM reads the experts' strides.
+    # The tree: test_eval's small one, a window 24
     config = dict(GEOMETRY, model_type="gpt_oss", sliding_window=24)
     cfg = prefill.ModelConfig.from_json(json.loads(json.dumps(config)))
     tiles = [prefill.attention_tiles("nvidia", cfg)[0], prefill.attention_tiles("rdna3", cfg)[0]]
@@ -401,6 +432,7 @@ def test_triton_kernels_compute_sinks_and_the_clamp_and_the_check_refuses_them_d
     assert set(report["kernels"]) >= {"rms_norm", "gated_act", "combine"}, report
     assert max(report["kernels"].values()) <= limit, report
     assert min(report["clamp dropped"], report["gate and up as halves"]) > 4 * limit, report
+    assert report["experts"] < limit / 4 and report["experts read in-contiguous"] > 4 * limit, report
 
 
 def test_the_start_up_checks_refuse_attention_without_its_sinks(monkeypatch):
