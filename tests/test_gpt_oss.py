@@ -204,6 +204,30 @@ def test_every_layer_streamed_equals_resident_and_continuations_match(oss):
     assert streamed.loglikelihoods(requests, token_logprobs=True) == results
 
 
+def test_norm_router_and_activation_are_transformers_modules_bit_for_bit():
+    # GptOssRMSNorm (w·x̂ in float32: Llama's cast first differs), GptOssTopKRouter (its bf16 softmax of the top-k
+    # logits is float32 math rounded once, as prefill's), GptOssExperts._apply_gate, each in bf16 on the same inputs
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssRMSNorm, GptOssTopKRouter
+    gen = torch.Generator().manual_seed(0)
+    config = GptOssConfig(**dict(GEOMETRY, num_experts_per_tok=4))
+    x = (torch.randn(500, 64, generator=gen) * 3).to(prefill.DTYPE)
+    norm, router = GptOssRMSNorm(64, eps=1e-5).to(prefill.DTYPE), GptOssTopKRouter(config).to(prefill.DTYPE)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.5, generator=gen)
+        router.weight.normal_(0, 0.3, generator=gen)
+        router.bias.normal_(0, 0.5, generator=gen)
+        theirs, (_, scores, chosen) = norm(x), router(x)
+    assert torch.equal(prefill.rms_norm(x, norm.weight, 1e-5, prefill.NORM_FLOAT32), theirs)
+    assert not torch.equal(prefill.rms_norm(x, norm.weight, 1e-5, prefill.NORM_CAST), theirs)
+    weights, experts = prefill.route(x, router.weight, 4, False, router.bias, "topk_softmax")
+    ascending, order = chosen.sort(dim=-1)
+    assert torch.equal(experts, ascending) and torch.equal(weights, scores.gather(1, order))
+    gate_up = (torch.randn(500, 128, generator=gen) * 3).to(prefill.DTYPE)  # the clamp at 3 bites
+    assert torch.equal(prefill.gated_act(gate_up, prefill.ClampedSwiGLU(1.702, 3.0)),
+                       GptOssExperts(config)._apply_gate(gate_up))
+
+
 def test_half_width_rope_is_rotate_half_bit_for_bit():
     # gpt-oss's _apply_rotary_emb (x1 cos - x2 sin, x2 cos + x1 sin on half-width tables) against prefill's
     # rotate_half on the same tables doubled: the same products and sums, so the same bf16 roundings
