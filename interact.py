@@ -327,7 +327,9 @@ QWEN3_CONFIG_DEFAULTS = {
 }
 # Other families: their config class's defaults fill the rest (the bench geometries spell out their own keys).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 # Everything in a Qwen3-MoE config.json besides the geometry (transformers 5.24's Qwen3MoeConfig): no layer kept
@@ -375,14 +377,15 @@ def _checkpoint_tensors(cfg: dict):
     h, layers = model.hidden_size, model.num_hidden_layers
     out_scale = 1 / math.sqrt(2 * layers)
     norm_mean = 0.0 if model.norm_offset else 1.0  # Gemma's norms scale by 1 + w
-    out_std = {"o_proj", "down_proj"}  # the residual's writers: out_scale / sqrt(their input width), experts' too
-    # (gpt-oss's fused down_proj [experts, in, out]: its input width is shape[1] too)
+    out_std = {"o_proj", "down_proj", "w2"}  # the residual's writers: out_scale / sqrt(their input width), experts'
+    #                                          too (Mixtral's w2 is an expert's down; gpt-oss's fused down_proj
+    #                                          [experts, in, out]: its input width is shape[1] too)
     yield "model.embed_tokens.weight", (model.vocab_size, h), 0.0, LOGIT_STD / math.sqrt(h)
     for i in range(layers):
         for name, (_, shape) in model.layouts[model.layer_kinds[i]].items():
             if name.endswith("norm.weight"):
                 yield f"model.layers.{i}.{name}", shape, norm_mean, NORM_NOISE
-            elif name.endswith(".bias"):
+            elif name.endswith("bias"):  # the sigmoid router's e_score_correction_bias too
                 yield f"model.layers.{i}.{name}", shape, 0.0, NORM_NOISE
             else:
                 role = name.removesuffix(".weight").split(".")[-1]
@@ -401,15 +404,18 @@ FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
 def quantize_fp8_blocks(w, block: int = 128):
-    """w [out, in], both multiples of block -> (float8_e4m3fn [out, in], float32 scales [out/block, in/block]) on w's
-    device, every block at once: scale = the block's amax / 448 (kept away from 0), q = w / scale, rounded to FP8."""
+    """w [out, in] -> (float8_e4m3fn [out, in], float32 scales [ceil(out/block), ceil(in/block)]) on w's device, every
+    block at once: scale = the block's amax / 448 (kept away from 0), q = w / scale, rounded to FP8. A side that is not
+    a multiple of block ends in a partial block (DeepSeek-V3's 576-row kv_a_proj_with_mqa): zero-padded to whole ones,
+    which changes no block's amax."""
     import torch
 
     rows, cols = w.shape
-    blocks = w.float().view(rows // block, block, cols // block, block)
-    scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [out/block, in/block]
+    R, C = -(-rows // block) * block, -(-cols // block) * block
+    blocks = torch.nn.functional.pad(w.float(), (0, C - cols, 0, R - rows)).view(R // block, block, C // block, block)
+    scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [ceil(out/block), ceil(in/block)]
     q = (blocks / scales[:, None, :, None]).to(torch.float8_e4m3fn)
-    return q.view(rows, cols), scales
+    return q.view(R, C)[:rows, :cols].contiguous(), scales
 
 
 # MXFP4, as gpt-oss is released (transformers' Mxfp4Config writes these two keys): its experts' weights only
@@ -465,8 +471,9 @@ def write_random_checkpoint(
     fp8: block-wise FP8 in the official Qwen3-*-FP8 layout (FP8_QUANTIZATION in config.json): every layer projection
     prefill reads as FP8 (prefill.is_fp8_weight) is drawn in bf16 as above, from the same generator, then quantized
     on `device` (quantize_fp8_blocks) into X.weight float8_e4m3fn and X.weight_scale_inv float32; so the FP8
-    checkpoint of a (config, seed, device) is the bf16 one's quantization. Every such projection must be a whole
-    number of 128x128 blocks.
+    checkpoint of a (config, seed, device) is the bf16 one's quantization. A side that is not a multiple of 128 ends in
+    a partial block, as DeepSeek-V3's kv_a_proj_with_mqa does (prefill refuses the sides transformers would read
+    otherwise: prefill.misread_side).
 
     mxfp4: gpt-oss as released (MXFP4_QUANTIZATION): each layer's experts' gate_up_proj and down_proj
     (prefill.MXFP4_WEIGHTS) drawn in bf16 as above, then quantized on `device` (quantize_mxfp4) into X_blocks and
@@ -479,13 +486,13 @@ def write_random_checkpoint(
 
     cfg = config_json(config)
     specs = list(tensors(cfg))  # listed from the unquantized config: the tensors' shapes are the same
+    # the tensors transformers keeps float32 in a bf16 model (the sigmoid router's weight and correction bias) are
+    # written float32, as its own save_pretrained writes them: prefill holds them so, and can lock such files in place
+    model = prefill.ModelConfig.from_json(cfg)
+    float32 = {f"model.layers.{i}.{name}" for i in range(model.num_hidden_layers) for name in model.tensor_dtypes}
     block = FP8_QUANTIZATION["weight_block_size"][0]
     quantized = {name for name, _, _, _ in specs if fp8 and prefill.is_fp8_weight(name)}
     in_mxfp4 = {name for name, _, _, _ in specs if mxfp4 and name.endswith(prefill.MXFP4_WEIGHTS)}
-    for name, shape, _, _ in specs:
-        if name in quantized and any(n % block for n in shape):
-            raise UserError(f"--fp8: {name} has shape {list(shape)}, not a whole number of {block}x{block} blocks; "
-                            f"the FP8 writer quantizes whole blocks only (every bench geometry's projections are)")
     if mxfp4 and not in_mxfp4:
         raise UserError(f"--mxfp4: a {cfg.get('model_type')} has no MXFP4 experts (gpt_oss has)")
     if fp8 or mxfp4:
@@ -497,7 +504,9 @@ def write_random_checkpoint(
         # a quantized weight: one byte an element and a float32 scale a block (FP8); half a byte an element and a
         # byte a 32 (MXFP4)
         n = math.prod(shape)
-        return n + 4 * n // block**2 if name in quantized else n // 2 + n // 32 if name in in_mxfp4 else 2 * n
+        if name in quantized:
+            return n + 4 * math.prod(prefill.scale_grid(shape))
+        return n // 2 + n // 32 if name in in_mxfp4 else (4 if name in float32 else 2) * n
 
     def stored(name):  # the names a tensor is written as
         return [name, name + "_scale_inv"] if name in quantized else \
@@ -526,7 +535,8 @@ def write_random_checkpoint(
         for name, shard in zip(names, shards):
             tensors = {}
             for tname, shape, mean, std in shard:
-                t = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16).mul_(std).add_(mean)
+                dtype = torch.float32 if tname in float32 else torch.bfloat16
+                t = torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(std).add_(mean)
                 if tname in quantized:
                     q, scales = quantize_fp8_blocks(t, block)
                     tensors[tname], tensors[tname + "_scale_inv"] = q.cpu(), scales.cpu()

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""prefill: the per-text language-modelling loss of a Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3, Qwen3-MoE or gpt-oss
-model whose weights need not fit in GPU memory.
+"""prefill: the per-text language-modelling loss of a Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3 model, or of a
+mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3, gpt-oss), whose weights need not fit in GPU
+memory.
 
     python prefill.py --model DIR      prints `ready`, reads one JSON array of texts from stdin,
                                        prints one loss per text (in order) and exits.
@@ -14,19 +15,22 @@ huge request is split into waves).
 This file alone is the engine: the protocol and the Python API need nothing beside it. Its sections, in reading
 order, with their main definitions (no definition reads a name defined further down; tests/test_layout.py checks
 both):
-  config: Rope, AttentionSettings, Family, FAMILIES, ConfigFields, gpt_oss_fields, fp8_fields, held_layout, ModelConfig
+  config: Rope, AttentionSettings, Router, moe_fields, sigmoid_moe_fields, gpt_oss_fields, Family, FAMILIES,
+      ConfigFields, yarn_rope, latent_fields, fp8_fields, held_layout, ModelConfig
   checkpoint loading: header_tensors, Workers, pinned_empty, Checkpoint, check_tensors, LayerWeights, layer_views,
       Stager
   memory plan: MemoryPlan, plan_memory, layer_flops, plan_wave, HostPlan, plan_host
   weight streaming: HeldLayers, StorageRing, dequantize_fp8, dequantize_mxfp4, FP8Layer, fp8_layer, dequantize_layer,
       WeightStreamer
   model math: rms_norm, rope_tables, apply_rope, gated_act, token_nll, combine, Kernels, TORCH_KERNELS, Chunk,
-      attention_block, mlp_block
+      latent_qkv, attention_block, gated_mlp, mlp_block
   fused kernels (Triton, optional): rms_norm_triton, head_norm_rope_triton, dequantize_layer_triton,
       token_nll_triton, TRITON_KERNELS
   attention backends: attention_sdpa, attention_triton, make_attention, ATTENTION_TILES, gpu_family,
       attention_candidates
-  mixture of experts: route, expert_rows, moe_ffn, moe_block, grouped_loop, grouped_triton, expert_candidates
+  mixture of experts: route_softmax, route_sigmoid, route_topk_softmax, route, expert_rows, moe_ffn, shared_experts,
+      moe_block, grouped_experts, grouped_loop, grouped_triton, align_experts, fused_experts, FUSED_TILES,
+      expert_candidates
   start-up checks and picks: check_attention, pick_attention, check_experts, pick_experts, check_kernels,
       pick_kernels, pick_blas, Picks
   packing and loss: Wave, batches, wave_of, Score, sequence_nll
@@ -157,17 +161,42 @@ def json_array(data, source):
 class Rope:
     """One RoPE (transformers' modeling_rope_utils): "default"; "linear" (positions / factor: Gemma 3's full layers);
     "llama3" (Llama 3.1-3.3: wavelengths beyond the original context slowed by factor, a smooth band between them;
-    static, so short texts change too)."""
+    static, so short texts change too); "yarn" (_compute_yarn_parameters: frequencies below the beta_slow..beta_fast
+    band of rotations over the original context slowed by factor, a linear ramp between; cos and sin scaled by
+    attention_factor). partial: partial_rotary_factor, the share of each head's channels that rotate, the first
+    int(head_dim * partial) of them (GLM-4.5: half); the others pass through."""
     theta: float
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0  # cos and sin are multiplied by it in float32 (1 but for yarn)
+    partial: float = 1.0
+
+    def rotary_dim(self, head_dim):
+        return int(head_dim * self.partial)  # as transformers rounds it
 
     def inv_freq(self, head_dim):
-        # [head_dim / 2] float32 on the CPU, in transformers' own float32 steps
-        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        # [rotary_dim / 2] float32 on the CPU, in transformers' own float32 steps
+        dim = self.rotary_dim(head_dim)
+        pos_freqs = self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        inv = 1.0 / pos_freqs
+        if self.kind == "yarn":  # transformers' steps: Python floats for the band, float32 for the ramp
+            def dim_of(rotations):  # the dimension that turns `rotations` times over the original context
+                return (dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+                    2 * math.log(self.theta))
+            low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+            if self.truncate:
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, dim - 1)
+            if low == high:
+                high += 0.001  # transformers' guard against a zero-width ramp
+            kept = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+            return 1.0 / (self.factor * pos_freqs) * (1 - kept) + inv * kept
         if self.kind == "linear":
             return inv / self.factor
         if self.kind == "llama3":
@@ -194,8 +223,37 @@ class AttentionSettings:
     sinks: bool = False
 
 
+@dataclass(frozen=True)
+class Router:
+    """How a mixture of experts' router picks each token's top_k experts and weighs them (transformers 5.24's
+    *TopKRouter, *TopkRouter). "softmax" (Qwen3-MoE, Qwen2-MoE, Mixtral): a float32 softmax over the bf16 router's
+    logits, top-k, renormalised to sum 1 when renormalize. "sigmoid" (DeepSeek-V3, GLM-4.5): every step in float32,
+    the router's weight too; sigmoid scores; e_score_correction_bias added to them for the choice only; the top-k
+    among the experts of the topk_group groups (of n_group, consecutive experts) whose two best biased scores sum
+    highest; weighed by their unbiased scores, renormalised (+1e-20) when renormalize, times scale
+    (routed_scaling_factor). "topk_softmax" (gpt-oss): the top-k of the bf16 router's logits, its bias added, then a
+    softmax over those k alone."""
+    kind: str = "softmax"
+    top_k: int = 1
+    renormalize: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
+
+    def describe(self):
+        groups = f" among the best {self.topk_group} of {self.n_group} groups" if self.topk_group < self.n_group else ""
+        bias = {"sigmoid": ", correction bias", "topk_softmax": ", biased logits"}.get(self.kind, "")
+        return (f"{self.kind} top-{self.top_k}{groups}{bias}"
+                + (", renormalised" if self.renormalize else "") + (f", times {self.scale:g}" if self.scale != 1 else ""))
+
+
 def every_layer(fields, layers):  # Mistral: sliding_window (default 4096; null: none) slides every layer
     window = fields.off_or(fields.count, "sliding_window", 4096)
+    return ["sliding_attention" if window else "full_attention"] * layers, window
+
+
+def every_layer_when_given(fields, layers):  # Mixtral: sliding_window (default null: none) slides every layer
+    window = fields.off_or(fields.count, "sliding_window", None)
     return ["sliding_attention" if window else "full_attention"] * layers, window
 
 
@@ -225,6 +283,132 @@ def every_layer_when_used(fields, layers):  # Qwen3-MoE: with use_sliding_window
     return ["sliding_attention" if window else "full_attention"] * layers, window
 
 
+def even_below_max_window_layers(fields, layers):  # Qwen2-MoE: with use_sliding_window, the even layers below
+    #                                                  max_window_layers (Qwen2MoeConfig's layer_types)
+    used = fields.flag("use_sliding_window")
+    window = fields.off_or(fields.count, "sliding_window", 4096) if used else None
+    given = fields.source.get("layer_types")
+    if not used and isinstance(given, list) and "sliding_attention" in given:
+        raise UserError(f"{fields.where}: layer_types names sliding layers but use_sliding_window is off, which makes "
+                        "transformers' window 0 (no key seen); not supported")
+    first = fields.get("max_window_layers", 28, lambda v: type(v) is int and v >= 0, "a non-negative integer")
+    return ["sliding_attention" if window and i % 2 == 0 and i < first else "full_attention"
+            for i in range(layers)], window
+
+
+def expert_count(fields, path, spellings, defaults):
+    """(experts, top_k): the experts' count from the spelling that config.json gives (where it gives several, they
+    must agree: transformers maps one onto the other, its attribute_map), num_experts_per_tok of them a token;
+    defaults: the family's, by the first spelling (none: the field is required)."""
+    given = {key: fields.source[key] for key in spellings if fields.source.get(key) is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise UserError(f"{path}: {' and '.join(given)} disagree ({given})")
+    experts = fields.count(next(iter(given), spellings[0]), defaults.get(spellings[0]))
+    top_k = fields.count("num_experts_per_tok", defaults.get("num_experts_per_tok"))
+    if top_k > experts:
+        raise UserError(f"{path}: num_experts_per_tok is {top_k}, more than the {experts} experts")
+    return experts, top_k
+
+
+def moe_fields(fields, path, layers, defaults, spellings=("num_experts", "num_local_experts")):
+    """Qwen3-MoE's fields of config.json, checked (transformers 5.24, models/qwen3_moe): num_experts (Hub configs
+    say num_experts, configs that transformers 5 saves say num_local_experts), num_experts_per_tok,
+    moe_intermediate_size, norm_topk_prob (false when absent, as transformers' default), and which layers keep the
+    dense MLP: Qwen3MoeDecoderLayer makes layer i a mixture of experts iff i is not in mlp_only_layers and (i + 1) %
+    decoder_sparse_step == 0 (both must hold: the config's docstring says mlp_only_layers overrides the step, its
+    code ANDs them). output_router_logits only adds the router's auxiliary loss to HF's .loss; prefill's loss is the
+    language-modelling loss alone, so it is not read."""
+    experts, top_k = expert_count(fields, path, spellings, defaults)
+    step, only = fields.count("decoder_sparse_step", 1), fields.source.get("mlp_only_layers")
+    only = [] if only is None else only
+    # transformers would ignore an index past the last layer; here it is a mistake named, as is a repeated one
+    if not (isinstance(only, list) and all(type(i) is int and 0 <= i < layers for i in only)
+            and len(set(only)) == len(only)):
+        raise UserError(f"{path}: mlp_only_layers is {json.dumps(only)[:60]}; expected a list of distinct layer "
+                        f"indices from 0 to {layers - 1}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=fields.count("moe_intermediate_size"),
+                norm_topk_prob=fields.flag("norm_topk_prob"),
+                dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step))
+
+
+def qwen2_moe_fields(fields, path, layers, defaults):
+    """Qwen2-MoE's (models/qwen2_moe): Qwen3-MoE's fields and dense-layer rule (Qwen2MoeDecoderLayer's is the same),
+    num_experts its only spelling (Qwen2MoeConfig maps no other), and a shared expert beside the routed ones in every
+    MoE layer, shared_expert_intermediate_size wide, its output times sigmoid(mlp.shared_expert_gate)."""
+    return dict(moe_fields(fields, path, layers, defaults, ("num_experts",)), shared_expert="mlp.shared_expert",
+                shared_intermediate_size=fields.count("shared_expert_intermediate_size"), shared_expert_gate=True)
+
+
+def mixtral_fields(fields, path, layers, defaults):
+    """Mixtral's (models/mixtral): every layer a mixture of num_local_experts (or num_experts, its attribute_map's
+    other spelling) experts intermediate_size wide, num_experts_per_tok of them a token, always renormalised; their
+    tensors under block_sparse_moe, an expert's w1 its gate, w3 its up, w2 its down (the Hub's names, which
+    save_pretrained writes back). router_jitter_noise acts in training only."""
+    experts, top_k = expert_count(fields, path, ("num_local_experts", "num_experts"), defaults)
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=fields.count("intermediate_size"),
+                norm_topk_prob=True, expert_names=("block_sparse_moe", "w1", "w3", "w2"))
+
+
+ROUTER_METHODS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}  # DeepSeek-V3's, the only ones read
+
+
+def sigmoid_moe_fields(fields, path, layers, defaults):
+    """DeepSeek-V3's mixture of experts, which GLM-4.5 shares (models/deepseek_v3, glm4_moe; defaults: the family's
+    configuration class's): n_routed_experts (or num_local_experts) experts moe_intermediate_size wide,
+    num_experts_per_tok of them a token, chosen by the sigmoid Router (n_group, topk_group, norm_topk_prob,
+    routed_scaling_factor, the correction bias in the checkpoint); n_shared_experts beside them as one MLP
+    n_shared_experts * moe_intermediate_size wide, added unweighted; the first first_k_dense_replace layers the dense
+    MLP, intermediate_size wide. scoring_func and topk_method, where a config gives them, must be DeepSeek-V3's; so
+    must moe_layer_freq (DeepSeek's own modeling code makes every moe_layer_freq-th layer a MoE, transformers every
+    layer from first_k_dense_replace on: they agree at 1 only)."""
+    for key, method in ROUTER_METHODS.items():
+        if fields.source.get(key, method) != method:
+            raise UserError(f"{path}: {key} is {shown(fields.source[key])}; prefill's router reads {key} {method} only")
+    if fields.source.get("moe_layer_freq", 1) != 1:
+        raise UserError(f"{path}: moe_layer_freq is {shown(fields.source['moe_layer_freq'])}: DeepSeek's modeling code "
+                        "would keep dense MLPs between the MoE layers, transformers' would not; prefill reads 1 only")
+    experts, top_k = expert_count(fields, path, ("n_routed_experts", "num_local_experts"), defaults)
+    groups, kept = (fields.count(key, defaults[key]) for key in ("n_group", "topk_group"))
+    # transformers ranks a group by its two best scores and keeps topk_group of them, then takes the top-k there
+    if experts % groups or experts // groups < 2 or kept > groups or top_k > kept * (experts // groups):
+        raise UserError(f"{path}: {experts} experts in n_group {groups} groups, topk_group {kept} of them kept, top-"
+                        f"{top_k}: expected groups of at least 2 experts, and no more experts chosen than kept")
+    J = fields.count("moe_intermediate_size", defaults["moe_intermediate_size"])
+    shared, first = (fields.get(key, defaults[key], lambda v: type(v) is int and v >= 0,
+                                "a non-negative integer") for key in ("n_shared_experts", "first_k_dense_replace"))
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=J,
+                norm_topk_prob=fields.flag("norm_topk_prob", defaults["norm_topk_prob"]), router_kind="sigmoid",
+                n_group=groups, topk_group=kept,
+                routed_scaling_factor=fields.positive("routed_scaling_factor", defaults["routed_scaling_factor"]),
+                shared_expert="mlp.shared_experts" if shared else None, shared_intermediate_size=shared * J,
+                dense_layers=tuple(range(min(first, layers))))
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (GptOssExperts._apply_gate): gate and up interleaved in gate_up's columns (gate
+    [..., ::2], up [..., 1::2]), gate clamped above at limit, up to ±limit, then (up + 1) · gate · sigmoid(alpha ·
+    gate)."""
+    alpha: float
+    limit: float
+
+
+def gpt_oss_fields(fields, path, layers, defaults):
+    """gpt-oss's experts (transformers 5.24, models/gpt_oss): every layer a mixture of num_local_experts (or
+    num_experts, its attribute_map's other spelling) experts intermediate_size wide, num_experts_per_tok of them a
+    token. The router (mlp.router) is a linear with a bias; each token keeps its top-k logits, then a softmax over
+    those (Router "topk_softmax"). The experts are fused as transformers holds them (fused_experts): gate and up
+    interleaved in one projection, biases on both projections, the clamped SwiGLU between (swiglu_alpha,
+    swiglu_limit). As for Qwen3-MoE, router_aux_loss_coef and output_router_logits only add the router's auxiliary
+    loss to HF's .loss: not read."""
+    experts, top_k = expert_count(fields, path, ("num_local_experts", "num_experts"), defaults)
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=fields.count("intermediate_size"),
+                router_kind="topk_softmax", fused_experts=True,
+                expert_activation=ClampedSwiGLU(fields.positive("swiglu_alpha", 1.702),
+                                                fields.positive("swiglu_limit", 7.0)))
+
+
 @dataclass(frozen=True)
 class Family:
     """What a model_type's config.json leaves to transformers' modeling code (read in transformers 5.24)."""
@@ -235,7 +419,14 @@ class Family:
     sandwich_norms: bool = False   # Gemma: four norms a layer, the attention's and the MLP's outputs normed too
     embed_scale: bool = False      # Gemma: embeddings × √hidden, rounded to bf16
     qkv_bias: bool = False         # Qwen2: q, k and v always have biases, o never
+    qkv_bias_key: tuple = None     # (key, default): config.json's switch of biases on q, k and v, o never (GLM-4.5:
+    #                                attention_bias, Qwen2-MoE: qkv_bias)
     attention_bias: bool = False   # attention_bias is read: biases on q, k, v and o
+    qk_norm_key: str = None        # config.json's switch of the q/k norm, off by default (GLM-4.5: use_qk_norm)
+    partial_rotary: float = None   # partial_rotary_factor's default where the family rotates part of each head
+    #                                (GLM-4.5: 0.5); None: a factor other than 1 is refused
+    rms_norm_eps: float = 1e-6     # its default
+    rope_theta: float = 10000.0    # its default
     mlp_bias: bool = False         # mlp_bias is read: biases on gate, up and down (Llama)
     softcaps: tuple = None         # defaults of attn_logit_softcapping and final_logit_softcapping (None: not read)
     scale_key: str = None          # the key whose value^-½ scales the scores (None: head_dim)
@@ -244,9 +435,10 @@ class Family:
     activation: str = "silu"       # its default
     tied: bool = False             # tie_word_embeddings' default
     two_ropes: bool = False        # Gemma 3: a RoPE for sliding layers and another for full ones
-    experts: bool = False          # Qwen3-MoE: feed-forwards of experts (moe_fields: which layers keep the MLP)
-    fused_experts: bool = False    # gpt-oss: its experts fused as transformers holds them, biased, behind a biased
-    #                                router (gpt_oss_fields)
+    experts: object = None         # a mixture of experts: (fields, path, layers, moe_defaults) -> ModelConfig's fields
+    #                                of it (which layers keep the MLP among them too); None: a dense model
+    moe_defaults: tuple = ()       # (key, default) pairs of its configuration class that experts reads (none: required)
+    latent_attention: bool = False  # DeepSeek-V3: multi-head latent attention (latent_fields)
     sinks: bool = False            # gpt-oss: attention sinks (AttentionSettings.sinks)
     norm_float32: bool = False     # gpt-oss: every RMSNorm is w·x̂ in float32, then the cast (NORM_FLOAT32)
     defaults: dict = None          # config.json keys whose default in the family's config class is not prefill's
@@ -264,21 +456,38 @@ FAMILIES = {
     "gemma2": Family(layer_types=alternate, softcaps=(50.0, 30.0), **GEMMA),
     "gemma3_text": Family(layer_types=one_full_in_pattern, qk_norm=True, softcaps=(None, None), two_ropes=True,
                           **GEMMA),
-    "qwen3_moe": Family(layer_types=every_layer_when_used, qk_norm=True, attention_bias=True, experts=True),
+    "qwen3_moe": Family(layer_types=every_layer_when_used, qk_norm=True, attention_bias=True, experts=moe_fields),
+    "qwen2_moe": Family(layer_types=even_below_max_window_layers, reads_layer_types=True,
+                        qkv_bias_key=("qkv_bias", True), experts=qwen2_moe_fields),
+    "mixtral": Family(layer_types=every_layer_when_given, rms_norm_eps=1e-5, rope_theta=1e6, experts=mixtral_fields,
+                      moe_defaults=(("num_local_experts", 8), ("num_experts_per_tok", 2))),
+    # GLM-4.5, 4.6, 4.5-Air: Glm4MoeConfig's defaults. Its MTP layers (num_nextn_predict_layers, tensors of layer
+    # index num_hidden_layers) are not part of the causal LM: transformers drops them, and prefill never reads them
+    "glm4_moe": Family(qkv_bias_key=("attention_bias", False), qk_norm_key="use_qk_norm", partial_rotary=0.5,
+                       rms_norm_eps=1e-5, experts=sigmoid_moe_fields, moe_defaults=(
+                           ("n_routed_experts", 128), ("num_experts_per_tok", 8), ("moe_intermediate_size", 1408),
+                           ("n_shared_experts", 1), ("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0),
+                           ("norm_topk_prob", True), ("first_k_dense_replace", 1))),
+    # DeepSeek-V3, Moonlight, Kimi-K2 (a copy whose config.json says deepseek_v3): DeepseekV3Config's defaults; its
+    # MTP layers likewise
+    "deepseek_v3": Family(attention_bias=True, latent_attention=True, experts=sigmoid_moe_fields, moe_defaults=(
+        ("n_routed_experts", 256), ("num_experts_per_tok", 8), ("moe_intermediate_size", 2048),
+        ("n_shared_experts", 1), ("n_group", 8), ("topk_group", 4), ("routed_scaling_factor", 2.5),
+        ("norm_topk_prob", True), ("first_k_dense_replace", 3))),
     # transformers 5.24's GptOssConfig: its defaults where prefill's differ (a config.json the release wrote says
-    # each); the RoPE YaRN (refused by rope_of until it is built)
-    "gpt_oss": Family(layer_types=alternate, reads_layer_types=True, attention_bias=True, head_dim=64, experts=True,
-                      fused_experts=True, sinks=True, norm_float32=True, defaults={
-                          "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "sliding_window": 128,
-                          "attention_bias": True, "num_experts_per_tok": 4, "rope_theta": 150000.0,
+    # each), its RoPE YaRN where rope_parameters is absent or null
+    "gpt_oss": Family(layer_types=alternate, reads_layer_types=True, attention_bias=True, head_dim=64, sinks=True,
+                      norm_float32=True, rms_norm_eps=1e-5, rope_theta=150000.0, experts=gpt_oss_fields,
+                      moe_defaults=(("num_local_experts", 128), ("num_experts_per_tok", 4)), defaults={
+                          "num_key_value_heads": 8, "sliding_window": 128, "attention_bias": True,
                           "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                               "truncate": False, "original_max_position_embeddings": 4096}}),
 }
 # keys that mark a config.json as a mixture of experts (Mixtral, GPT-OSS: num_local_experts; Qwen2-MoE, OLMoE:
-# num_experts; DeepSeek: n_routed_experts): of those, prefill runs Qwen3-MoE and gpt-oss only
+# num_experts; DeepSeek: n_routed_experts): of those, prefill runs the families whose row has experts
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' ACT2FN names
-ROPE_KINDS = ("default", "linear", "llama3")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Gemma 3 saved as multimodal (model_type gemma3): the text model's config is its text_config, its tensors lie under
 # language_model.model. (as transformers 4 saves it) or model.language_model. (5); the vision tower is never read.
@@ -323,22 +532,56 @@ class ConfigFields:
         return None if self.source.get(key, default) is None else read(key, default)
 
 
-def rope_of(params, where):
+def yarn_mscale(factor, mscale=1):  # transformers' get_mscale (yarn_get_mscale in DeepSeek-V3's modeling)
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_rope(fields, theta, partial):
+    """Every field transformers' _compute_yarn_parameters reads (5.24): factor (required: its validation raises
+    without it), original_max_position_embeddings (read_ropes defaults it to max_position_embeddings, as
+    standardize_rope_params does), beta_fast and beta_slow (32 and 1 where absent, null or 0), truncate (true where
+    absent; null is false to its truthiness), and attention_factor, else from factor (with mscale and mscale_all_dim
+    where both are set and non-zero: DeepSeek's ratio, 1 where they are equal)."""
+    number = lambda v: type(v) in (int, float) and 0 <= v < math.inf
+    factor = fields.positive("factor")
+    mscale, all_dim = (fields.get(key, 0, number, "a non-negative number") for key in ("mscale", "mscale_all_dim"))
+    if fields.source.get("attention_factor") is not None:
+        attention_factor = fields.positive("attention_factor")
+    elif mscale and all_dim:
+        attention_factor = float(yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim))
+    else:
+        attention_factor = yarn_mscale(factor)
+    truncate = fields.source.get("truncate", True)
+    if type(truncate) not in (bool, type(None)):
+        raise UserError(f"{fields.where}: truncate is {shown(truncate)}; expected true or false")
+    return Rope(theta, "yarn", factor,
+                original_max_position_embeddings=fields.count("original_max_position_embeddings"),
+                beta_fast=fields.get("beta_fast", 32, number, "a non-negative number") or 32,
+                beta_slow=fields.get("beta_slow", 1, number, "a non-negative number") or 1,
+                truncate=bool(truncate), attention_factor=attention_factor, partial=partial)
+
+
+def rope_of(params, where, partial=None):
+    # partial: partial_rotary_factor's default where the family reads it (None: a factor other than 1 is refused)
     fields = ConfigFields(params, where)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_KINDS:
         raise UserError(f"{where}: RoPE type {shown(kind)} is not supported (only {', '.join(ROPE_KINDS)})")
-    if params.get("partial_rotary_factor") is not None and not (type(params["partial_rotary_factor"]) in (int, float)
-                                                                and params["partial_rotary_factor"] == 1):
+    if partial is None and params.get("partial_rotary_factor") is not None and not (
+            type(params["partial_rotary_factor"]) in (int, float) and params["partial_rotary_factor"] == 1):
         raise UserError(f"{where}: partial_rotary_factor is {shown(params['partial_rotary_factor'])}; RoPE on part of "
                         "a head is not supported")
+    part = fields.get("partial_rotary_factor", partial or 1.0, lambda v: type(v) in (int, float) and 0 < v <= 1,
+                      "a number in (0, 1]")
     theta = fields.positive("rope_theta")
     if kind == "default":
-        return Rope(theta)
+        return Rope(theta, partial=part)
     if kind == "linear":
-        return Rope(theta, kind, fields.positive("factor"))
+        return Rope(theta, kind, fields.positive("factor"), partial=part)
+    if kind == "yarn":
+        return yarn_rope(fields, theta, part)
     return Rope(theta, kind, fields.positive("factor"), fields.positive("low_freq_factor"),
-                fields.positive("high_freq_factor"), fields.count("original_max_position_embeddings"))
+                fields.positive("high_freq_factor"), fields.count("original_max_position_embeddings"), partial=part)
 
 
 def read_ropes(raw, family, path):
@@ -348,79 +591,65 @@ def read_ropes(raw, family, path):
     params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise UserError(f"{path}: rope_parameters (or rope_scaling) is {shown(params)}, not a JSON object")
-    part = {"partial_rotary_factor": raw["partial_rotary_factor"]} if "partial_rotary_factor" in raw else {}
+    common = {"partial_rotary_factor": raw["partial_rotary_factor"]} if "partial_rotary_factor" in raw else {}
+    if "max_position_embeddings" in raw:  # llama3's and yarn's original context where not given, as transformers'
+        # standardize_rope_params sets it
+        common["original_max_position_embeddings"] = raw["max_position_embeddings"]
     if family.two_ropes:
         nested = raw.get("rope_parameters") or {}
         if not isinstance(nested, dict) or not set(nested) <= set(LAYER_TYPES):
             raise UserError(f"{path}: rope_parameters must be nested by layer type ({', '.join(LAYER_TYPES)})")
         # transformers 4's rope_scaling scales the full layers
-        full = {**part, **(nested.get("full_attention") or {}), **(raw.get("rope_scaling") or {})}
+        full = {**common, **(nested.get("full_attention") or {}), **(raw.get("rope_scaling") or {})}
         full.setdefault("rope_theta", raw.get("rope_theta", 1e6))
-        sliding = {**part, **(nested.get("sliding_attention") or {})}
+        sliding = {**common, **(nested.get("sliding_attention") or {})}
         sliding.setdefault("rope_theta", raw.get("rope_local_base_freq", 1e4))
         return {"full_attention": rope_of(full, f"{path}: full_attention RoPE"),
                 "sliding_attention": rope_of(sliding, f"{path}: sliding_attention RoPE")}
     if set(params) & set(LAYER_TYPES):
         raise UserError(f"{path}: rope_parameters nested by layer type: {raw.get('model_type')} has one RoPE")
-    return {None: rope_of({"rope_theta": raw.get("rope_theta", 10000.0), **part, **params}, f"{path}: RoPE")}
+    return {None: rope_of({"rope_theta": raw.get("rope_theta", family.rope_theta), **common, **params}, f"{path}: RoPE",
+                          family.partial_rotary)}
 
 
-def expert_counts(fields, path):
-    # (experts, a token's experts): num_experts or num_local_experts (Hub configs say one, transformers 5 saves the
-    # other; gpt-oss's attribute_map aliases them), num_experts_per_tok
-    spellings = {key: fields.source[key] for key in ("num_experts", "num_local_experts")
-                 if fields.source.get(key) is not None}
-    if len(set(map(repr, spellings.values()))) > 1:
-        raise UserError(f"{path}: num_experts and num_local_experts disagree ({spellings})")
-    experts, top_k = fields.count(next(iter(spellings), "num_experts")), fields.count("num_experts_per_tok")
-    if top_k > experts:
-        raise UserError(f"{path}: num_experts_per_tok is {top_k}, more than the {experts} experts")
-    return experts, top_k
+def latent_fields(fields, path, heads):
+    """DeepSeek-V3's fields of config.json (transformers 5.24, models/deepseek_v3), with DeepseekV3Config's defaults
+    where absent: its multi-head latent attention's q_lora_rank (null: q is q_proj, no LoRA), kv_lora_rank,
+    qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope_interleave (null is false to DeepseekV3Attention's test of
+    it), num_key_value_heads (the keys it expands are one a query head: it must be the query heads' count). Its q/k
+    head_dim is nope + rope; the config's own head_dim, where given, is what DeepseekV3Config keeps and sizes RoPE by
+    (its default: qk_rope_head_dim, which it must then be); qk_head_dim is not read. Its mixture of experts is
+    sigmoid_moe_fields'."""
+    source = fields.source
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace"):
+        if key in source and source[key] is None:  # transformers' modules would be built of None and fail
+            raise UserError(f"{path}: {key} is null; transformers' deepseek_v3 needs a number there")
+    interleave = source.get("rope_interleave", True)
+    if type(interleave) not in (bool, type(None)):
+        raise UserError(f"{path}: rope_interleave is {shown(interleave)}; expected true or false")
+    if fields.count("num_key_value_heads", heads) != heads:
+        raise UserError(f"{path}: num_key_value_heads is {source['num_key_value_heads']}, not num_attention_heads "
+                        f"({heads}): DeepSeek's latent attention expands one key and value a query head")
+    nope, rope = fields.count("qk_nope_head_dim", 128), fields.count("qk_rope_head_dim", 64)
+    if "head_dim" in source and source["head_dim"] != rope:
+        raise UserError(f"{path}: head_dim is {shown(source['head_dim'])}, not qk_rope_head_dim ({rope}): "
+                        "transformers' deepseek_v3 would size RoPE by it")
+    return dict(q_lora_rank=0 if source.get("q_lora_rank", 1536) is None else fields.count("q_lora_rank", 1536),
+                kv_lora_rank=fields.count("kv_lora_rank", 512), qk_nope_head_dim=nope, head_dim=nope + rope,
+                rope_dim=rope, v_head_dim=fields.count("v_head_dim", 128), rope_interleave=bool(interleave))
 
 
-def moe_fields(fields, path, layers):
-    """Qwen3-MoE's fields of config.json, checked (transformers 5.24, models/qwen3_moe): num_experts (Hub configs
-    say num_experts, configs that transformers 5 saves say num_local_experts), num_experts_per_tok,
-    moe_intermediate_size, norm_topk_prob (false when absent, as transformers' default), and which layers keep the
-    dense MLP: Qwen3MoeDecoderLayer makes layer i a mixture of experts iff i is not in mlp_only_layers and (i + 1) %
-    decoder_sparse_step == 0 (both must hold: the config's docstring says mlp_only_layers overrides the step, its
-    code ANDs them). output_router_logits only adds the router's auxiliary loss to HF's .loss; prefill's loss is the
-    language-modelling loss alone, so it is not read."""
-    experts, top_k = expert_counts(fields, path)
-    step, only = fields.count("decoder_sparse_step", 1), fields.source.get("mlp_only_layers")
-    only = [] if only is None else only
-    # transformers would ignore an index past the last layer; here it is a mistake named, as is a repeated one
-    if not (isinstance(only, list) and all(type(i) is int and 0 <= i < layers for i in only)
-            and len(set(only)) == len(only)):
-        raise UserError(f"{path}: mlp_only_layers is {json.dumps(only)[:60]}; expected a list of distinct layer "
-                        f"indices from 0 to {layers - 1}")
-    return dict(num_experts=experts, num_experts_per_tok=top_k,
-                moe_intermediate_size=fields.count("moe_intermediate_size"),
-                norm_topk_prob=fields.flag("norm_topk_prob"),
-                dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step))
-
-
-@dataclass(frozen=True)
-class ClampedSwiGLU:
-    """gpt-oss's expert activation (GptOssExperts._apply_gate): gate and up interleaved in gate_up's columns (gate
-    [..., ::2], up [..., 1::2]), gate clamped above at limit, up to ±limit, then (up + 1) · gate · sigmoid(alpha ·
-    gate)."""
-    alpha: float
-    limit: float
-
-
-def gpt_oss_fields(fields, path, layers):
-    """gpt-oss's experts (transformers 5.24, models/gpt_oss): every layer a mixture of num_local_experts experts
-    intermediate_size wide, num_experts_per_tok of them a token. The router (mlp.router) is a linear with a bias; each
-    token keeps its top-k logits, then a softmax over those (router "topk_softmax"). The experts are fused as
-    transformers holds them (fused_experts): gate and up interleaved in one projection, biases on both projections, the
-    clamped SwiGLU between (swiglu_alpha, swiglu_limit). As for Qwen3-MoE, router_aux_loss_coef and
-    output_router_logits only add the router's auxiliary loss to HF's .loss: not read."""
-    experts, top_k = expert_counts(fields, path)
-    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=fields.count("intermediate_size"),
-                router="topk_softmax", fused_experts=True,
-                expert_activation=ClampedSwiGLU(fields.positive("swiglu_alpha", 1.702),
-                                                fields.positive("swiglu_limit", 7.0)))
+def latent_scale(head_dim, rope, params, path):
+    """DeepseekV3Attention's softmax scale: qk_head_dim^-0.5, times yarn's mscale(factor, mscale_all_dim)^2 where the
+    RoPE is not the default one and mscale_all_dim is set and non-zero (yarn_apply_mscale, which reads the RoPE's
+    raw parameters: any type but default)."""
+    scale = head_dim ** (-0.5)
+    all_dim = ConfigFields(params, f"{path}: RoPE").get("mscale_all_dim", 0, lambda v: type(v) in (int, float)
+                                                         and 0 <= v < math.inf, "a non-negative number")
+    if rope.kind != "default" and all_dim:
+        mscale = yarn_mscale(rope.factor, all_dim)
+        scale = scale * mscale * mscale
+    return scale
 
 
 FP8 = torch.float8_e4m3fn
@@ -495,10 +724,10 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 
 
 def is_fp8_weight(name):
-    # a layer's projections (attention, MLP, experts) are FP8 in a block-wise FP8 checkpoint, but for those
-    # modules_to_not_convert names (not_converted); norms, biases and the MoE router (mlp.gate) stay bf16, as do the
-    # embedding and lm_head
-    return name.endswith("_proj.weight")
+    # a layer's projections (attention, MLP, experts; DeepSeek's kv_a_proj_with_mqa too: transformers converts every
+    # nn.Linear) are FP8 in a block-wise FP8 checkpoint, but for those modules_to_not_convert names (not_converted);
+    # norms, biases and the MoE router (mlp.gate) stay bf16, as do the embedding and lm_head
+    return name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
 
 
 def not_converted(patterns, prefixes=()):
@@ -520,25 +749,35 @@ def scale_grid(shape):
     return tuple(-(-n // FP8_BLOCK) for n in shape)
 
 
-def held_layout(layout, numel, fp8, mxfp4=frozenset()):
+def misread_side(n):
+    """Whether transformers reads an FP8 weight's side of n otherwise than in FP8_BLOCK blocks, the last partial (as
+    DeepSeek's weight_dequant, and transformers' own FP8Linear and _dequantize_fp8_weight on a GPU, read it): its
+    CPU load (Fp8Dequantize, the float32 reference) takes the block from the side over its scale grid, which is
+    FP8_BLOCK where n is a multiple of it, and n itself below it; where n is neither and the grid divides it (192 over
+    2 blocks: 96), it reads blocks of that size instead. Where the grid does not divide n (DeepSeek-V3's
+    kv_a_proj_with_mqa: 576 rows over 5), that load raises and only the GPU one, in FP8_BLOCK blocks, reads it."""
+    return n > FP8_BLOCK and n % FP8_BLOCK and n % scale_grid((n,))[0] == 0
+
+
+def held_layout(layout, numel, fp8, dtypes, mxfp4=frozenset()):
     """How a layer is held (resident, in host memory, in a slot): [(name, byte offset, shape, dtype)], and its bytes.
-    layout: its bf16 layout, {name: (element offset, shape)}, numel elements long; fp8: the names of its weights held
-    as FP8, each one's float8 bytes then its scales (float32, one per FP8_BLOCK x FP8_BLOCK block); mxfp4: those held
-    as MXFP4, each one's blocks then its scales (uint8, 4.25 bits a weight). Either kind is dequantized into the bf16
-    layout just before the layer runs. With none, the bf16 layout itself."""
+    layout: its bf16 layout, {name: (offset in bf16 elements, shape)}, numel bf16 elements long, each tensor bf16 but
+    those dtypes names ({name: dtype}: the V3 router's float32 ones); fp8: the names of its weights held as FP8, each
+    one's float8 bytes then its scales (float32, one per FP8_BLOCK x FP8_BLOCK block); mxfp4: those held as MXFP4,
+    each one's blocks then its scales (uint8, 4.25 bits a weight). Either kind is dequantized into the bf16 layout just
+    before the layer runs. With none, the bf16 layout itself."""
     if not fp8 and not mxfp4:
-        return [(name, offset * DTYPE.itemsize, shape, DTYPE) for name, (offset, shape) in layout.items()], \
-            numel * DTYPE.itemsize
+        return [(name, offset * DTYPE.itemsize, shape, dtypes.get(name, DTYPE)) for name, (offset, shape)
+                in layout.items()], numel * DTYPE.itemsize
     held, offset = [], 0
     for name, (_, shape) in layout.items():
-        parts = [(name, shape, DTYPE)]
+        parts = [(name, shape, dtypes.get(name, DTYPE))]
         if name in fp8:
             parts = [(name, shape, FP8), (name + "_scale_inv", scale_grid(shape), torch.float32)]
-            if any(n > FP8_BLOCK and n % FP8_BLOCK for n in shape):
-                # transformers takes the block from the weight's shape over its scale grid (Fp8Dequantize), which
-                # is FP8_BLOCK only where each side is a multiple of it, or one block smaller than it
+            if any(map(misread_side, shape)):
                 raise UserError(f"an FP8 weight's shape {list(shape)} ({name}) is not a multiple of the "
-                                f"{FP8_BLOCK}x{FP8_BLOCK} blocks: transformers would read its scales otherwise")
+                                f"{FP8_BLOCK}x{FP8_BLOCK} blocks, and transformers' two loads read its scales "
+                                "differently (on the CPU in blocks of its side over its scale grid)")
         elif name in mxfp4:  # [experts, in, out] in the bf16 layout, its blocks and scales by output row
             E, K, N = shape
             if K % MXFP4_GROUP:
@@ -585,16 +824,30 @@ class ModelConfig:
     final_softcap: float | None = None  # of the logits: cap · tanh(logits / cap), in bf16 as transformers
     tensor_prefixes: tuple = ()  # (prefix in the files, prefix read) pairs: a multimodal Gemma 3
     max_position_embeddings: int = 0  # 0: not given; a longer text is computed all the same, as transformers does
-    num_experts: int = 0            # Qwen3-MoE (0: a dense MLP): each layer's experts, of which a token meets
-    num_experts_per_tok: int = 0    # these, each moe_intermediate_size wide, their weights renormalised to sum 1
-    moe_intermediate_size: int = 0  # when norm_topk_prob
-    norm_topk_prob: bool = False
-    dense_layers: tuple = ()        # Qwen3-MoE: layers whose feed-forward is the dense MLP, intermediate_size wide
+    num_experts: int = 0            # a mixture of experts (0: a dense MLP): each layer's experts, of which a token
+    num_experts_per_tok: int = 0    # meets these, each moe_intermediate_size wide, chosen and weighed by the Router
+    moe_intermediate_size: int = 0  # of these fields (self.router): its kind, renormalised when norm_topk_prob; the
+    norm_topk_prob: bool = False    # sigmoid one's groups and scale
+    router_kind: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    dense_layers: tuple = ()        # layers whose feed-forward is the dense MLP, intermediate_size wide
+    expert_names: tuple = ("mlp", "gate_proj", "up_proj", "down_proj")  # the MoE block's module inside a layer, an
+    #                                 expert's gate, up and down projections (Mixtral: block_sparse_moe, w1, w3, w2)
+    shared_expert: str = None       # the shared experts' module (V3, GLM: mlp.shared_experts, several as one MLP;
+    shared_intermediate_size: int = 0  # Qwen2-MoE: mlp.shared_expert), a gated MLP this wide beside the routed ones
+    shared_expert_gate: bool = False   # Qwen2-MoE: the shared expert's output times sigmoid(mlp.shared_expert_gate)
     fp8_scales: str = None          # block-wise FP8 weights (fp8_fields): their scales' format, "float" or "ue8m0";
     #                                 None: the weights are bf16 (or f16, f32) in the files
     fp8_not_converted: tuple = ()   # its modules_to_not_convert: patterns naming modules kept bf16 (not_converted)
+    v_head_dim: int = None          # the values' head dim (None: head_dim, that of q and k); DeepSeek-V3: 128 to 192
+    rope_dim: int = None            # the channels RoPE rotates, its tables' width (None: head_dim)
+    rope_interleave: bool = False   # latent attention's RoPE pairs channels (0, 1), (2, 3), ..., not (i, i + half)
+    kv_lora_rank: int = 0           # DeepSeek's multi-head latent attention (0: none; latent_fields, latent_qkv):
+    q_lora_rank: int = 0            # the keys' and values' latent, q's (0: q_proj, no LoRA), each head's q/k
+    qk_nope_head_dim: int = 0       # channels without RoPE, then rope_dim with it
     norm_float32: bool = False      # gpt-oss's norms (NORM_FLOAT32)
-    router: str = "softmax"         # the router's kind (route): "softmax" (Qwen3-MoE), "topk_softmax" (gpt-oss)
     fused_experts: bool = False     # gpt-oss's experts (gpt_oss_fields): mlp.router with its bias, mlp.experts'
     #                                 gate_up_proj [experts, hidden, 2 moe_intermediate] (gate and up interleaved in its
     #                                 columns) and down_proj [experts, moe_intermediate, hidden], each with a bias
@@ -604,12 +857,30 @@ class ModelConfig:
 
     def __post_init__(self):
         D = self.head_dim
+        self.v_head_dim, self.rope_dim = self.v_head_dim or D, self.rope_dim or D
         self.q_size = self.num_attention_heads * D  # != hidden_size in Qwen3-32B (8192 vs 5120)
-        self.kv_size = self.num_key_value_heads * D
+        self.kv_size = self.num_key_value_heads * D  # the keys' (and values' but for v_head_dim: v_size)
+        self.v_size = self.num_key_value_heads * self.v_head_dim
+        # the first projection's rows: q, k and v (fused); with latent attention q's (or q_a's) and the latent's
+        self.qkv_rows = ((self.q_lora_rank or self.q_size) + self.kv_lora_rank + self.rope_dim if self.kv_lora_rank
+                         else self.q_size + 2 * self.kv_size)
         if self.num_attention_heads % self.num_key_value_heads:
             raise UserError("num_attention_heads must be a multiple of num_key_value_heads")
-        if D < 2 or D % 2:
-            raise UserError(f"head_dim is {D}; RoPE rotates pairs of a head's channels: it must be even and positive")
+        if self.rope_dim < 2 or self.rope_dim % 2:
+            raise UserError(f"{'qk_rope_head_dim' if self.kv_lora_rank else 'head_dim'} is {self.rope_dim}; RoPE "
+                            "rotates pairs of a head's channels: it must be even and positive")
+        for rope in set(self.ropes):
+            if rope.rotary_dim(D) < 2 or rope.rotary_dim(D) % 2:
+                raise UserError(f"partial_rotary_factor {rope.partial} rotates {rope.rotary_dim(D)} of head_dim {D}'s "
+                                "channels; RoPE rotates pairs: it must be even and positive")
+        self.router = Router(self.router_kind, self.num_experts_per_tok, self.norm_topk_prob, self.n_group,
+                             self.topk_group, self.routed_scaling_factor) if self.num_experts else None
+        # tensors held in another dtype than bf16 (the rest): the V3 router's weight and correction bias stay float32
+        # in a bf16 model (transformers' _keep_in_fp32_modules_strict), whatever the files hold (an upcast is exact);
+        # a float32 one takes the room of two bf16 elements an element in the layer's buffer
+        block = self.expert_names[0]
+        self.tensor_dtypes = {f"{block}.gate.{name}": torch.float32 for name in ("weight", "e_score_correction_bias")
+                              } if self.router_kind == "sigmoid" else {}
         # Each layer's kind: "moe" (a mixture of experts) or "mlp" (the gated MLP); a Qwen3-MoE may mix them.
         self.layer_kinds = tuple("moe" if self.num_experts and i not in self.dense_layers else "mlp"
                                  for i in range(self.num_hidden_layers))
@@ -623,7 +894,7 @@ class ModelConfig:
                 if not fused:
                     offset = -(-offset // 64) * 64
                 self.layouts[kind][name] = (offset, shape)
-                offset += math.prod(shape)
+                offset += math.prod(shape) * self.tensor_dtypes.get(name, DTYPE).itemsize // DTYPE.itemsize
             numels[kind] = offset
         # How each layer is held (held_layout), a list shared by the layers held alike: the bf16 layout itself, or
         # with FP8 weights each projection's float8 bytes and scales, but for those modules_to_not_convert names,
@@ -640,7 +911,7 @@ class ModelConfig:
             mxfp4 = frozenset(name for name in self.layouts[kind] if self.mxfp4 and name in MXFP4_WEIGHTS
                               and not kept_mxfp4(f"model.layers.{layer}.mlp.experts"))
             if (kind, fp8, mxfp4) not in alike:
-                alike[kind, fp8, mxfp4] = held_layout(self.layouts[kind], numels[kind], fp8, mxfp4)
+                alike[kind, fp8, mxfp4] = held_layout(self.layouts[kind], numels[kind], fp8, self.tensor_dtypes, mxfp4)
             held.append(alike[kind, fp8, mxfp4])
         self.held = tuple(parts for parts, _ in held)
         self.layer_nbytes = tuple(nbytes for _, nbytes in held)
@@ -658,6 +929,8 @@ class ModelConfig:
     def attention_tensors(self):
         # (name inside model.layers.N, shape, whether it continues the fused view before it): the attention half
         H, Q, KV, D = self.hidden_size, self.q_size, self.kv_size, self.head_dim
+        if self.kv_lora_rank:
+            return self.latent_attention_tensors()
         out = [("input_layernorm.weight", (H,), False), ("self_attn.q_proj.weight", (Q, H), False),
                ("self_attn.k_proj.weight", (KV, H), True), ("self_attn.v_proj.weight", (KV, H), True)]
         if self.qkv_bias:
@@ -674,6 +947,28 @@ class ModelConfig:
             out.append(("post_attention_layernorm.weight", (H,), False))
         return out
 
+    def latent_attention_tensors(self):
+        # DeepSeek's: q_a_proj (or q_proj, without q LoRA) and kv_a_proj_with_mqa in adjacent rows, both reading the
+        # normed x (one GEMM), their biases likewise where both have one (q_proj never has); then each latent's
+        # norm and up-projection, and o_proj from every head's v
+        H, A, R = self.hidden_size, self.q_lora_rank, self.kv_lora_rank
+        heads, first = self.num_attention_heads, "self_attn.q_a_proj" if self.q_lora_rank else "self_attn.q_proj"
+        latent = R + self.rope_dim
+        out = [("input_layernorm.weight", (H,), False), (f"{first}.weight", (A or self.q_size, H), False),
+               ("self_attn.kv_a_proj_with_mqa.weight", (latent, H), True)]
+        if self.qkv_bias:
+            out += [(f"{first}.bias", (A,), False)] if A else []
+            out.append(("self_attn.kv_a_proj_with_mqa.bias", (latent,), bool(A)))
+        if A:
+            out += [("self_attn.q_a_layernorm.weight", (A,), False), ("self_attn.q_b_proj.weight", (self.q_size, A),
+                                                                       False)]
+        out += [("self_attn.kv_a_layernorm.weight", (R,), False),
+                ("self_attn.kv_b_proj.weight", (heads * (self.qk_nope_head_dim + self.v_head_dim), R), False),
+                ("self_attn.o_proj.weight", (H, heads * self.v_head_dim), False)]
+        if self.o_bias:
+            out.append(("self_attn.o_proj.bias", (H,), False))
+        return out
+
     def mlp_tensors(self, kind):
         # the feed-forward half: its input norm, the gated MLP ("mlp") or the mixture of experts ("moe")
         H, I = self.hidden_size, self.intermediate_size
@@ -685,13 +980,23 @@ class ModelConfig:
                     ("mlp.router.bias", (E,), False), ("mlp.experts.gate_up_proj", (E, H, 2 * J), False),
                     ("mlp.experts.gate_up_proj_bias", (E, 2 * J), False), ("mlp.experts.down_proj", (E, J, H), False),
                     ("mlp.experts.down_proj_bias", (E, H), False)]
-        if kind == "moe":  # the router; each expert's gate rows then its up rows, expert after expert (one
-            # [experts, 2 moe_intermediate, hidden] view, expert e's fused gate_up at [e]); each expert's down
-            E, J = self.num_experts, self.moe_intermediate_size
-            return ([(f"{norm}.weight", (H,), False), ("mlp.gate.weight", (E, H), False)]
-                    + [(f"mlp.experts.{e}.{p}_proj.weight", (J, H), e > 0 or p == "up")
-                       for e in range(E) for p in ("gate", "up")]
-                    + [(f"mlp.experts.{e}.down_proj.weight", (H, J), e > 0) for e in range(E)])
+        if kind == "moe":  # the router (and the V3 router's correction bias); each expert's gate rows then its up
+            # rows, expert after expert (one [experts, 2 moe_intermediate, hidden] view, expert e's fused gate_up at
+            # [e]); each expert's down; the shared experts' gate and up rows, their down, Qwen2-MoE's gate
+            E, J, (block, gate, up, down) = self.num_experts, self.moe_intermediate_size, self.expert_names
+            out = [(f"{norm}.weight", (H,), False), (f"{block}.gate.weight", (E, H), False)]
+            if self.router_kind == "sigmoid":
+                out.append((f"{block}.gate.e_score_correction_bias", (E,), False))
+            out += ([(f"{block}.experts.{e}.{p}.weight", (J, H), e > 0 or p == up) for e in range(E) for p in (gate, up)]
+                    + [(f"{block}.experts.{e}.{down}.weight", (H, J), e > 0) for e in range(E)])
+            if self.shared_expert:
+                S = self.shared_intermediate_size
+                out += [(f"{self.shared_expert}.gate_proj.weight", (S, H), False),
+                        (f"{self.shared_expert}.up_proj.weight", (S, H), True),
+                        (f"{self.shared_expert}.down_proj.weight", (H, S), False)]
+            if self.shared_expert_gate:
+                out.append(("mlp.shared_expert_gate.weight", (1, H), False))
+            return out
         out = [(f"{norm}.weight", (H,), False), ("mlp.gate_proj.weight", (I, H), False),
                ("mlp.up_proj.weight", (I, H), True)]
         if self.mlp_bias:
@@ -725,20 +1030,20 @@ class ModelConfig:
             if tied is not None and tied != fields.flag("tie_word_embeddings", True):
                 raise UserError(f"{path}: tie_word_embeddings differs from the multimodal config's; not supported")
         model_type = raw.get("model_type")
+        if model_type == "kimi_k2":
+            raise UserError(f"{path}: model_type is 'kimi_k2', which transformers 5.24 maps to no model (Kimi-K2's "
+                            "own config names remote code, never run); a copy whose config.json says deepseek_v3 "
+                            "runs as DeepSeek-V3")
         family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
         if family is None:
-            moe = ", a mixture of experts (of those prefill runs qwen3_moe and gpt_oss)" if set(MOE_KEYS) & set(raw) \
+            moe = (", a mixture of experts (of those prefill runs "
+                   f"{', '.join(name for name, f in FAMILIES.items() if f.experts)} only)") if set(MOE_KEYS) & set(raw) \
                 else ""
             raise UserError(f"{path}: model_type is {shown(model_type)}{moe}; prefill runs "
                             f"{', '.join(FAMILIES)} (and gemma3 with a text_config) only")
         if raw.get("use_bidirectional_attention") not in (None, False):  # (True == 1 in Python: compared by type too)
             raise UserError(f"{path}: use_bidirectional_attention is {shown(raw['use_bidirectional_attention'])}; "
                             "prefill computes causal language-model losses")
-        if fp8.get("mxfp4") and not family.fused_experts:
-            raise UserError(f"{path}: quant_method mxfp4 quantizes gpt_oss's experts (transformers' Mxfp4Config); "
-                            f"not a {model_type}'s")
-        if fp8.get("fp8_scales") and family.fused_experts:
-            raise UserError(f"{path}: a {model_type} in block-wise FP8 is not built (its releases are MXFP4)")
         if family.defaults:  # what the family's config class takes where config.json is silent; a null is read as
             # each key's own null (a window's: none), but for a null RoPE, which GptOssConfig makes its default too
             raw = {**family.defaults, **raw}
@@ -748,9 +1053,12 @@ class ModelConfig:
 
         hidden, heads, layers = fields.count("hidden_size"), fields.count("num_attention_heads"), \
             fields.count("num_hidden_layers")
-        head_dim = fields.count("head_dim", family.head_dim or hidden // heads)
+        latent = latent_fields(fields, path, heads) if family.latent_attention else {}
+        head_dim = latent.pop("head_dim", None) or fields.count("head_dim", family.head_dim or hidden // heads)
         activation = fields.get(family.activation_key, family.activation, lambda v: v in ACTIVATIONS,
                                 f"one of {', '.join(ACTIVATIONS)}")
+        if family.experts and ACTIVATIONS[activation] != "silu":
+            raise UserError(f"{path}: {family.activation_key} is {shown(activation)}; prefill's experts are SwiGLU")
         # which layers slide: config.json's own layer_types where the family reads them (transformers does, first)
         types, window = family.layer_types(fields, layers)
         given = raw.get("layer_types")
@@ -764,30 +1072,39 @@ class ModelConfig:
                             "layers")
         softcap = fields.off_or(fields.positive, "attn_logit_softcapping", family.softcaps[0]) if family.softcaps \
             else None
+        ropes = read_ropes(raw, family, path)
         scale = 1.0 / math.sqrt(fields.positive(family.scale_key, 256) if family.scale_key else head_dim)
+        if latent:  # DeepSeek's own, from the RoPE's raw parameters
+            params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+            scale = latent_scale(head_dim, ropes[None], params, path)
         settings = {t: AttentionSettings(scale, window if t == "sliding_attention" else None, softcap, family.sinks)
                     for t in LAYER_TYPES}
-        ropes = read_ropes(raw, family, path)
         attention_bias = family.attention_bias and fields.flag("attention_bias")
+        qkv_bias = family.qkv_bias or attention_bias or bool(family.qkv_bias_key and fields.flag(*family.qkv_bias_key))
         config = dict(
             model_type=model_type, hidden_size=hidden, intermediate_size=fields.count("intermediate_size"),
             num_hidden_layers=layers, num_attention_heads=heads,
             num_key_value_heads=fields.count("num_key_value_heads", heads), head_dim=head_dim,
-            vocab_size=fields.count("vocab_size"), rms_norm_eps=fields.positive("rms_norm_eps", 1e-6),
+            vocab_size=fields.count("vocab_size"), rms_norm_eps=fields.positive("rms_norm_eps", family.rms_norm_eps),
             tie_word_embeddings=fields.flag("tie_word_embeddings", family.tied),
             ropes=tuple(ropes[t if family.two_ropes else None] for t in types),
             attention=tuple(settings[t] for t in types), activation=ACTIVATIONS[activation],
-            qk_norm=family.qk_norm, norm_offset=family.norm_offset, norm_float32=family.norm_float32,
-            sandwich_norms=family.sandwich_norms,
-            qkv_bias=family.qkv_bias or attention_bias, o_bias=attention_bias,
+            qk_norm=family.qk_norm or bool(family.qk_norm_key and fields.flag(family.qk_norm_key)),
+            norm_offset=family.norm_offset, norm_float32=family.norm_float32, sandwich_norms=family.sandwich_norms,
+            qkv_bias=qkv_bias, o_bias=attention_bias,
             mlp_bias=family.mlp_bias and fields.flag("mlp_bias"), embed_scale=family.embed_scale,
             final_softcap=fields.off_or(fields.positive, "final_logit_softcapping", family.softcaps[1])
             if family.softcaps else None,
-            tensor_prefixes=prefixes, **fp8, **((gpt_oss_fields if family.fused_experts else moe_fields)(
-                fields, path, layers) if family.experts else {}),
+            tensor_prefixes=prefixes, **fp8, **latent,
+            **(family.experts(fields, path, layers, dict(family.moe_defaults)) if family.experts else {}),
             max_position_embeddings=fields.get("max_position_embeddings", 0, lambda v: type(v) is int and v >= 0,
                                                "a non-negative integer"),
         )
+        if fp8.get("mxfp4") and not config.get("fused_experts"):
+            raise UserError(f"{path}: quant_method mxfp4 quantizes gpt_oss's experts (transformers' Mxfp4Config); "
+                            f"not a {model_type}'s")
+        if fp8.get("fp8_scales") and config.get("fused_experts"):
+            raise UserError(f"{path}: a {model_type} in block-wise FP8 is not built (its releases are MXFP4)")
         if prefixes and config["final_softcap"] is not None:
             raise UserError(f"{path}: final_logit_softcapping in a multimodal Gemma 3, which transformers' "
                             "Gemma3ForConditionalGeneration does not apply; not supported")
@@ -1189,7 +1506,8 @@ def check_tensors(ckpt, cfg, fixed):
             dtype = ckpt.tensors[name][1]
             scales = (torch.float32, torch.bfloat16, torch.float8_e8m0fnu) + (
                 (torch.uint8,) if cfg.fp8_scales == "ue8m0" else ())
-            wanted = {FP8: (FP8,), torch.float32: scales, torch.uint8: (torch.uint8,)}.get(held, FLOATS)
+            wanted = (FP8,) if held == FP8 else scales if name.endswith("_scale_inv") else (
+                (torch.uint8,) if held == torch.uint8 else FLOATS)  # uint8: MXFP4's blocks and scales
             if dtype not in wanted:
                 raise UserError(f"checkpoint tensor {name} is {str(dtype)[6:]}; the model is {fp8}" + (
                     ", its modules_to_not_convert naming this one" if kept else "") + ", which makes it "
@@ -1205,17 +1523,23 @@ def check_tensors(ckpt, cfg, fixed):
 @dataclass
 class LayerWeights:  # None: the family has no such tensor
     input_norm: torch.Tensor = None  # [hidden]
-    qkv: torch.Tensor = None         # [q_size + 2 kv_size, hidden]
-    qkv_bias: object = None          # [q_size + 2 kv_size]
+    qkv: torch.Tensor = None         # [qkv_rows, hidden]: q, k, v; latent attention: q_a (or q), kv_a
+    qkv_bias: object = None          # [qkv_rows]
+    latent_bias: object = None       # [kv_lora_rank + rope_dim]: kv_a's, where q (no q LoRA) has none
+    q_a_norm: object = None          # [q_lora_rank]: latent attention's (q_a_layernorm), before
+    q_b: object = None               # [q_size, q_lora_rank]
+    kv_a_norm: object = None         # [kv_lora_rank] (kv_a_layernorm), before
+    kv_b: object = None              # [heads (qk_nope_head_dim + v_head_dim), kv_lora_rank]
     q_norm: object = None            # [head_dim]
     k_norm: object = None            # [head_dim]
-    o_proj: torch.Tensor = None      # [hidden, q_size]
+    o_proj: torch.Tensor = None      # [hidden, heads v_head_dim]
     o_bias: object = None            # [hidden]
     sinks: object = None             # [heads]: gpt-oss's attention sinks
     attn_out_norm: object = None     # [hidden]: Gemma's norm of the attention's output
     mlp_norm: torch.Tensor = None    # [hidden]: the norm before the MLP
-    router: object = None            # [experts, hidden]: a MoE's, where gate_up and down are the experts':
-    router_bias: object = None       # [experts]: gpt-oss's
+    router: object = None            # [experts, hidden] (float32: Router.kind sigmoid), where gate_up and down are
+    router_bias: object = None       # the experts'; [experts]: the sigmoid router's e_score_correction_bias (float32,
+    #                                  the choice's), gpt-oss's router's bias (bf16, its logits')
     gate_up: torch.Tensor = None     # [2 intermediate, hidden]; MoE: [experts, 2 moe_intermediate, hidden] (gpt-oss: a
     #                                  view of [experts, hidden, 2 moe_intermediate], gate and up interleaved)
     gate_up_bias: object = None      # [2 intermediate]; gpt-oss: [experts, 2 moe_intermediate]
@@ -1223,6 +1547,9 @@ class LayerWeights:  # None: the family has no such tensor
     #                                  view)
     down_bias: object = None         # [hidden]; gpt-oss: [experts, hidden]
     mlp_out_norm: object = None      # [hidden]: Gemma's norm of the MLP's output
+    shared_gate_up: object = None    # [2 shared_intermediate, hidden]: the shared experts' (V3, GLM, Qwen2-MoE)
+    shared_down: object = None       # [hidden, shared_intermediate]
+    shared_gate: object = None       # [1, hidden]: Qwen2-MoE's shared_expert_gate
 
 
 def layer_views(flat, cfg, kind=None):
@@ -1234,14 +1561,19 @@ def layer_views(flat, cfg, kind=None):
             return None
         offset, own = layout[name]
         shape = shape or ((rows, *own[1:]) if rows else own)
-        return flat[offset:offset + math.prod(shape)].view(shape)
-    qkv, gate_up = cfg.q_size + 2 * cfg.kv_size, 2 * cfg.intermediate_size
+        return typed(flat, offset * DTYPE.itemsize, math.prod(shape), cfg.tensor_dtypes.get(name, DTYPE)).view(shape)
+    qkv, gate_up = cfg.qkv_rows, 2 * cfg.intermediate_size
+    first = "self_attn.q_a_proj" if "self_attn.q_a_proj.weight" in layout else "self_attn.q_proj"
     mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
-    if "mlp.gate.weight" in layout:
+    block, gate, _, down = cfg.expert_names
+    if f"{block}.gate.weight" in layout:
         E, H, J = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        experts = dict(router=view("mlp.gate.weight"),
-                       gate_up=view("mlp.experts.0.gate_proj.weight", shape=(E, 2 * J, H)),
-                       down=view("mlp.experts.0.down_proj.weight", shape=(E, H, J)))
+        experts = dict(router=view(f"{block}.gate.weight"), router_bias=view(f"{block}.gate.e_score_correction_bias"),
+                       gate_up=view(f"{block}.experts.0.{gate}.weight", shape=(E, 2 * J, H)),
+                       down=view(f"{block}.experts.0.{down}.weight", shape=(E, H, J)),
+                       shared_gate_up=view(f"{cfg.shared_expert}.gate_proj.weight", 2 * cfg.shared_intermediate_size),
+                       shared_down=view(f"{cfg.shared_expert}.down_proj.weight"),
+                       shared_gate=view("mlp.shared_expert_gate.weight"))
     elif "mlp.router.weight" in layout:  # gpt-oss: its experts' [experts, out, in], out-contiguous (read by strides)
         experts = dict(router=view("mlp.router.weight"), router_bias=view("mlp.router.bias"),
                        gate_up=view("mlp.experts.gate_up_proj").transpose(1, 2),
@@ -1251,8 +1583,11 @@ def layer_views(flat, cfg, kind=None):
         experts = dict(gate_up=view("mlp.gate_proj.weight", gate_up), down=view("mlp.down_proj.weight"),
                        gate_up_bias=view("mlp.gate_proj.bias", gate_up), down_bias=view("mlp.down_proj.bias"))
     return LayerWeights(
-        input_norm=view("input_layernorm.weight"), qkv=view("self_attn.q_proj.weight", qkv),
-        qkv_bias=view("self_attn.q_proj.bias", qkv), q_norm=view("self_attn.q_norm.weight"),
+        input_norm=view("input_layernorm.weight"), qkv=view(f"{first}.weight", qkv),
+        qkv_bias=view(f"{first}.bias", qkv), q_norm=view("self_attn.q_norm.weight"),
+        latent_bias=view("self_attn.kv_a_proj_with_mqa.bias") if first == "self_attn.q_proj" else None,
+        q_a_norm=view("self_attn.q_a_layernorm.weight"), q_b=view("self_attn.q_b_proj.weight"),
+        kv_a_norm=view("self_attn.kv_a_layernorm.weight"), kv_b=view("self_attn.kv_b_proj.weight"),
         k_norm=view("self_attn.k_norm.weight"), o_proj=view("self_attn.o_proj.weight"),
         o_bias=view("self_attn.o_proj.bias"), sinks=view("self_attn.sinks"),
         attn_out_norm=view("post_attention_layernorm.weight") if cfg.sandwich_norms else None,
@@ -1370,33 +1705,54 @@ def held_first(sizes, room):
 
 def moe_scratch_per_token(cfg):
     # device bytes moe_block holds at most per token of a chunk besides the wave's hidden states (an upper bound: all
-    # of it alive at once): the norm's output and its float32 temporaries, the router's bf16 logits and float32
-    # probabilities, the int64 routing indices, k rows of input, gate_up, activation and output (bf16), the output
-    # rows gathered per token (bf16) and their weighted sum; gpt-oss's biases gathered by row (bf16)
+    # of it alive at once): the norm's output and its float32 temporaries; the router's: softmax's bf16 logits and
+    # float32 probabilities, or the sigmoid one's float32 input, scores, biased and masked scores and group mask; the
+    # int64 routing indices, k rows of input, gate_up, activation and output (bf16), the output rows gathered per
+    # token (bf16) and their weighted sum; with shared experts the routed sum's own buffer and their gate_up,
+    # activation and output (bf16); gpt-oss's biases gathered by row (bf16). The fused experts hold less: k rows of
+    # activation and of output, and up to experts x BLOCK_M rows of padded activation (DeepSeek-V3's 256 experts in
+    # 128-row blocks: 134 MB), which the gate_up and gathered rows they do without cover from ~460 tokens a slice
+    # (16,384 by default).
     H, J, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    S = cfg.shared_intermediate_size
+    router = 4 * H + 17 * E if cfg.router_kind == "sigmoid" else 6 * E
+    shared = 2 * H + 2 * (3 * S + H) + 2 if S else 0
     biases = 2 * k * (2 * J + H) if cfg.fused_experts else 0
-    return 2 * H + 12 * H + 6 * E + 8 * 8 * k + 2 * k * (2 * H + 3 * J) + 2 * k * H + 2 * H + biases
+    return 2 * H + 12 * H + router + 8 * 8 * k + 2 * k * (2 * H + 3 * J) + 2 * k * H + 2 * H + shared + biases
+
+
+def attention_scratch_per_token(cfg):
+    # bf16 elements of one token's attention activations (an upper bound: all of them alive at once): GQA's norm out,
+    # qkv, rotated q/k, attention out, o_proj out (Gemma: its normed attention output too); latent attention's norm
+    # out, first projection, normed latents, q, kv, q's and the shared key's RoPE, the q, k and v attention reads, v
+    # zero-padded to q's head dim and its output (v_padded's kinds), attention out, o_proj out
+    H, Q, heads = cfg.hidden_size, cfg.q_size, cfg.num_attention_heads
+    if not cfg.kv_lora_rank:
+        return (5 if cfg.sandwich_norms else 3) * H + 2 * (Q + cfg.kv_size) + Q
+    latent, kv = cfg.kv_lora_rank + cfg.q_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    q_k_v, padded = 2 * Q + cfg.v_size, 2 * Q
+    return 2 * H + cfg.qkv_rows + latent + Q + kv + (heads + 1) * cfg.rope_dim + q_k_v + padded + cfg.v_size
 
 
 def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_tokens=None):
-    H, D, V, L = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.num_hidden_layers
+    H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     loss_chunk_tokens = max(16, min(chunk_tokens, LOGITS_CHUNK_BYTES // (4 * V)))
     moe_chunk_tokens = MOE_CHUNK_FACTOR * chunk_tokens if cfg.num_experts else 0
-    # bf16 activations of one chunk (norm out, qkv, rotated q/k, attention out, o_proj out, gate_up, act, down out;
-    # Gemma's normed attention and MLP outputs) plus the float32 temporaries of an RMSNorm over the widest row; a MoE
-    # model's attention chunk (with a dense layer's MLP, where it has one), or its expert slice, whichever holds more
-    attention = 2 * ((5 if cfg.sandwich_norms else 3) * H + 2 * (cfg.q_size + cfg.kv_size) + cfg.q_size)
+    # bf16 activations of one chunk (attention's, then the MLP's gate_up, act, down out, Gemma's normed MLP output)
+    # plus the float32 temporaries of an RMSNorm over the widest row; a MoE model's attention chunk (with a dense
+    # layer's MLP, where it has one), or its expert slice, whichever holds more
+    attention = 2 * attention_scratch_per_token(cfg)
     mlp = 2 * 3 * cfg.intermediate_size if "mlp" in cfg.layouts else 0
     layer_scratch = max(chunk_tokens * (attention + mlp + 12 * max(H, cfg.q_size)),
                         moe_chunk_tokens * moe_scratch_per_token(cfg) if "moe" in cfg.layouts else 0)
     loss_scratch = loss_chunk_tokens * V * (2 + 4 + 4)  # bf16 logits, float32 copy, float32 log-softmax
-    state = 2 * H + 4 * D * len(set(cfg.ropes)) + 32  # per token: hidden states, each RoPE's cos/sin (Gemma 3 has
-    #                                                   two), ids/targets/positions
+    state = 2 * H + 4 * cfg.rope_dim * len(set(cfg.ropes)) + 32  # per token: hidden states, each RoPE's cos/sin
+    #                                                             (Gemma 3 has two), ids/targets/positions
     wave_state = wave_tokens * state
     # a prefix tree's wave keeps every token's keys and values across the layer's chunks: fewer tokens, same bytes (a
-    # tree is one batch: its wave never holds another)
+    # tree is one batch: its wave never holds another). DeepSeek-V3's are 80 KB a token (128 heads of 192 + 128)
     batch_tokens = batch_tokens or wave_tokens
-    tree_wave_tokens = max(1, batch_tokens * state // (state + 4 * cfg.kv_size))
+    tree_wave_tokens = max(1, batch_tokens * state // (state + 2 * (cfg.kv_size + cfg.v_size)))
     # FP8 layers: the bf16 scratch each is dequantized into before it runs
     working = wave_state + max(layer_scratch, loss_scratch) + ALLOCATOR_SLACK + cfg.dequantized_bytes
     fixed = ((1 if cfg.tie_word_embeddings else 2) * V * H + H) * DTYPE.itemsize
@@ -1419,12 +1775,17 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_t
 # --- how large a wave hides the copies: a streamed layer's bytes cross PCIe once a wave, its FLOPs grow with the wave
 
 def layer_flops(cfg, kind, tokens, attended=0):
-    # matrix FLOPs of one layer of kind over `tokens` tokens: attention projections, the MLP (a MoE layer: router and
-    # the k active experts' SwiGLU), and attention's scores and values for `attended` keys per query on average
-    H, Q, KV = cfg.hidden_size, cfg.q_size, cfg.kv_size
-    mlp = (2 * cfg.num_experts * H + cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H if kind == "moe"
+    # matrix FLOPs of one layer of kind over `tokens` tokens: attention projections (2 a weight: every matrix of the
+    # layout's attention half, MLA's latent ones too), the MLP (a MoE layer: router, the k active experts' SwiGLU, the
+    # shared experts' and Qwen2-MoE's gate of them), and attention's scores and values for `attended` keys per query
+    # on average
+    H = cfg.hidden_size
+    projections = sum(math.prod(shape) for name, (_, shape) in cfg.layouts[kind].items()
+                      if name.startswith("self_attn.") and len(shape) == 2)
+    mlp = (2 * cfg.num_experts * H + cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H
+           + 6 * cfg.shared_intermediate_size * H + 2 * H * cfg.shared_expert_gate if kind == "moe"
            else 6 * cfg.intermediate_size * H)
-    return tokens * (2 * H * (2 * Q + 2 * KV) + mlp + 4 * attended * Q)
+    return tokens * (2 * projections + mlp + 2 * attended * cfg.num_attention_heads * (cfg.head_dim + cfg.v_head_dim))
 
 
 def layer_balance(cfg, wave_tokens, h2d_gbps, tflops, attended=0):
@@ -1445,10 +1806,11 @@ WAVE_STEP = 65536            # the default wave, and the step of the planned one
 MAX_PLANNED_WAVE = 16 * WAVE_STEP
 # The nominal rates the wave is planned at (host->device GB/s, the GEMM TFLOP/s of a MoE layer's mix): fixed per GPU
 # family and never measured at start-up, since the wave decides which texts share a wave and so the last bits of
-# their numbers; a run's own rates would vary. NVIDIA: the H200's 55 GB/s and ~500 of its ~700 dense TFLOP/s for
-# grouped GEMMs (to be replaced by bench/moe_run.py's measurement); RDNA3: the W7800's 26 GB/s and 60 TFLOP/s
-# (PCIe 4.0 x16 as measured on that chip family; the GEMM rate estimated from a 7900 XTX's 88-99 with 96 CUs to the
-# W7800's 70); the CPU: a memcpy against a few cores' bf16 GEMMs.
+# their numbers; a run's own rates would vary, and so may the expert kernel picked. NVIDIA: the H200's 55 GB/s and
+# ~500 of its ~700 dense TFLOP/s for grouped GEMMs (to be replaced by bench/moe_run.py's measurement; a MoE layer's
+# whole rate, routing included, per expert kernel: bench/moe_layer.py's layer TFLOP/s); RDNA3: the W7800's 26 GB/s
+# and 60 TFLOP/s (PCIe 4.0 x16 as measured on that chip family; the GEMM rate estimated from a 7900 XTX's 88-99 with
+# 96 CUs to the W7800's 70); the CPU: a memcpy against a few cores' bf16 GEMMs.
 PLAN_RATES = {"nvidia": (55.0, 500.0), "rdna3": (26.0, 60.0), "amd": (55.0, 500.0), "cpu": (10.0, 0.5)}
 
 
@@ -1579,8 +1941,9 @@ def plan_host(cfg, streamed, budget, requested="auto", device=torch.device("cpu"
     if requested == "map" or (requested == "auto" and bf16_files and not hip and fits(staging_bytes + map_bytes)):
         if not bf16_files:
             raise UserError("--load map: the checkpoint cannot be page-locked in place here (it needs files that "
-                            "hold the layers as the device does, bf16 or FP8 with float32 scales, and read-only "
-                            "host-memory registration); --load copy works everywhere")
+                            "hold the layers as the device does, bf16 (a sigmoid router's tensors float32) or FP8 "
+                            "with float32 scales, and read-only host-memory registration); --load copy works "
+                            "everywhere")
         if not fits(staging_bytes + map_bytes):
             raise UserError(f"--load map would page-lock the streamed layers' pages and the loading buffers "
                             f"({(staging_bytes + map_bytes) / 1e9:.1f} GB) but the host memory budget is "
@@ -1695,15 +2058,16 @@ DEQUANTIZE_ELEMENTS = 1 << 24  # dequantize_fp8's float32 temporaries: up to thi
 
 def dequantize_fp8(q, scales, out):
     """out [rows, cols] bf16 <- q [rows, cols] float8_e4m3fn times scales [grid rows, grid cols] float32, as
-    transformers' Fp8Dequantize computes it: q in float32 reshaped to the block grid (each block rows / grid rows by
-    cols / grid cols), times its block's scale in float32, rounded to bf16; a few block rows at a time."""
-    (R, C), (gr, gc) = q.shape, scales.shape
-    bm, bn = R // gr, C // gc
+    transformers computes it: q in float32 times its block's scale in float32, rounded to bf16, the blocks
+    FP8_BLOCK x FP8_BLOCK (min(side, FP8_BLOCK)), the last row and column of them partial where a side is not a
+    multiple (misread_side); a few block rows at a time."""
+    (R, C), gr = q.shape, scales.shape[0]
+    bm, bn = min(R, FP8_BLOCK), min(C, FP8_BLOCK)
     step = max(1, DEQUANTIZE_ELEMENTS // (bm * C))
     for g in range(0, gr, step):
-        n = min(step, gr - g)
-        blocks = q[g * bm:(g + n) * bm].float().view(n, bm, gc, bn) * scales[g:g + n, None, :, None]
-        out[g * bm:(g + n) * bm].copy_(blocks.view(n * bm, C))
+        rows = slice(g * bm, min((g + step) * bm, R))
+        s = scales[g:g + step].repeat_interleave(bm, 0)[:rows.stop - rows.start].repeat_interleave(bn, 1)[:, :C]
+        out[rows].copy_(q[rows].float() * s)
 
 
 def dequantize_mxfp4(blocks, scales, out):
@@ -1741,15 +2105,15 @@ class FP8Layer:
     mxfp4: bool = False  # whether its quantized tensors are MXFP4 (the launch's variant), not FP8
 
 
-# A row of FP8Layer.tensors: where the tensor starts in the held buffer (in elements of its own dtype: bytes for
-# FP8 and MXFP4's blocks, bf16 elements for a tensor copied as it is), its scales (FP8: float32 elements, MXFP4:
-# bytes; -1: a bf16 tensor, copied), where it starts in the bf16 layer, its rows and columns (a vector: one row; more
-# dimensions: all but the last as rows; MXFP4: its blocks' experts x out rows, in columns), its blocks per row of
-# blocks, its first program, and the rows of one of its matrices (MXFP4: out, the transposed writes' stride). int64: a
-# big MoE layer's held bytes pass 2^31 (Qwen3-235B-A22B's: 2.5 GB in FP8).
+# A row of FP8Layer.tensors: where the tensor starts in the held buffer (bytes for FP8 and MXFP4's blocks,
+# bf16-sized elements for a tensor copied as it is, two of them a value of a float32 one, the V3 router's, whose
+# columns count double), its scales (FP8: float32 elements, MXFP4: bytes; -1: a tensor copied), where it starts in
+# the bf16 layer, its rows and columns (a vector: one row; more dimensions: all but the last as rows; MXFP4: its
+# blocks' experts x out rows, in columns), its blocks per row of blocks, its first program, and the rows of one of its
+# matrices (MXFP4: out, the transposed writes' stride). int64: a big MoE layer's held bytes pass 2^31
+# (Qwen3-235B-A22B's: 2.5 GB in FP8).
 FP8_COLUMNS = 8
 DEQUANTIZE_ROWS = 32  # the dequantization's rows a step (FP8, copies), and an MXFP4 program's rows
-
 
 def held_into(name, dtype):
     # the bf16 layout's name of a held tensor: itself, or an MXFP4 weight's for its blocks (scales: none of its own)
@@ -1775,9 +2139,11 @@ def fp8_layer(parts, layout, device, mxfp4=False):
             rows.append([offset, parts[i + 1][1], layout[into][0], R, C, grid[1], len(programs), N])
         else:
             R, C = (math.prod(shape[:-1]), shape[-1]) if len(shape) > 1 else (1, shape[0])
+            unit = 1 if dtype == FP8 else DTYPE.itemsize
+            C = C * dtype.itemsize // unit
             grid = scale_grid((R, C))
             scales = parts[i + 1][1] // 4 if dtype == FP8 else -1
-            rows.append([offset // dtype.itemsize, scales, layout[into][0], R, C, grid[1], len(programs), R])
+            rows.append([offset // unit, scales, layout[into][0], R, C, grid[1], len(programs), R])
         programs += [len(rows) - 1] * math.prod(grid)
     assert len(programs) < 2**24, "more programs than HIP launches on one grid axis"
     return FP8Layer(parts, layout, torch.tensor(rows, dtype=torch.int64).to(device),
@@ -1792,14 +2158,14 @@ def dequantize_layer(held, out, layer):
         if into not in layer.layout:
             continue  # scales, read with their weight
         start, bf16_shape = layer.layout[into]
-        dst = out[start:start + math.prod(bf16_shape)].view(bf16_shape)
         src = typed(held, offset, math.prod(shape), dtype).view(shape)
         if dtype in (FP8, torch.uint8):
             _, scale_offset, grid, scale_dtype = layer.parts[i + 1]
             scales = typed(held, scale_offset, math.prod(grid), scale_dtype).view(grid)
-            (dequantize_fp8 if dtype == FP8 else dequantize_mxfp4)(src, scales, dst)
-        else:
-            dst.copy_(src)
+            (dequantize_fp8 if dtype == FP8 else dequantize_mxfp4)(
+                src, scales, out[start:start + math.prod(bf16_shape)].view(bf16_shape))
+        else:  # copied as it is held: bf16, or a float32 router
+            typed(out, start * DTYPE.itemsize, src.numel(), dtype).copy_(src.view(-1))
 
 
 class WeightStreamer:
@@ -1928,30 +2294,45 @@ def rms_norm(x, weight, eps, style=NORM_CAST):
 
 
 def rope_tables(positions, rope, head_dim):
-    # positions: [tokens] int64 -> cos, sin: [tokens, head_dim]; angles in float32 as transformers, then cast
+    # positions: [tokens] int64 -> cos, sin: [tokens, rotary_dim] (head_dim, or DeepSeek's rope_dim, but for partial
+    # RoPE); angles in float32 as transformers, scaled by yarn's attention_factor there (1 elsewhere: the same bits),
+    # then cast
     inv_freq = rope.inv_freq(head_dim)  # on the CPU, as transformers computes it
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [tokens, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(DTYPE), emb.sin().to(DTYPE)
+    return (emb.cos() * rope.attention_factor).to(DTYPE), (emb.sin() * rope.attention_factor).to(DTYPE)
 
 
 def wave_rope_tables(positions, cfg):
     # {Rope: (cos, sin)} of each RoPE the model's layers use (Gemma 3: two), at positions [tokens] on the device
-    return {rope: rope_tables(positions, rope, cfg.head_dim) for rope in dict.fromkeys(cfg.ropes)}
+    return {rope: rope_tables(positions, rope, cfg.rope_dim) for rope in dict.fromkeys(cfg.ropes)}
 
 
 def apply_rope(x, cos, sin):
-    # x: [tokens, heads, head_dim]; half-split (rotate_half) convention. gpt-oss writes it with half-width tables,
-    # x1·cos - x2·sin and x2·cos + x1·sin (_apply_rotary_emb): the same products and sums, so the same bf16 roundings
+    # x: [tokens, heads, head_dim]; half-split (rotate_half) convention over the first cos.shape[-1] channels: all of
+    # them, or for partial RoPE (GLM-4.5) the first ones, the rest passed through, as transformers' apply_rotary_pos_emb.
+    # gpt-oss writes it with half-width tables, x1·cos - x2·sin and x2·cos + x1·sin (_apply_rotary_emb): the same
+    # products and sums, so the same bf16 roundings
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def head_norm_rope(x, weight, cos, sin, eps, style):
+def deinterleaved(x):
+    # [..., D] -> its channels 0, 2, 4, ... then 1, 3, 5, ...: interleaved RoPE (DeepSeek's pairs (0, 1), (2, 3), ...)
+    # is rotate_half's on these, bit for bit (transformers' apply_rotary_pos_emb_interleave says so, and returns them
+    # in this order too: q and k alike, so the scores do not change)
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def head_norm_rope(x, weight, cos, sin, eps, style, interleave=False):
     # x: [tokens, heads, head_dim] (a view into qkv); the per-head q/k RMSNorm (Qwen3, Gemma 3), then RoPE; weight
-    # None (no q/k norm): RoPE alone
-    return apply_rope(x if weight is None else rms_norm(x, weight, eps, style), cos, sin)
+    # None (no q/k norm): RoPE alone; interleave: on the head's channels deinterleaved
+    x = x if weight is None else rms_norm(x, weight, eps, style)
+    return apply_rope(deinterleaved(x) if interleave else x, cos, sin)
 
 
 def gated_act(gate_up, activation):
@@ -2030,7 +2411,7 @@ class Kernels:
     """The per-token elementwise work: plain PyTorch, or the fused Triton kernels below (same roundings)."""
     name: str
     rms_norm: object        # (x [tokens, n], weight [n], eps, style) -> [tokens, n]
-    head_norm_rope: object  # (x [tokens, heads, head_dim], weight or None, cos, sin, eps, style) -> x's shape
+    head_norm_rope: object  # (x [tokens, heads, D], weight or None, cos, sin, eps, style, interleave) -> x's shape
     gated_act: object       # (gate_up [tokens, 2 intermediate], activation) -> [tokens, intermediate]
     token_nll: object       # (logits [tokens, vocab], targets [tokens]) -> [tokens] float32
     combine: object         # (x [tokens, hidden] += each token's k expert rows of out, weighted: see combine)
@@ -2070,23 +2451,65 @@ def chunk_keys(chunk, i, k):
     return keys, keys.numel() - (e - s)
 
 
+def grouped_qkv(h, w, cos, sin, cfg, kernels):
+    # h: [tokens, hidden], the normed x -> q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim]: GQA
+    T, Q, KV, D = h.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
+    eps, style = cfg.rms_norm_eps, cfg.norm_style
+    qkv = F.linear(h, w.qkv, w.qkv_bias)  # [tokens, q_size + 2 kv_size]
+    q = kernels.head_norm_rope(qkv[:, :Q].view(T, -1, D), w.q_norm, cos, sin, eps, style)  # q/k norm before RoPE
+    k = kernels.head_norm_rope(qkv[:, Q:Q + KV].view(T, -1, D), w.k_norm, cos, sin, eps, style)
+    return q, k, qkv[:, Q + KV:].reshape(T, -1, D).contiguous()
+
+
+LATENT_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's: DeepseekV3Attention builds them without rms_norm_eps
+
+
+def latent_qkv(h, w, cos, sin, cfg, kernels):
+    """h: [tokens, hidden], the normed x -> q, k [tokens, heads, nope + rope], v [tokens, heads, v_head_dim]: DeepSeek's
+    multi-head latent attention (transformers 5.24, DeepseekV3Attention). q is q_b(norm(q_a(h))), or q_proj(h)
+    without q LoRA; kv_a(h) is the latent (kv_lora_rank) and one RoPE key shared by every head (rope_dim); kv_b of
+    the normed latent is each head's k_nope and v. RoPE rotates q's last rope_dim channels and the shared key.
+    The latent is expanded through kv_b for every token, not absorbed into q and o as decoding does: every token of
+    a prefill is a query and a key, so both forms cost the same GEMMs a token (kv_b's 2 x 512 x 32768 FLOPs in V3,
+    or its halves folded into q and o), and then each (query, key) pair reads 192 + 128 channels a head expanded,
+    576 + 512 absorbed (3.4x). The expanded keys and values take 80 KB a token in V3 (plan_memory counts them)."""
+    T, heads, N, P, R = h.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.rope_dim, cfg.kv_lora_rank
+    A, eps = cfg.q_lora_rank or cfg.q_size, cfg.rms_norm_eps
+    if w.latent_bias is None:  # q_a (or q) and kv_a read the same normed x: one GEMM
+        first = F.linear(h, w.qkv, w.qkv_bias)  # [tokens, A + R + P]
+        q, kv_a = first[:, :A], first[:, A:]
+    else:  # q_proj without a bias beside kv_a_proj_with_mqa with one: two GEMMs, each rounded once as transformers'
+        q, kv_a = F.linear(h, w.qkv[:A]), F.linear(h, w.qkv[A:], w.latent_bias)
+    if w.q_b is not None:
+        q = F.linear(kernels.rms_norm(q, w.q_a_norm, LATENT_EPS), w.q_b)  # [tokens, heads (N + P)]
+    q = q.view(T, heads, N + P)
+    kv = F.linear(kernels.rms_norm(kv_a[:, :R], w.kv_a_norm, LATENT_EPS), w.kv_b).view(T, heads, -1)  # [.., N + V]
+    q_rope = kernels.head_norm_rope(q[..., N:], None, cos, sin, eps, NORM_CAST,
+                                    cfg.rope_interleave)  # [tokens, heads, P]
+    k_rope = kernels.head_norm_rope(kv_a[:, R:].view(T, 1, P), None, cos, sin, eps, NORM_CAST, cfg.rope_interleave)
+    return (torch.cat((q[..., :N], q_rope), dim=-1), torch.cat((kv[..., :N], k_rope.expand(T, heads, P)), dim=-1),
+            kv[..., N:].contiguous())
+
+
 def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels, how, wave_kv=None):
     # x: [tokens, hidden] — a chunk of whole sequences, updated in place; how: the layer's AttentionSettings. wave_kv:
     # a prefix tree's wave, whose keys and values stay for the chunks after this one (a node's descendants):
-    # ([wave tokens, kv_heads, head_dim],) * 2
-    T, Q, KV, D = x.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
-    eps, style = cfg.rms_norm_eps, cfg.norm_style
-    qkv = F.linear(kernels.rms_norm(x, w.input_norm, eps, style), w.qkv, w.qkv_bias)  # [tokens, q_size + 2 kv_size]
-    q = kernels.head_norm_rope(qkv[:, :Q].view(T, -1, D), w.q_norm, cos, sin, eps, style)  # q/k norm before RoPE
-    k = kernels.head_norm_rope(qkv[:, Q:Q + KV].view(T, -1, D), w.k_norm, cos, sin, eps, style)
-    v = qkv[:, Q + KV:].reshape(T, -1, D).contiguous()
+    # [wave tokens, kv_heads, head_dim] and [wave tokens, kv_heads, v_head_dim]
+    T, eps, style = x.shape[0], cfg.rms_norm_eps, cfg.norm_style
+    h = kernels.rms_norm(x, w.input_norm, eps, style)
+    q, k, v = (latent_qkv if cfg.kv_lora_rank else grouped_qkv)(h, w, cos, sin, cfg, kernels)
     if wave_kv is not None:
         wave_kv[0][chunk.start:chunk.end], wave_kv[1][chunk.start:chunk.end] = k, v
         if chunk.ancestors is not None:
             k, v = wave_kv
     sinks = {} if w.sinks is None else {"sinks": w.sinks}  # gpt-oss's; only backends with sinks take them
-    o = F.linear(attend(q, k, v, chunk, how, **sinks).reshape(T, Q), w.o_proj, w.o_bias)  # [tokens, hidden]
+    o = F.linear(attend(q, k, v, chunk, how, **sinks).reshape(T, -1), w.o_proj, w.o_bias)  # [tokens, hidden]
     x += o if w.attn_out_norm is None else kernels.rms_norm(o, w.attn_out_norm, eps, style)
+
+
+def gated_mlp(h, gate_up, down, activation, kernels, gate_up_bias=None, down_bias=None):
+    # h: [tokens, hidden] -> down(act(gate) * up): [tokens, hidden], gate and up one GEMM (gate_up: their rows fused)
+    return F.linear(kernels.gated_act(F.linear(h, gate_up, gate_up_bias), activation), down, down_bias)
 
 
 def mlp_block(x, w, cfg, max_tokens, kernels):
@@ -2094,8 +2517,8 @@ def mlp_block(x, w, cfg, max_tokens, kernels):
     eps, style = cfg.rms_norm_eps, cfg.norm_style
     for s in range(0, x.shape[0], max_tokens):
         xs = x[s:s + max_tokens]
-        gate_up = F.linear(kernels.rms_norm(xs, w.mlp_norm, eps, style), w.gate_up, w.gate_up_bias)
-        out = F.linear(kernels.gated_act(gate_up, cfg.activation), w.down, w.down_bias)
+        out = gated_mlp(kernels.rms_norm(xs, w.mlp_norm, eps, style), w.gate_up, w.down, cfg.activation, kernels,
+                        w.gate_up_bias, w.down_bias)
         xs += out if w.mlp_out_norm is None else kernels.rms_norm(out, w.mlp_out_norm, eps, style)
 
 
@@ -2136,38 +2559,68 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, y.to(tl.bfloat16), mask=mask)
 
     @triton.jit
+    def _head_norm(x, rstd, w_at, NORM: tl.constexpr):
+        # a block of channels of each head (x [HEADS, n] float32) through the q/k norm of _head_norm_rope_kernel's
+        # NORM (rstd: each head's, over all its channels), rounded to bf16 where rms_norm rounds
+        if NORM == 0:
+            y = x
+        elif NORM == 1:
+            y = ((x * rstd).to(tl.bfloat16).to(tl.float32) * tl.load(w_at).to(tl.float32)).to(tl.bfloat16)
+        else:
+            y = (x * rstd * (1.0 + tl.load(w_at).to(tl.float32))).to(tl.bfloat16)
+        return y.to(tl.float32)
+
+    @triton.jit
+    def _rope_halves(y1, y2, cos_at, sin_at, ROT: tl.constexpr):
+        # the rotating channels' two halves (y1, y2 [HEADS, ROT] float32) -> x * cos + rotate_half(x) * sin, each product
+        # and the sum rounded to bf16 as in PyTorch; cos_at, sin_at: the token's table at the halves' columns
+        cos1, cos2 = tl.load(cos_at).to(tl.float32), tl.load(cos_at + ROT).to(tl.float32)
+        sin1, sin2 = tl.load(sin_at).to(tl.float32), tl.load(sin_at + ROT).to(tl.float32)
+        o1 = ((y1 * cos1).to(tl.bfloat16).to(tl.float32) + (-y2 * sin1).to(tl.bfloat16).to(tl.float32))
+        o2 = ((y2 * cos2).to(tl.bfloat16).to(tl.float32) + (y1 * sin2).to(tl.bfloat16).to(tl.float32))
+        return o1.to(tl.bfloat16), o2.to(tl.bfloat16)
+
+    @triton.jit
     def _head_norm_rope_kernel(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps,
-                               HEADS: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
-        # NORM: 0 RoPE alone (no q/k norm), 1 Qwen3's per-head RMSNorm first, 2 Gemma 3's (x̂·(1 + w))
+                               HEADS: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr,
+                               HEAD_STRIDE: tl.constexpr, INTERLEAVE: tl.constexpr):
+        # NORM: 0 RoPE alone (no q/k norm), 1 Qwen3's per-head RMSNorm first, 2 Gemma 3's (x̂·(1 + w)). ROT: half the
+        # channels that rotate (the tables' width / 2): HALF, or less for partial RoPE (GLM-4.5), whose first 2 ROT
+        # channels rotate, reread, and whose others pass through (normed). HEAD_STRIDE: between heads of x (2 HALF,
+        # but DeepSeek's RoPE channels end heads of nope + rope). INTERLEAVE (never with partial RoPE: no model has
+        # both): the pairs are channels (2i, 2i + 1), rotated into i and HALF + i as
+        # apply_rotary_pos_emb_interleave returns them
         t = tl.program_id(0)
         h = tl.arange(0, HEADS)[:, None]
         c = tl.arange(0, HALF)[None, :]
         mask = h < heads
-        src = x_ptr + t * x_stride + h * (2 * HALF) + c
-        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        if NORM == 0:
-            y1, y2 = x1, x2
+        if INTERLEAVE:
+            first, second = 2 * c, 2 * c + 1
         else:
+            first, second = c, HALF + c
+        src = x_ptr + t * x_stride + h * HEAD_STRIDE
+        x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + second, mask=mask, other=0.0).to(tl.float32)
+        rstd = 0.0
+        if NORM != 0:
             rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
-            w1 = tl.load(w_ptr + c).to(tl.float32)
-            w2 = tl.load(w_ptr + HALF + c).to(tl.float32)
-            if NORM == 1:
-                y1 = ((x1 * rstd).to(tl.bfloat16).to(tl.float32) * w1).to(tl.bfloat16).to(tl.float32)
-                y2 = ((x2 * rstd).to(tl.bfloat16).to(tl.float32) * w2).to(tl.bfloat16).to(tl.float32)
-            else:
-                y1 = (x1 * rstd * (1.0 + w1)).to(tl.bfloat16).to(tl.float32)
-                y2 = (x2 * rstd * (1.0 + w2)).to(tl.bfloat16).to(tl.float32)
-        cos1 = tl.load(cos_ptr + t * 2 * HALF + c).to(tl.float32)
-        cos2 = tl.load(cos_ptr + t * 2 * HALF + HALF + c).to(tl.float32)
-        sin1 = tl.load(sin_ptr + t * 2 * HALF + c).to(tl.float32)
-        sin2 = tl.load(sin_ptr + t * 2 * HALF + HALF + c).to(tl.float32)
-        # x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16 as in PyTorch
-        o1 = ((y1 * cos1).to(tl.bfloat16).to(tl.float32) + (-y2 * sin1).to(tl.bfloat16).to(tl.float32))
-        o2 = ((y2 * cos2).to(tl.bfloat16).to(tl.float32) + (y1 * sin2).to(tl.bfloat16).to(tl.float32))
-        dst = out_ptr + (t * heads + h) * (2 * HALF) + c
-        tl.store(dst, o1.to(tl.bfloat16), mask=mask)
-        tl.store(dst + HALF, o2.to(tl.bfloat16), mask=mask)
+        dst = out_ptr + (t * heads + h) * (2 * HALF)
+        if ROT == HALF:
+            o1, o2 = _rope_halves(_head_norm(x1, rstd, w_ptr + first, NORM), _head_norm(x2, rstd, w_ptr + second, NORM),
+                                  cos_ptr + t * 2 * ROT + c, sin_ptr + t * 2 * ROT + c, ROT)
+            tl.store(dst + c, o1, mask=mask)
+            tl.store(dst + HALF + c, o2, mask=mask)
+        else:
+            tl.static_assert(not INTERLEAVE)
+            y1, y2 = _head_norm(x1, rstd, w_ptr + c, NORM), _head_norm(x2, rstd, w_ptr + HALF + c, NORM)
+            tl.store(dst + c, y1.to(tl.bfloat16), mask=mask & (c >= 2 * ROT))
+            tl.store(dst + HALF + c, y2.to(tl.bfloat16), mask=mask & (HALF + c >= 2 * ROT))
+            r = tl.arange(0, ROT)[None, :]
+            r1 = _head_norm(tl.load(src + r, mask=mask, other=0.0).to(tl.float32), rstd, w_ptr + r, NORM)
+            r2 = _head_norm(tl.load(src + ROT + r, mask=mask, other=0.0).to(tl.float32), rstd, w_ptr + ROT + r, NORM)
+            o1, o2 = _rope_halves(r1, r2, cos_ptr + t * 2 * ROT + r, sin_ptr + t * 2 * ROT + r, ROT)
+            tl.store(dst + r, o1, mask=mask)
+            tl.store(dst + ROT + r, o2, mask=mask)
 
     @triton.jit
     def _bf16(x):  # x rounded to bf16, as PyTorch rounds each step of a bf16 op, back in float32
@@ -2235,20 +2688,44 @@ if triton is not None:
         tl.store(out_ptr + row, tl.where(target >= 0, lse - picked, 0.0))
 
     @triton.jit
+    def _tile(at, rows_ok, channels_ok, ROWS: tl.constexpr, CHANNELS: tl.constexpr):
+        # a tile at `at`, 0 where ROWS says rows_ok fails or CHANNELS says channels_ok does (a head dim padded to a
+        # power of two: DeepSeek's 192 in 256 lanes); each mask only where asked, so that a tile that needs none
+        # compiles to a plain load
+        if ROWS and CHANNELS:
+            tile = tl.load(at, mask=rows_ok & channels_ok, other=0.0)
+        elif ROWS:
+            tile = tl.load(at, mask=rows_ok, other=0.0)
+        elif CHANNELS:
+            tile = tl.load(at, mask=channels_ok, other=0.0)
+        else:
+            tile = tl.load(at)
+        return tile
+
+    @triton.jit
+    def _store(at, tile, rows_ok, channels_ok, CHANNELS: tl.constexpr):
+        # _tile's store: where rows_ok, and channels_ok where CHANNELS (a padded head dim)
+        if CHANNELS:
+            tl.store(at, tile, mask=rows_ok & channels_ok)
+        else:
+            tl.store(at, tile, mask=rows_ok)
+
+    @triton.jit
     def _attention_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, rows, length, n_lo, n_hi, scale_log2, window, cap_log2,
-                         KV_STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr,
-                         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                         KV_HEADS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr,
+                         DVP: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr, WINDOW: tl.constexpr,
+                         SOFTCAP: tl.constexpr):
         # online softmax over key tiles [n_lo, n_hi); only the tiles on the diagonal, and with WINDOW those on its
-        # left edge (DIAGONAL too), need the causal/length/window mask. SOFTCAP: scores capped to ±cap (log2 units)
-        d = tl.arange(0, D)
+        # left edge (DIAGONAL too), need the causal/length/window mask. SOFTCAP: scores capped to ±cap (log2 units).
+        # k: rows of KV_HEADS heads of D channels (DP lanes, the padding masked to 0: it adds nothing to q.k), v of DV
+        # (DVP lanes)
+        d = tl.arange(0, DP)
+        dv = tl.arange(0, DVP)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
-            k_at = k_ptr + cols[None, :].to(tl.int64) * KV_STRIDE + d[:, None]  # [D, BLOCK_N]
-            v_at = v_ptr + cols[:, None].to(tl.int64) * KV_STRIDE + d[None, :]  # [BLOCK_N, D]
-            if DIAGONAL:
-                k = tl.load(k_at, mask=cols[None, :] < length, other=0.0)
-            else:
-                k = tl.load(k_at)
+            k_at = k_ptr + cols[None, :].to(tl.int64) * (KV_HEADS * D) + d[:, None]  # [DP, BLOCK_N]
+            v_at = v_ptr + cols[:, None].to(tl.int64) * (KV_HEADS * DV) + dv[None, :]  # [BLOCK_N, DVP]
+            k = _tile(k_at, cols[None, :] < length, d[:, None] < D, DIAGONAL, DP != D)
             s = tl.dot(q, k) * scale_log2  # [BLOCK_M, BLOCK_N] float32, in log2 units
             if SOFTCAP:
                 s = cap_log2 * _tanh(s / cap_log2)
@@ -2265,20 +2742,19 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_exp)
             p = tl.exp2(s - m_exp[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            if DIAGONAL:
-                v = tl.load(v_at, mask=cols[:, None] < length, other=0.0)
-            else:
-                v = tl.load(v_at)
+            v = _tile(v_at, cols[:, None] < length, dv[None, :] < DV, DIAGONAL, DVP != DV)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # P rounded to the input type, as flash kernels do
             m_i = m_new
         return acc, m_i, l_i
 
     @triton.jit
     def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, sinks_ptr, scale_log2, window, cap_log2,
-                          HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
-        # one program: BLOCK_M query rows of one head of one sequence; q/out: [tokens, HEADS, D], k/v: [tokens,
-        # KV_HEADS, D]; query head h reads kv head h // (HEADS // KV_HEADS). Every row sees its own key, so no row
+                          HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                          DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
+        # one program: BLOCK_M query rows of one head of one sequence; q: [tokens, HEADS, D], k: [tokens, KV_HEADS,
+        # D], v: [tokens, KV_HEADS, DV], out: [tokens, HEADS, DV] (DP, DVP: those head dims' powers of two, the lanes
+        # a tile has); query head h reads kv head h // (HEADS // KV_HEADS). Every row sees its own key, so no row
         # divides by 0. WINDOW: the key tiles left of every row's window are skipped, not masked. SINKS: the head's
         # sink (sinks_ptr [HEADS], natural units) is a column every row has seen before its first key: the running max
         # starts at it and the sum at its exp(0), and its value is 0
@@ -2288,10 +2764,15 @@ if triton is not None:
         m0 = block * BLOCK_M
         if m0 < length:
             rows = m0 + tl.arange(0, BLOCK_M)
-            q_at = ((start + rows[:, None]).to(tl.int64) * HEADS + head) * D + tl.arange(0, D)[None, :]
-            q = tl.load(q_ptr + q_at, mask=rows[:, None] < length, other=0.0)  # [BLOCK_M, D]
-            kv = start.to(tl.int64) * KV_HEADS * D + head // (HEADS // KV_HEADS) * D
-            acc = tl.zeros((BLOCK_M, D), tl.float32)
+            # offsets as int64 tensors, then one pointer add: other association orders compiled to one more VGPR for
+            # gfx1100 at 64x32, where this kernel sits at 256 of 256 (tests/test_gfx1100_compile.py)
+            token_head = (start + rows[:, None]).to(tl.int64) * HEADS + head
+            q = _tile(q_ptr + (token_head * D + tl.arange(0, DP)[None, :]), rows[:, None] < length,
+                      tl.arange(0, DP)[None, :] < D, True, DP != D)  # [BLOCK_M, DP]
+            kv_head = head // (HEADS // KV_HEADS)
+            k_at = k_ptr + (start.to(tl.int64) * KV_HEADS * D + kv_head * D)
+            v_at = v_ptr + (start.to(tl.int64) * KV_HEADS * DV + kv_head * DV)
+            acc = tl.zeros((BLOCK_M, DVP), tl.float32)
             if SINKS:
                 m_i = tl.zeros((BLOCK_M,), tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
                 l_i = tl.full((BLOCK_M,), 1.0, tl.float32)
@@ -2303,35 +2784,39 @@ if triton is not None:
                 first = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N  # the first tile the top row sees
                 inside = tl.minimum((tl.maximum(m0 + BLOCK_M - window, first) + BLOCK_N - 1) // BLOCK_N * BLOCK_N,
                                     m0)
-                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, first,
-                                                 inside, scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N,
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, first, inside,
+                                                 scale_log2, window, cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N,
                                                  True, WINDOW, SOFTCAP)
-            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, inside, m0,
-                                             scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N, False, WINDOW,
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, inside, m0, scale_log2,
+                                             window, cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N, False, WINDOW,
                                              SOFTCAP)
-            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, m0,
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, m0,
                                              tl.minimum(m0 + BLOCK_M, length), scale_log2, window, cap_log2,
-                                             KV_HEADS * D, D, BLOCK_N, True, WINDOW, SOFTCAP)
-            tl.store(out_ptr + q_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=rows[:, None] < length)
+                                             KV_HEADS, D, DP, DV, DVP, BLOCK_N, True, WINDOW, SOFTCAP)
+            dv = tl.arange(0, DVP)[None, :]
+            _store(out_ptr + (token_head * DV + dv), (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                   rows[:, None] < length, dv < DV, DVP != DV)
 
     @triton.jit
     def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, kv_start, anc_cu_ptr, anc_ptr, depth_ptr,
                                sinks_ptr, scale_log2, window, cap_log2, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                               D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
                                SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
         # _attention_kernel for a prefix tree's chunk: one program, BLOCK_M query rows of one KV head's group of
         # query heads in one node, row r the node's token r // GROUP in head r % GROUP of the group, so that a key tile
         # serves GROUP heads at once: a tree's nodes are short (a question's 80 tokens under a 700-token few-shot
         # prefix) and their ancestors' keys long, so a program per query head re-read every ancestor key GROUP times
-        # and filled its last row block by a fraction. q/out: the chunk's [tokens, HEADS, D], k/v: the whole wave's
-        # [tokens, KV_HEADS, D], the chunk's own at kv_start. A node first reads its ancestors' key ranges whole
-        # (anc_ptr[anc_cu_ptr[node]:...], [start, end) pairs in the wave), then its own keys causally. A range's last
-        # partial tile is masked by the diagonal path with every row at the range's end. A root node (no ranges) is
-        # _attention_kernel's case; the first tile read holds key 0 of a range or of the node, so no row's running
-        # max stays -inf. WINDOW is by depth (depth_ptr: the wave's): a range of an ancestor covers consecutive
-        # depths, so a row compares as row + (node's depth - range's depth) against the range's columns, which puts
-        # every column before it (causal: all seen) and the window's edge where it lies; the tiles left of the top
-        # row's window are skipped, the rest masked. SINKS: as _attention_kernel's, each row its own head's.
+        # and filled its last row block by a fraction. q: the chunk's [tokens, HEADS, D], out: [tokens, HEADS, DV],
+        # k/v: the whole wave's [tokens, KV_HEADS, D or DV], the chunk's own at kv_start. A node first reads its
+        # ancestors' key ranges whole (anc_ptr[anc_cu_ptr[node]:...], [start, end) pairs in the wave), then its own
+        # keys causally. A range's last partial tile is masked by the diagonal path with every row at the range's
+        # end. A root node (no ranges) is _attention_kernel's case; the first tile read holds key 0 of a range or of
+        # the node, so no row's running max stays -inf. WINDOW is by depth (depth_ptr: the wave's): a range of an
+        # ancestor covers consecutive depths, so a row compares as row + (node's depth - range's depth) against the
+        # range's columns, which puts every column before it (causal: all seen) and the window's edge where it lies;
+        # the tiles left of the top row's window are skipped, the rest masked. SINKS: as _attention_kernel's, each row
+        # its own head's.
         GROUP: tl.constexpr = HEADS // KV_HEADS
         block, node, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(cu_ptr + node)
@@ -2341,10 +2826,10 @@ if triton is not None:
             packed = m0 + tl.arange(0, BLOCK_M)
             rows = packed // GROUP  # each row's token in the node: what the causal mask compares
             valid = packed < length * GROUP
-            q_at = (((start + rows[:, None]).to(tl.int64) * HEADS + kv_head * GROUP + packed[:, None] % GROUP) * D
-                    + tl.arange(0, D)[None, :])
-            q = tl.load(q_ptr + q_at, mask=valid[:, None], other=0.0)  # [BLOCK_M, D]
-            acc = tl.zeros((BLOCK_M, D), tl.float32)
+            token_head = (start + rows[:, None]).to(tl.int64) * HEADS + kv_head * GROUP + packed[:, None] % GROUP
+            q = _tile(q_ptr + (token_head * D + tl.arange(0, DP)[None, :]), valid[:, None],
+                      tl.arange(0, DP)[None, :] < D, True, DP != D)  # [BLOCK_M, DP]
+            acc = tl.zeros((BLOCK_M, DVP), tl.float32)
             if SINKS:
                 m_i = tl.load(sinks_ptr + kv_head * GROUP + packed % GROUP).to(tl.float32) * 1.4426950408889634
                 l_i = tl.full((BLOCK_M,), 1.0, tl.float32)
@@ -2356,37 +2841,41 @@ if triton is not None:
             for a in range(tl.load(anc_cu_ptr + node), tl.load(anc_cu_ptr + node + 1)):
                 lo = tl.load(anc_ptr + 2 * a)
                 n = tl.load(anc_ptr + 2 * a + 1) - lo
-                kv = lo.to(tl.int64) * KV_HEADS * D + kv_head * D
+                k_at = k_ptr + (lo.to(tl.int64) * KV_HEADS * D + kv_head * D)
+                v_at = v_ptr + (lo.to(tl.int64) * KV_HEADS * DV + kv_head * DV)
                 if WINDOW:
                     shift = depth - tl.load(depth_ptr + lo)  # >= n: the range lies above the node
                     first = tl.maximum(m0 // GROUP + shift - window + 1, 0) // BLOCK_N * BLOCK_N
-                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows + shift, n,
-                                                     first, n, scale_log2, window, cap_log2, KV_HEADS * D, D,
+                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows + shift, n, first, n,
+                                                     scale_log2, window, cap_log2, KV_HEADS, D, DP, DV, DVP,
                                                      BLOCK_N, True, WINDOW, SOFTCAP)
                 else:
                     whole = n // BLOCK_N * BLOCK_N
-                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, n, 0, whole,
-                                                     scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N, False,
+                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, n, 0, whole, scale_log2,
+                                                     window, cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N, False,
                                                      WINDOW, SOFTCAP)
-                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv,
+                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at,
                                                      tl.zeros((BLOCK_M,), tl.int32) + (n - 1), n, whole, n,
-                                                     scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N, True,
-                                                     WINDOW, SOFTCAP)
-            kv = (kv_start + start).to(tl.int64) * KV_HEADS * D + kv_head * D
+                                                     scale_log2, window, cap_log2, KV_HEADS, D, DP, DV, DVP,
+                                                     BLOCK_N, True, WINDOW, SOFTCAP)
+            k_at = k_ptr + ((kv_start + start).to(tl.int64) * KV_HEADS * D + kv_head * D)
+            v_at = v_ptr + ((kv_start + start).to(tl.int64) * KV_HEADS * DV + kv_head * DV)
             first = m0 // GROUP // BLOCK_N * BLOCK_N  # every row's keys below it are unmasked (without a window)
             if WINDOW:  # the window's first tile for the top row on, masked
-                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length,
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length,
                                                  tl.maximum(m0 // GROUP - window + 1, 0) // BLOCK_N * BLOCK_N,
-                                                 first, scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N,
-                                                 True, WINDOW, SOFTCAP)
+                                                 first, scale_log2, window, cap_log2, KV_HEADS, D, DP, DV, DVP,
+                                                 BLOCK_N, True, WINDOW, SOFTCAP)
             else:
-                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, 0, first,
-                                                 scale_log2, window, cap_log2, KV_HEADS * D, D, BLOCK_N, False,
-                                                 WINDOW, SOFTCAP)
-            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_ptr + kv, v_ptr + kv, rows, length, first,
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, 0, first, scale_log2,
+                                                 window, cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N, False, WINDOW,
+                                                 SOFTCAP)
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, first,
                                              tl.minimum((m0 + BLOCK_M - 1) // GROUP + 1, length), scale_log2, window,
-                                             cap_log2, KV_HEADS * D, D, BLOCK_N, True, WINDOW, SOFTCAP)
-            tl.store(out_ptr + q_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
+                                             cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N, True, WINDOW, SOFTCAP)
+            dv = tl.arange(0, DVP)[None, :]
+            _store(out_ptr + (token_head * DV + dv), (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), valid[:, None],
+                   dv < DV, DVP != DV)
 
 
 if triton is not None:
@@ -2465,13 +2954,15 @@ def rms_norm_triton(x, weight, eps, style=NORM_CAST):
     return out
 
 
-def head_norm_rope_triton(x, weight, cos, sin, eps, style):
+def head_norm_rope_triton(x, weight, cos, sin, eps, style, interleave=False):
+    # cos, sin: [tokens, rotary_dim], the whole head_dim but for partial RoPE
     T, heads, D = x.shape
-    assert x.stride(2) == 1 and x.stride(1) == D and cos.is_contiguous() and sin.is_contiguous()
+    assert x.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
     out = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
     norm = 0 if weight is None else {NORM_CAST: 1, NORM_OFFSET: 2}[style]  # no family has gpt-oss's norms on q/k
     _head_norm_rope_kernel[(T,)](x, x.stride(0), x if weight is None else weight, cos, sin, out, heads, eps,
-                                 HEADS=triton.next_power_of_2(heads), HALF=D // 2, NORM=norm, num_warps=4)
+                                 HEADS=triton.next_power_of_2(heads), HALF=D // 2, ROT=cos.shape[1] // 2, NORM=norm,
+                                 HEAD_STRIDE=x.stride(1), INTERLEAVE=interleave, num_warps=4)
     return out
 
 
@@ -2519,8 +3010,9 @@ TRITON_KERNELS = Kernels("triton", rms_norm_triton, head_norm_rope_triton, gated
 
 
 # ----------------------------------------------------------------------------- attention backends
-# Every backend computes attend(q, k, v, chunk, how) -> [tokens, heads, D] over the chunk's texts, causal, GQA, with
-# the layer's AttentionSettings `how` (scale, window, softcap), or is not offered for a model that needs what it lacks.
+# Every backend computes attend(q, k, v, chunk, how) -> [tokens, heads, v's head dim] over the chunk's texts, causal,
+# GQA, with the layer's AttentionSettings `how` (scale, window, softcap), or is not offered for a model that needs what
+# it lacks.
 
 SDPA_SCORES = 1 << 24  # scores one SDPA call may hold (64 MB in float32): its math backend keeps a few copies
 
@@ -2570,7 +3062,7 @@ def attention_sdpa(q, k, v, chunk, how, sinks=None):
     # sinks ([heads]) go through softcapped_attention, the last resort of a model with either. In a prefix tree's chunk
     # (k/v: the wave's) a sequence's ancestors' keys come first, seen by every query row (within its window, by
     # depth).
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:2], v.shape[2])
     heads, group = q.shape[1], q.shape[1] // k.shape[1]
     scale, written = own_scale(how, q.shape[2]), how.softcap is not None or sinks is not None
     for i, (s, e) in enumerate(zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:])):
@@ -2607,21 +3099,26 @@ ATTENTION_KINDS = ["triton", "flash", "torch-flash", "cudnn", "sdpa"]
 # torch cannot run it.
 ATTENTION_FAMILIES = {"cudnn": ("nvidia",)}
 # What each kind computes besides causal GQA at the model's scale: a sliding window, a softcap of the scores (Gemma 2),
-# sinks (gpt-oss: a logit a head in each row's softmax denominator). flash-attn has a window and a softcap
-# (window_size, softcap); torch's flash kernel a window (window_size_left/right) but no softcap; cuDNN's SDPA neither;
-# none of the three takes sinks (flash_attn_varlen_func 2.8.3, aten's _flash_attention_forward, SDPA: no such
-# argument; their log-sum-exp could rescale each row, unbuilt). prefill's Triton kernels have all three (constexpr
-# variants); SDPA a window as a mask, a softcap and sinks through float32 math written out. A kind a model needs more
-# of is not offered for it.
-ATTENTION_FEATURES = {"triton": {"window", "softcap", "sinks"}, "flash": {"window", "softcap"},
-                      "torch-flash": {"window"}, "cudnn": set(), "sdpa": {"window", "softcap", "sinks"}}
+# a value head dim other than the query's and key's (DeepSeek's MLA: 128 to 192), sinks (gpt-oss: a logit a head in
+# each row's softmax denominator). flash-attn has a window and a softcap (window_size, softcap); torch's flash kernel a
+# window (window_size_left/right) but no softcap; cuDNN's SDPA neither; none of the three takes sinks
+# (flash_attn_varlen_func 2.8.3, aten's _flash_attention_forward, SDPA: no such argument; their log-sum-exp could
+# rescale each row, unbuilt). prefill's Triton kernels have window, softcap and sinks (constexpr variants); SDPA a
+# window as a mask, a softcap and sinks through float32 math written out. Values of their own head dim: prefill's
+# Triton kernels and SDPA read them as they are; flash-attn, torch's flash kernel and cuDNN take one head dim for q, k
+# and v, so they get v zero-padded to it and their output cut back (v_padded: exact, the zero columns add nothing to
+# any output column; 1.5x the value bytes and p·v FLOPs at 192 to 128). A kind a model needs more of is not offered.
+ATTENTION_FEATURES = {"triton": {"window", "softcap", "sinks", "v_head_dim"},
+                      "flash": {"window", "softcap", "v_head_dim"}, "torch-flash": {"window", "v_head_dim"},
+                      "cudnn": {"v_head_dim"},
+                      "sdpa": {"window", "softcap", "sinks", "v_head_dim"}}
 # On AMD GPUs flash-attn is its Triton backend (the CK one builds for CDNA only), whose varlen_fwd of 2.8.3 takes
 # window_size_left/right and softcap and never reads them (flash_attn/flash_attn_triton_amd/interface_fa.py at
 # v2.8.3): plain causal attention where a window or softcap was asked for. Not offered for such a model there, rather
-# than left to the sharp inputs of the start-up check.
+# than left to the sharp inputs of the start-up check (values zero-padded to q's head dim it computes as any kernel).
 FEATURE_GAPS = {("flash", family): "flash-attn's Triton AMD varlen_fwd (2.8.3) ignores window_size and softcap"
                 for family in ("rdna3", "amd")}
-FAMILY_FEATURES = dict.fromkeys(FEATURE_GAPS, frozenset())
+FAMILY_FEATURES = dict.fromkeys(FEATURE_GAPS, frozenset({"v_head_dim"}))
 
 
 def attention_features(kind, family):
@@ -2632,7 +3129,8 @@ def attention_needs(cfg):
     # the features beyond causal GQA that some layer of the model needs
     return ({"window"} if any(how.window for how in cfg.attention) else set()) | \
         ({"softcap"} if any(how.softcap for how in cfg.attention) else set()) | \
-        ({"sinks"} if any(how.sinks for how in cfg.attention) else set())
+        ({"sinks"} if any(how.sinks for how in cfg.attention) else set()) | \
+        ({"v_head_dim"} if cfg.v_head_dim != cfg.head_dim else set())
 
 
 def unoffered_attention(family, cfg):
@@ -2645,35 +3143,47 @@ def unoffered_attention(family, cfg):
 
 
 def attention_triton(q, k, v, chunk, how, tile, sinks=None):
-    # q: [tokens, heads, D], k/v: [tokens, kv_heads, D]; one launch per chunk, no per-sequence Python loop. The
-    # grid covers the longest sequence; shorter ones' surplus programs exit at once. No recompilation per max_len.
-    # A window, a softcap and sinks ([heads]) are compile-time variants: a model without them runs the kernel it ran
-    # before.
-    T, heads, D = q.shape
+    # q: [tokens, heads, D], k: [tokens, kv_heads, D], v: [tokens, kv_heads, DV] -> [tokens, heads, DV]; one launch
+    # per chunk, no per-sequence Python loop. The grid covers the longest sequence; shorter ones' surplus programs
+    # exit at once. No recompilation per max_len. A window, a softcap and sinks ([heads]) are compile-time variants,
+    # and head dims that are not powers of two (DeepSeek's 192) padded ones: a model without them runs the kernel it
+    # ran before.
+    (T, heads, D), DV = q.shape, v.shape[2]
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
     assert (sinks is not None) == how.sinks, "a layer's sinks are its attention settings'"
     block_m, block_n, warps, stages = tile
     assert block_m % block_n == 0  # the unmasked tiles must end exactly where the diagonal ones start
-    out = torch.empty_like(q)
+    out = q.new_empty(T, heads, DV)
     grid = (triton.cdiv(chunk.max_len, block_m), len(chunk.seq_bounds) - 1, heads)
     scale_log2, cap_log2 = math.log2(math.e) * how.scale, math.log2(math.e) * (how.softcap or 1.0)
-    variant = dict(WINDOW=how.window is not None, SOFTCAP=how.softcap is not None, SINKS=how.sinks)
+    variant = dict(HEADS=heads, KV_HEADS=k.shape[1], D=D, DP=triton.next_power_of_2(D), DV=DV,
+                   DVP=triton.next_power_of_2(DV), BLOCK_M=block_m, BLOCK_N=block_n, WINDOW=how.window is not None,
+                   SOFTCAP=how.softcap is not None, SINKS=how.sinks, num_warps=warps, num_stages=stages)
     sinks = q if sinks is None else sinks  # unread without SINKS
     if chunk.ancestors is not None:  # a prefix tree's chunk: k/v are the wave's; a program per KV head's group
         grid = (triton.cdiv(chunk.max_len * (heads // k.shape[1]), block_m), len(chunk.seq_bounds) - 1, k.shape[1])
         _tree_attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, chunk.start, chunk.ancestor_bounds,
                                      chunk.ancestor_ranges, chunk.depths, sinks, scale_log2, how.window or 0,
-                                     cap_log2, HEADS=heads, KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m,
-                                     BLOCK_N=block_n, **variant, num_warps=warps, num_stages=stages)
+                                     cap_log2, **variant)
         return out
-    _attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, sinks, scale_log2, how.window or 0, cap_log2, HEADS=heads,
-                            KV_HEADS=k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n, **variant, num_warps=warps,
-                            num_stages=stages)
+    _attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, sinks, scale_log2, how.window or 0, cap_log2, **variant)
     return out
 
 
+def v_padded(attend):
+    # attend for a kind that takes one head dim for q, k and v (flash-attn, torch's flash, cuDNN), given v of
+    # another: v zero-padded to q's head dim, the output's first v head dim channels kept (each output channel is p·v
+    # of its own v column)
+    def attend_padded(q, k, v, chunk, how):
+        D, DV = q.shape[2], v.shape[2]
+        if DV == D:
+            return attend(q, k, v, chunk, how)
+        return attend(q, k, F.pad(v, (0, D - DV)), chunk, how)[..., :DV]  # (v's is the smaller: DeepSeek's)
+    return attend_padded
+
+
 def make_attention(kind, tile=None):
-    """An attention function (q, k, v, chunk, how) -> [tokens, heads, D] for the named backend."""
+    """An attention function (q, k, v, chunk, how) -> [tokens, heads, v's head dim] for the named backend."""
     if kind == "sdpa":
         return attention_sdpa
     if kind == "flash":
@@ -2685,7 +3195,7 @@ def make_attention(kind, tile=None):
                          **({"window_size": (how.window - 1, 0)} if how.window else {}),  # j >= i - (window - 1)
                          **({"softcap": how.softcap} if how.softcap else {}))
             return flash_attn_varlen_func(q, k, v, chunk.cu_seqlens, chunk.cu_seqlens, n, n, causal=True, **extra)
-        return attention_flash
+        return v_padded(attention_flash)
     if kind == "triton":
         if triton is None:
             raise RuntimeError("triton is not installed")
@@ -2704,7 +3214,7 @@ def make_attention(kind, tile=None):
                                                        is_causal=True, enable_gqa=True, scale=scale)  # [1, heads, n, D]
                     out[s:e] = o[0].transpose(0, 1)
             return out
-        return attention_cudnn
+        return v_padded(attention_cudnn)
     if kind == "torch-flash":
         # torch's own flash kernel, called directly: its varlen_attn wrapper (torch 2.11) has no GQA and would need
         # the KV heads repeated 8x, which cost 0.2 s of copies and attention per 45k-token request on the H200
@@ -2715,16 +3225,17 @@ def make_attention(kind, tile=None):
             extra = dict(({"scale": scale} if scale else {}),
                          **({"window_size_left": how.window - 1, "window_size_right": 0} if how.window else {}))
             return flash_forward(q, k, v, cu, cu, chunk.max_len, chunk.max_len, 0.0, True, False, **extra)[0]
-        return attention_torch_flash
+        return v_padded(attention_torch_flash)
     raise UserError(f"unknown attention backend {kind!r}")
 
 
 def attention_inputs(device, cfg, lens, seed):
     # random q, k, v for texts of the given lengths, drawn on the device (a 4096-token set is 42M values)
     gen = torch.Generator(device=device).manual_seed(seed)
-    heads, kv_heads, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     T = sum(lens)
-    q, k, v = (torch.randn(T, h, D, generator=gen, device=device, dtype=DTYPE) for h in (heads, kv_heads, kv_heads))
+    q, k, v = (torch.randn(T, h, D, generator=gen, device=device, dtype=DTYPE)
+               for h, D in ((heads, cfg.head_dim), (kv_heads, cfg.head_dim), (kv_heads, cfg.v_head_dim)))
     bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
     return q, k, v, Chunk(0, T, bounds, torch.tensor(bounds, dtype=torch.int32, device=device), max(lens))
 
@@ -2750,7 +3261,9 @@ ATTENTION_TILES["amd"] = ATTENTION_TILES["rdna3"]
 
 # RDNA3's tiles for the window and softcap variants: in 64-row tiles those spill under Triton 3.9 (window: 5-49 VGPRs,
 # window and softcap: 5-48, Gemma 3 and Gemma 2 27B), these two do not (221-253 VGPRs). A head_dim over 128 (Gemma 3
-# 4B-12B, Gemma 2 9B: 256) spills 190-560 VGPRs in every tile tried (16-64 rows): the kernel is not offered there.
+# 4B-12B, Gemma 2 9B: 256) spills 190-560 VGPRs in every tile tried (16-64 rows), DeepSeek's 192 (in 256 lanes, v
+# 128) 166-422 in these four and the two above, the tree kernel 208-406: the kernel is not offered there (SDPA,
+# flash-attn with v zero-padded, torch's flash kernel are).
 RDNA3_VARIANT_TILES = [(32, 16, 8, 1), (16, 16, 4, 1)]
 
 
@@ -2817,12 +3330,17 @@ def attention_candidates(requested, family, cfg=None, tiles=None):
 
 
 # ----------------------------------------------------------------------------- mixture of experts
-# Qwen3-MoE's feed-forward (transformers 5.24, models/qwen3_moe/modeling_qwen3_moe.py), beside mlp_block: the same
-# layer, streamer and plan, the experts part of a layer's flat bytes (ModelConfig.mlp_tensors). The router (mlp.gate)
-# is a bf16 linear whose logits go through a float32 softmax; each token keeps its top-k experts, their probabilities
-# renormalised to sum 1 when norm_topk_prob, cast to bf16. Each expert is a SwiGLU MLP moe_intermediate_size wide, no
-# bias, no shared expert. The loss is the language-modelling loss alone: HF's .loss adds the router's auxiliary loss
+# The feed-forward of Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3 (transformers 5.24, models/*/modeling_*.py),
+# beside mlp_block: the same layer, streamer and plan, the experts part of a layer's flat bytes
+# (ModelConfig.mlp_tensors). The router (mlp.gate) picks each token's top-k experts and weighs them as the model's
+# Router says (route: softmax or DeepSeek-V3's sigmoid), the weights cast to bf16 for the combination. Each expert is a
+# SwiGLU MLP moe_intermediate_size wide, no bias. Shared experts (DeepSeek-V3, GLM, Qwen2-MoE) run beside them as one
+# plain gated MLP, their output (Qwen2-MoE: gated) added to the routed experts' bf16 sum before the residual, as
+# transformers adds them. The loss is the language-modelling loss alone: HF's .loss adds the router's auxiliary loss
 # only when output_router_logits is set, and prefill never adds it.
+#
+# Deviation: transformers keeps Mixtral's and the sigmoid router's weights in float32 into the experts' weighted sum
+# (Qwen's it casts to bf16 first, as here); prefill's combination takes bf16 weights, a relative 2^-9 on a weight.
 #
 # Here a chunk's (token, slot) pairs are sorted by expert, stably, the experts run as two grouped GEMMs over those rows
 # (gate_up, then down), and each token's k outputs, in ascending expert order, are weighted and summed in float32 (one
@@ -2838,20 +3356,50 @@ def attention_candidates(requested, family, cfg=None, tiles=None):
 # interleaved in gate_up's columns, with a bias on each projection, added to each row in bf16 as transformers'
 # grouped_mm experts add it (out.add_(bias)); the activation between them is a ClampedSwiGLU.
 
-def route(h, router, k, renormalize, bias=None, kind="softmax"):
-    # h: [tokens, hidden] -> (weights [tokens, k] in h's dtype, experts [tokens, k] int64, each row's experts ascending)
-    logits = F.linear(h, router, bias)  # [tokens, experts], in bf16 as transformers
-    if kind == "topk_softmax":
-        # gpt-oss: the top-k of the bf16 logits, then their softmax, computed in float32 and rounded to bf16 once:
-        # transformers' F.softmax(top, dtype=bf16) upcasts inside the kernel the same way (one rounding of float32
-        # math); the float32 oracle differs only in that last rounding
-        top, chosen = torch.topk(logits, k, dim=-1)
-        top = torch.softmax(top, dim=-1, dtype=torch.float32)
-    else:
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top, chosen = torch.topk(probs, k, dim=-1)
-        if renormalize:
-            top = top / top.sum(dim=-1, keepdim=True)
+def route_softmax(h, w, router):
+    # Qwen3-MoE's, Qwen2-MoE's, Mixtral's: h [tokens, hidden] -> (weights [tokens, k] float32, experts [tokens, k])
+    logits = F.linear(h, w.router)  # [tokens, experts], in bf16 as transformers
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, chosen = torch.topk(probs, router.top_k, dim=-1)
+    if router.renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top, chosen
+
+
+def route_sigmoid(h, w, router):
+    # DeepSeek-V3's and GLM-4.5's (DeepseekV3TopkRouter), step by step in float32: h [tokens, hidden] -> (weights
+    # [tokens, k] float32, experts [tokens, k]). topk unsorted as there: which of two tied scores it keeps is its own rule
+    scores = F.linear(h.float(), w.router).sigmoid()  # [tokens, experts]: the router is held in float32
+    biased = scores + w.router_bias  # the correction bias decides the choice, never the weights
+    if router.topk_group < router.n_group:  # (every group kept: the mask would change nothing)
+        groups = biased.view(h.shape[0], router.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [tokens, groups]
+        best = groups.topk(router.topk_group, dim=-1, sorted=False)[1]
+        kept = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, best, True)
+        biased = biased.masked_fill(~kept.repeat_interleave(biased.shape[1] // router.n_group, dim=1), -math.inf)
+    chosen = torch.topk(biased, router.top_k, dim=-1, sorted=False)[1]
+    top = scores.gather(1, chosen)
+    if router.renormalize:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return top * router.scale, chosen
+
+
+def route_topk_softmax(h, w, router):
+    # gpt-oss's (GptOssTopKRouter): h [tokens, hidden] -> (weights [tokens, k] float32, experts [tokens, k]). The top-k
+    # of the bf16 logits (the router's bias added), then their softmax, computed in float32 and rounded to bf16 once
+    # (by route): transformers' F.softmax(top, dtype=bf16) upcasts inside the kernel the same way (one rounding of
+    # float32 math); the float32 oracle differs only in that last rounding
+    top, chosen = torch.topk(F.linear(h, w.router, w.router_bias), router.top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=torch.float32), chosen
+
+
+ROUTES = {"softmax": route_softmax, "sigmoid": route_sigmoid, "topk_softmax": route_topk_softmax}
+
+
+def route(h, w, router):
+    # h: [tokens, hidden] -> (weights [tokens, k] in h's dtype, experts [tokens, k] int64, each row's experts ascending),
+    # by the model's Router (w: the layer's LayerWeights: its router and its router_bias, the sigmoid one's correction
+    # bias or gpt-oss's bias)
+    top, chosen = ROUTES[router.kind](h, w, router)
     chosen, slot = chosen.sort(dim=-1)  # the order the outputs are summed in
     return top.gather(1, slot).to(h.dtype), chosen
 
@@ -2883,27 +3431,51 @@ def biased(rows, bias, experts):
     return rows
 
 
-def moe_ffn(x, h, w, k, renormalize, grouped, kernels, router="softmax", activation="silu"):
-    # x: [tokens, hidden] += the experts' weighted sum over h: [tokens, hidden], the post-attention norm's output;
-    # returns x. grouped(a [rows, K] grouped by expert, weights [experts, N, K], bounds) -> [rows, N] is the expert
-    # compute picked at start-up (pick_experts). Each buffer is dropped as soon as the next step has read it. router,
-    # activation: the config's (gpt-oss: "topk_softmax", a ClampedSwiGLU; its biases are w's)
-    weights, chosen = route(h, w.router, k, renormalize, w.router_bias, router)
-    pairs, bounds = expert_rows(chosen, w.router.shape[0])
-    experts = None if w.gate_up_bias is None else chosen.flatten()[pairs]  # gpt-oss: each row's expert, for its biases
-    act = kernels.gated_act(biased(grouped(h[pairs // k], w.gate_up, bounds), w.gate_up_bias, experts),
-                            activation)  # [tokens * k, moe_intermediate]
-    kernels.combine(x, biased(grouped(act, w.down, bounds), w.down_bias, experts), pair_rows(pairs), weights)
+def moe_ffn(x, h, w, router, experts, kernels):
+    # x: [tokens, hidden] += the experts' weighted sum over h: [tokens, hidden], the post-attention norm's output, as
+    # router (a Router) routes it; returns x. experts(x, h, weights, chosen, w, kernels) is the expert compute picked
+    # at start-up (pick_experts: grouped_experts over a grouped GEMM, or fused_experts).
+    weights, chosen = route(h, w, router)
+    experts(x, h, weights, chosen, w, kernels)
     return x
 
 
-def moe_block(x, w, cfg, max_tokens, kernels, grouped):
+def shared_experts(h, w, kernels):
+    # h: [tokens, hidden] -> the shared experts' output [tokens, hidden]: one gated MLP (V3, GLM: n_shared_experts as
+    # one, moe_intermediate_size wide each), Qwen2-MoE's times sigmoid(h · shared_expert_gate), in bf16 as transformers
+    out = gated_mlp(h, w.shared_gate_up, w.shared_down, "silu", kernels)
+    if w.shared_gate is not None:
+        out *= torch.sigmoid(F.linear(h, w.shared_gate))  # [tokens, 1]
+    return out
+
+
+def moe_block(x, w, cfg, max_tokens, kernels, experts):
     # x: [tokens, hidden], updated in place in slices of max_tokens rows (the plan's moe_chunk_tokens): the routing
     # buffers hold max_tokens * num_experts_per_tok rows (moe_scratch_per_token), whatever the wave
     for s in range(0, x.shape[0], max_tokens):
         xs = x[s:s + max_tokens]
-        moe_ffn(xs, kernels.rms_norm(xs, w.mlp_norm, cfg.rms_norm_eps, cfg.norm_style), w, cfg.num_experts_per_tok,
-                cfg.norm_topk_prob, grouped, kernels, cfg.router, cfg.expert_activation)
+        h = kernels.rms_norm(xs, w.mlp_norm, cfg.rms_norm_eps, cfg.norm_style)
+        if w.shared_gate_up is None:
+            moe_ffn(xs, h, w, cfg.router, experts, kernels)
+        else:  # transformers adds the shared experts to the routed ones' bf16 sum, that to the residual
+            out = moe_ffn(torch.zeros_like(xs), h, w, cfg.router, experts, kernels)
+            out += shared_experts(h, w, kernels)
+            xs += out
+
+
+def grouped_experts(grouped, activation="silu"):
+    """moe_ffn's experts over a grouped GEMM grouped(a [rows, K] grouped by expert, w [experts, N, K], bounds) ->
+    [rows, N]: the (token, slot) rows sorted by expert and gathered, gate_up (plus each row's expert's bias, where the
+    experts have biases: gpt-oss), the activation (the model's expert_activation), down (and its bias), and each
+    token's k rows weighted and summed into x (Kernels.combine). Each buffer is dropped as soon as the next step has
+    read it."""
+    def experts(x, h, weights, chosen, w, kernels):
+        pairs, bounds = expert_rows(chosen, w.gate_up.shape[0])
+        rows = None if w.gate_up_bias is None else chosen.flatten()[pairs]  # gpt-oss: each row's expert, for its biases
+        act = kernels.gated_act(biased(grouped(h[pairs // chosen.shape[1]], w.gate_up, bounds), w.gate_up_bias, rows),
+                                activation)  # [rows, inter]
+        kernels.combine(x, biased(grouped(act, w.down, bounds), w.down_bias, rows), pair_rows(pairs), weights)
+    return experts
 
 
 # --- expert compute: the grouped GEMM out[rows of e] = a[rows of e] @ w[e].T for every expert e
@@ -2994,13 +3566,292 @@ def grouped_mm_native(device):
     return props.major in (9, 10)
 
 
-# The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, else prefill's Triton one;
-# the loop last. "auto" offers torch's grouped GEMM on a GPU only where it is native (grouped_mm_native): elsewhere it
-# is the loop with a host sync, and on an RDNA4 GPU (gfx1200, ROCm 7.2.1 on Windows) it crashed the process where no
-# check could catch it (ROCm/pytorch#3283). It stays on the CPU, where the tests run its call (torch's composite fallback there),
-# and --experts grouped_mm asks for it anywhere. On the CPU "auto" offers no Triton: its interpreter (tests)
-# multiplies bf16 tiles as raw integers.
-EXPERT_KINDS = ["grouped_mm", "triton", "loop"]
+# --- fused experts: the tokens aligned once per expert, two GEMMs that read and write through those ids, one sum.
+# vLLM's fused_moe (model_executor/layers/fused_moe/fused_moe.py) in outline, read, not copied: each expert's
+# (token, slot) rows are numbered into blocks of BLOCK_M rows, one expert a block, its last block padded
+# (align_experts: moe_align_block_size's job, here a count and a prefix sum instead of atomics); the gate+up GEMM reads
+# its rows of h through those ids (no gathered copy) and writes act(gate)·up once, not the [rows, 2 moe_intermediate]
+# that vLLM's silu_and_mul rereads; the down GEMM multiplies each row by its routing weight in its epilogue
+# (MUL_ROUTED_WEIGHT) and writes it at its own (token, slot) row; a last launch sums each token's k rows (moe_sum) in
+# slot order, which route makes ascending expert order, in float32, rounds once and adds them to x. Every row is
+# written by one program and every sum has a fixed order: no atomics. The integers that vary with the texts or that
+# the start-up check takes smaller than a run (tokens, k, experts) are not specialised on, so that the check compiles
+# what the run launches. The weights are read through strides (w_col, w_k, up_at): gpt-oss's [experts, K, N] layout is
+# a transposed view (tests/test_fused_moe.py), its interleaved gate/up columns moe_gate_up's w_col of two rows and
+# up_at of one; its clamped SwiGLU and expert biases would be constexprs of the two epilogues.
+#
+# The roundings are today's grouped path's (grouped_experts with combine) where that costs nothing: gate and up
+# rounded to bf16, SiLU rounded, its product with up rounded, as gated_act; each token's sum rounded once and then the
+# add. One differs: the down GEMM's float32 output is weighted before its one rounding to bf16, where combine rounds
+# the unweighted row and weights it exactly in float32; keeping the weighted rows in float32 instead would double the
+# bytes the down GEMM writes and the sum reads.
+
+ALIGN_CHUNK = 512   # (token, slot) entries a program of align_experts reads and places
+ALIGN_EXPERTS = 16  # experts it handles at a time ([ALIGN_CHUNK, ALIGN_EXPERTS] comparisons)
+ALIGN_COUNTS = 64   # chunks' counts it sums at a time
+ALIGN_BLOCKS = 16   # blocks it labels at a time
+
+try:  # the fused experts' TMA loads of their weights (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["rows", "experts"])
+    def _moe_count_kernel(chosen_ptr, counts_ptr, rows, experts, CHUNK: tl.constexpr, EB: tl.constexpr):
+        # counts[b, e]: how many of chunk b's CHUNK entries of chosen (flat, [rows]) are expert e
+        b = tl.program_id(0)
+        at = b * CHUNK + tl.arange(0, CHUNK)
+        chosen = tl.load(chosen_ptr + at, mask=at < rows, other=-1).to(tl.int32)
+        for e0 in range(0, experts, EB):
+            e = e0 + tl.arange(0, EB)
+            tl.store(counts_ptr + b * experts + e, tl.sum((chosen[:, None] == e[None, :]).to(tl.int32), 0),
+                     mask=e < experts)
+
+    @triton.jit(do_not_specialize=["rows", "experts", "chunks", "blocks"])
+    def _moe_align_kernel(chosen_ptr, counts_ptr, ids_ptr, block_expert_ptr, rows, experts, chunks, blocks,
+                          CHUNK: tl.constexpr, EB: tl.constexpr, PB: tl.constexpr, JB: tl.constexpr,
+                          BLOCK_M: tl.constexpr):
+        # Program b places chunk b's entries: expert e's rows start at start[e] (the padded counts of the experts
+        # before it, summed), chunk b's after those of the chunks before it (before[e]), in entry order within the
+        # chunk (a cumulative sum of its matches). It also labels its share of the blocks: each with its expert (-1
+        # past the last), the padding rows of an expert's last block with the id `rows` (no entry).
+        b = tl.program_id(0)
+        at = b * CHUNK + tl.arange(0, CHUNK)
+        chosen = tl.load(chosen_ptr + at, mask=at < rows, other=-1).to(tl.int32)
+        share = tl.cdiv(blocks, chunks)
+        j_end = tl.minimum(b * share + share, blocks)
+        base = tl.sum(tl.zeros((EB,), tl.int32), 0)  # rows of the experts before e0 (an int32 the loop carries)
+        for e0 in range(0, experts, EB):
+            e = e0 + tl.arange(0, EB)
+            total = tl.zeros((EB,), tl.int32)
+            before = tl.zeros((EB,), tl.int32)
+            for p0 in range(0, chunks, PB):
+                p = p0 + tl.arange(0, PB)[:, None]
+                n = tl.load(counts_ptr + p * experts + e[None, :], mask=(p < chunks) & (e[None, :] < experts),
+                            other=0)  # [PB, EB]
+                total += tl.sum(n, 0)
+                before += tl.sum(tl.where(p < b, n, 0), 0)
+            padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+            start = base + tl.cumsum(padded, 0) - padded
+            base += tl.sum(padded, 0)
+            hit = chosen[:, None] == e[None, :]  # [CHUNK, EB]
+            row = tl.cumsum(hit.to(tl.int32), 0) - 1 + (start + before)[None, :]
+            tl.store(ids_ptr + tl.sum(tl.where(hit, row, 0), 1), at, mask=tl.max(hit.to(tl.int32), 1) > 0)
+            for j0 in range(b * share, j_end, JB):
+                j = j0 + tl.arange(0, JB)
+                first = (j * BLOCK_M)[:, None]
+                own = (first >= start[None, :]) & (first < (start + padded)[None, :]) & (j < j_end)[:, None]
+                owned = tl.max(own.to(tl.int32), 1) > 0  # [JB]
+                tl.store(block_expert_ptr + j, tl.sum(tl.where(own, e[None, :], 0), 1), mask=owned)
+                pad = tl.sum(tl.where(own, (start + total)[None, :], 0), 1)  # the owner's first padding row
+                r = first + tl.arange(0, BLOCK_M)[None, :]  # [JB, BLOCK_M]
+                tl.store(ids_ptr + r, tl.zeros_like(r) + rows, mask=owned[:, None] & (r >= pad[:, None]))
+        for j0 in range(b * share, j_end, JB):
+            j = j0 + tl.arange(0, JB)
+            tl.store(block_expert_ptr + j, tl.zeros_like(j) - 1, mask=(j < j_end) & (j * BLOCK_M >= base))
+
+    @triton.jit
+    def _moe_tile_of(blocks, group_m, N, BLOCK_N: tl.constexpr):
+        # this program's (block of rows, block of columns): group_m blocks of rows side by side, so that programs
+        # running together share the same columns of weights (an order of the programs alone: a runtime integer)
+        pid, width = tl.program_id(0), group_m * tl.cdiv(N, BLOCK_N)
+        first = pid // width * group_m
+        size = tl.minimum(blocks - first, group_m)
+        return first + pid % width % size, pid % width // size
+
+    @triton.jit
+    def _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # this program's expert (-1: none), its block's rows and their ids (align_experts'), its block of columns and
+        # the first of them
+        m_block, n_block = _moe_tile_of(blocks, group_m, N, BLOCK_N)
+        expert = tl.load(block_expert_ptr + m_block)
+        r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        ids = tl.load(ids_ptr + r, mask=tl.zeros_like(r) + expert >= 0, other=0)  # -1: no ids written there
+        return expert, r, ids, n_block * BLOCK_N + tl.arange(0, BLOCK_N), n_block * BLOCK_N
+
+    @triton.jit
+    def _moe_weights_at(w, start, cols, N, w_col, w_k, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+        # the pointers of a program's [BLOCK_K, BLOCK_N] weights from k = 0: column c's K weights from w + start +
+        # c·w_col in steps of w_k (columns past N read c % N, not stored); with TMA, start (an integer the loop steps
+        # for nothing: the descriptor's row and k0 address the tile)
+        if TMA:
+            at = start
+        else:
+            at = w + start + (cols % N)[None, :].to(tl.int64) * w_col + tl.arange(0, BLOCK_K)[:, None] * w_k
+        return at
+
+    @triton.jit
+    def _moe_weight_tile(w, at, row, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+        # the [BLOCK_K, BLOCK_N] weights from k0: with TMA, rows row.. of w, a TensorDescriptor over the weights as rows
+        # of K (loads past its sides read zeros; past an expert's N the next rows, whose columns are not stored); else
+        # from the pointers at (_moe_weights_at's, stepped to k0 by the caller)
+        if TMA:
+            tile = w.load([row, k0]).T
+        elif EVEN_K:
+            tile = tl.load(at)
+        else:
+            tile = tl.load(at, mask=k0 + tl.arange(0, BLOCK_K)[:, None] < K, other=0.0)
+        return tile
+
+    @triton.jit(do_not_specialize=["rows", "top_k", "blocks", "group_m"])
+    def _moe_gate_up_kernel(h_ptr, w, act_ptr, ids_ptr, block_expert_ptr, rows, top_k, blocks, group_m, N, K,
+                            h_stride, w_expert, w_col, w_k, up_at, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+        # act[block rows, cols] = SiLU(gate)·up of the block's rows of h (row r: token ids[r] // top_k; an id of rows
+        # is padding: a zero row) for its expert; column c's gate weights at w + c·w_col, its up weights up_at further,
+        # each K long in steps of w_k (prefill's [experts, 2 N, K] gate rows first: w_col K, up_at N·K, w_k 1); with
+        # TMA, w a TensorDescriptor over them ([experts · 2 N, K] in [BLOCK_N, BLOCK_K] blocks). Padding rows are
+        # written too (zeros): the down GEMM reads whole blocks.
+        expert, r, ids, cols, col = _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M, BLOCK_N)
+        if expert >= 0:
+            valid = ids < rows
+            ks = tl.arange(0, BLOCK_K)
+            a_at = h_ptr + (ids // top_k)[:, None].to(tl.int64) * h_stride + ks[None, :]  # [BLOCK_M, BLOCK_K]
+            g_at = _moe_weights_at(w, expert.to(tl.int64) * w_expert, cols, N, w_col, w_k, BLOCK_K, TMA)
+            row = expert * (w_expert // w_col) + col
+            gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_at, mask=valid[:, None], other=0.0)
+                else:
+                    a = tl.load(a_at, mask=valid[:, None] & (k0 + ks[None, :] < K), other=0.0)
+                g = _moe_weight_tile(w, g_at, row, k0, K, BLOCK_K, EVEN_K, TMA)
+                u = _moe_weight_tile(w, g_at + up_at, row + up_at // w_col, k0, K, BLOCK_K, EVEN_K, TMA)
+                gate = tl.dot(a, g, gate)  # both tiles loaded before either product: 100 VGPRs on gfx1100, not 130
+                up = tl.dot(a, u, up)
+                a_at += BLOCK_K
+                g_at += BLOCK_K * w_k
+            dtype = act_ptr.dtype.element_ty
+            gate = gate.to(dtype).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            tl.store(act_ptr + r[:, None].to(tl.int64) * N + cols[None, :],
+                     (act * up.to(dtype).to(tl.float32)).to(dtype), mask=cols[None, :] < N)
+
+    @triton.jit(do_not_specialize=["rows", "blocks", "group_m"])
+    def _moe_down_kernel(act_ptr, w, out_ptr, ids_ptr, block_expert_ptr, weights_ptr, rows, blocks, group_m, N, K,
+                         w_expert, w_col, w_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, TMA: tl.constexpr):
+        # out[ids[r], cols] = weights[ids[r]] · (act[r] @ the expert's down weights) for the block's rows that are not
+        # padding: each (token, slot) row written once, by this program; act: [blocks · BLOCK_M, K], contiguous; w as
+        # _moe_gate_up_kernel's
+        expert, r, ids, cols, col = _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M, BLOCK_N)
+        if expert >= 0:
+            valid = ids < rows
+            ks = tl.arange(0, BLOCK_K)
+            a_at = act_ptr + r[:, None].to(tl.int64) * K + ks[None, :]
+            b_at = _moe_weights_at(w, expert.to(tl.int64) * w_expert, cols, N, w_col, w_k, BLOCK_K, TMA)
+            row = expert * (w_expert // w_col) + col
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_at)
+                else:
+                    a = tl.load(a_at, mask=k0 + ks[None, :] < K, other=0.0)
+                acc = tl.dot(a, _moe_weight_tile(w, b_at, row, k0, K, BLOCK_K, EVEN_K, TMA), acc)
+                a_at += BLOCK_K
+                b_at += BLOCK_K * w_k
+            weight = tl.load(weights_ptr + ids, mask=valid, other=0.0).to(tl.float32)
+            tl.store(out_ptr + ids[:, None].to(tl.int64) * N + cols[None, :],
+                     (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+
+    @triton.jit(do_not_specialize=["tokens", "top_k"])
+    def _moe_sum_kernel(x_ptr, x_stride, out_ptr, tokens, hidden, top_k, TOKENS: tl.constexpr, BLOCK: tl.constexpr):
+        # x[t] += Σ_j out[t top_k + j], the weighted rows of token t in slot order: float32 sums rounded to bf16 once,
+        # then the add rounded, as combine; TOKENS tokens by BLOCK columns a program
+        t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)[:, None].to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        mask = (t < tokens) & (cols < hidden)
+        acc = tl.zeros((TOKENS, BLOCK), tl.float32)
+        for j in range(top_k):
+            acc += tl.load(out_ptr + (t * top_k + j) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        at = x_ptr + t * x_stride + cols
+        x = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+        tl.store(at, (x + acc.to(x_ptr.dtype.element_ty).to(tl.float32)).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def align_experts(chosen, num_experts, block_m):
+    """chosen [tokens, k] (each (token, slot)'s expert) -> (ids, block_expert). ids [blocks · block_m] int32: each
+    row's flat (token, slot) index, expert by expert from expert 0, each expert's rows in token order from a multiple
+    of block_m, the rest of its last block tokens · k (padding). block_expert [blocks] int32: the expert of each block
+    of block_m rows, -1 past the last (those blocks' ids are not written). blocks = cdiv(tokens · k, block_m) +
+    num_experts, the most the padding can need: known without reading anything back. Two launches, no atomics: counts
+    per chunk of entries, then each chunk's entries placed after those of the chunks before it."""
+    rows, device = chosen.numel(), chosen.device
+    chunks, blocks = triton.cdiv(rows, ALIGN_CHUNK), triton.cdiv(rows, block_m) + num_experts
+    counts = torch.empty(chunks, num_experts, dtype=torch.int32, device=device)
+    ids = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    _moe_count_kernel[(chunks,)](chosen, counts, rows, num_experts, CHUNK=ALIGN_CHUNK, EB=ALIGN_EXPERTS, num_warps=8)
+    _moe_align_kernel[(chunks,)](chosen, counts, ids, block_expert, rows, num_experts, chunks, blocks,
+                                 CHUNK=ALIGN_CHUNK, EB=ALIGN_EXPERTS, PB=ALIGN_COUNTS, JB=ALIGN_BLOCKS,
+                                 BLOCK_M=block_m, num_warps=8)
+    return ids, block_expert
+
+
+def expert_weights(w, n, k, tma):
+    # a GEMM's weights w [experts, N, K] as its kernel reads them: the tensor, or (tma) a TensorDescriptor over its rows
+    # of K ([experts · N, K], [n, k] blocks: TMA copies them to shared memory; Triton >= 3.4, NVIDIA from sm_90)
+    if not tma:
+        return w
+    if TensorDescriptor is None:
+        raise RuntimeError(f"triton {triton.__version__} has no TensorDescriptor")
+    assert w.stride(2) == 1 and w.stride(0) == w.shape[1] * w.stride(1)
+    return TensorDescriptor(w, [w.shape[0] * w.shape[1], w.shape[2]], [w.stride(1), 1], [n, k])
+
+
+def moe_gate_up(h, gate_up, ids, block_expert, k, block_m, gemm):
+    # h [tokens, hidden], gate_up [experts, 2 inter, hidden] (gate rows first) -> act [padded rows, inter]:
+    # SiLU(gate)·up of each aligned row (align_experts' ids, block_expert); gemm: (BLOCK_N, BLOCK_K, GROUP_M, warps,
+    # stages, TMA)
+    (E, I2, H), blocks = gate_up.shape, block_expert.shape[0]
+    (n, bk, group_m, warps, stages, tma), I = gemm, I2 // 2
+    act = torch.empty(blocks * block_m, I, dtype=h.dtype, device=h.device)
+    _moe_gate_up_kernel[(blocks * triton.cdiv(I, n),)](
+        h, expert_weights(gate_up, n, bk, tma), act, ids, block_expert, h.shape[0] * k, k, blocks, group_m, I, H,
+        h.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), I * gate_up.stride(1), BLOCK_M=block_m,
+        BLOCK_N=n, BLOCK_K=bk, EVEN_K=H % bk == 0, TMA=tma, num_warps=warps, num_stages=stages)
+    return act
+
+
+def moe_down(act, down, ids, block_expert, weights, block_m, gemm):
+    # act [padded rows, inter], down [experts, hidden, inter] -> out [tokens * k, hidden]: each (token, slot) row's
+    # down projection times its routing weight (weights [tokens, k]), at the row of its flat index
+    (E, H, I), blocks = down.shape, block_expert.shape[0]
+    n, bk, group_m, warps, stages, tma = gemm
+    out = torch.empty(weights.numel(), H, dtype=act.dtype, device=act.device)
+    _moe_down_kernel[(blocks * triton.cdiv(H, n),)](
+        act, expert_weights(down, n, bk, tma), out, ids, block_expert, weights, weights.numel(), blocks, group_m, H,
+        I, down.stride(0), down.stride(1), down.stride(2), BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=bk,
+        EVEN_K=I % bk == 0, TMA=tma, num_warps=warps, num_stages=stages)
+    return out
+
+
+def moe_sum(x, out, k):
+    # x [tokens, hidden] += each token's k rows of out [tokens * k, hidden], summed in slot order
+    (T, H), block = x.shape, min(1024, triton.next_power_of_2(x.shape[1]))  # and 4096 // block tokens: 32 elements
+    _moe_sum_kernel[(triton.cdiv(T, 4096 // block), triton.cdiv(H, block))](  # a thread of 4 warps
+        x, x.stride(0), out, T, H, k, TOKENS=4096 // block, BLOCK=block, num_warps=4)
+
+
+def fused_experts(x, h, weights, chosen, w, tile):
+    """moe_ffn's experts in five launches: x [tokens, hidden] += Σ_j weights[t, j] · expert chosen[t, j](h[t]).
+    tile: (BLOCK_M, the gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), the down GEMM's)."""
+    block_m, up, down = tile
+    assert h.stride(1) == 1 and weights.is_contiguous() and chosen.is_contiguous() and x.stride(1) == 1
+    ids, block_expert = align_experts(chosen, w.gate_up.shape[0], block_m)
+    act = moe_gate_up(h, w.gate_up, ids, block_expert, chosen.shape[1], block_m, up)
+    moe_sum(x, moe_down(act, w.down, ids, block_expert, weights, block_m, down), chosen.shape[1])
+
+
+# The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, then the fused experts, else
+# the fused experts first, then prefill's Triton grouped GEMM; the loop last. "auto" offers torch's grouped GEMM on a
+# GPU only where it is native (grouped_mm_native): elsewhere it is the loop with a host sync, and on an RDNA4 GPU
+# (gfx1200, ROCm 7.2.1 on Windows) it crashed the process where no check could catch it (ROCm/pytorch#3283). It stays
+# on the CPU, where the tests run its call (torch's composite fallback there), and --experts grouped_mm asks for it
+# anywhere. On the CPU "auto" offers no Triton: its interpreter (tests) multiplies bf16 tiles as raw integers.
+EXPERT_KINDS = ["grouped_mm", "fused", "triton", "loop"]
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the Triton grouped GEMM per GPU family. NVIDIA's: of ten tiles timed
 # on the H200 on a 16,384-token slice of Qwen3-30B-A3B (bench/results/…-moe-experts-tiles.json) the best three, 467,
 # 382 and 337 TFLOP/s (torch's grouped_mm: 625); the first needs 144 KiB of shared memory, which a GPU with less
@@ -3013,9 +3864,88 @@ EXPERT_TILES = {
     "cpu": [(32, 32, 32, 4, 1)],  # Triton's interpreter (tests)
 }
 EXPERT_TILES["amd"] = EXPERT_TILES["rdna3"]
+# The fused experts' tiles, (BLOCK_M, the gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), the down
+# GEMM's), per GPU family and per shape: {(hidden, moe_intermediate, rows an expert gets in a full slice): tiles}; a
+# model is offered the tiles of the shape nearest to its own (fused_tiles), and the start-up timing picks among them.
+# The gate+up GEMM's BLOCK_N columns are BLOCK_N of gate and BLOCK_N of up: two accumulators, vLLM's tile of 2 BLOCK_N.
+# bench/tune_fused_moe.py times tiles per shape on a GPU and prints this table's rows. NVIDIA's: its run on the H200
+# (bench/results/primitives/2026-12-03-h200-fused-moe-tiles@0c884e2.json; Triton 3.6, torch 2.11), the two best
+# BLOCK_Ms per shape and slice; the weights read by TMA (a TensorDescriptor: the copy engine's loads, fewer registers)
+# in all but four of the twenty GEMMs kept. There the fused experts (alignment, both GEMMs, sum) took 0.93-1.29x
+# torch's grouped_mm experts (sort, gather, GEMMs, activation, combination) on the same routing: faster on Qwen3-30B-A3B
+# (2.45 ms against 2.64 a 16,384-token slice, the GEMMs at 572 TFLOP/s) and on the 4,096-token slices of many small
+# experts, slower on Mixtral's and gpt-oss's wide ones; the start-up timing decides per model. All compile for sm_90a
+# to wgmma, unspilled, under Triton 3.6 and 3.9. RDNA3's: vLLM's AMD_Radeon_Graphics (E=128,N=384) from 512 tokens on (64, 128, 32,
+# GROUP_SIZE_M 8, warps 8, stages 2), and the same in 128-row blocks, compiled for gfx1100 without spills (gate+up,
+# down: 100 and 99 VGPRs, 143 and 140, under Triton 3.9; 102-154 under 3.6; the alignment 171-189;
+# tests/test_gfx1100_compile.py), not run.
+FUSED_TILES = {
+    "nvidia": {
+        (2048, 768, 1024): [
+            (128, (128, 64, 1, 8, 3, True), (256, 64, 16, 8, 3, True)),
+            (64, (128, 32, 16, 4, 4, True), (128, 64, 16, 4, 3, True)),
+        ],
+        (2048, 768, 256): [
+            (128, (128, 32, 1, 8, 5, True), (256, 64, 1, 8, 4, True)),
+            (64, (128, 32, 1, 4, 4, True), (128, 64, 1, 4, 3, True)),
+        ],
+        (4096, 1536, 1024): [
+            (128, (128, 64, 1, 8, 4, True), (256, 64, 1, 8, 4, True)),
+            (64, (128, 64, 16, 4, 3, True), (128, 64, 16, 4, 4, True)),
+        ],
+        (4096, 1536, 256): [
+            (128, (128, 64, 1, 8, 3, True), (256, 64, 1, 8, 4, True)),
+            (64, (64, 64, 1, 4, 3, False), (256, 64, 1, 4, 3, True)),
+        ],
+        (4096, 14336, 4096): [
+            (128, (128, 64, 16, 8, 3, True), (256, 64, 1, 8, 3, True)),
+            (64, (128, 64, 16, 4, 3, True), (256, 64, 16, 4, 3, True)),
+        ],
+        (4096, 14336, 1024): [
+            (128, (128, 32, 16, 8, 5, False), (256, 64, 1, 8, 4, True)),
+            (64, (128, 64, 16, 4, 3, True), (256, 64, 16, 4, 3, True)),
+        ],
+        (7168, 2048, 512): [
+            (128, (128, 64, 1, 8, 3, True), (256, 64, 16, 8, 4, True)),
+            (64, (128, 64, 1, 4, 3, True), (128, 64, 16, 4, 4, True)),
+        ],
+        (7168, 2048, 128): [
+            (128, (128, 64, 1, 8, 4, True), (256, 64, 1, 8, 4, True)),
+            (64, (128, 64, 16, 4, 3, True), (128, 64, 1, 4, 3, False)),
+        ],
+        (2880, 2880, 512): [
+            (128, (128, 64, 1, 8, 3, True), (256, 64, 1, 8, 4, True)),
+            (64, (128, 32, 16, 4, 4, True), (256, 64, 1, 4, 3, True)),
+        ],
+        (2880, 2880, 128): [
+            (128, (128, 32, 1, 8, 5, True), (256, 64, 1, 8, 4, True)),
+            (64, (64, 64, 16, 4, 3, False), (128, 64, 1, 4, 3, True)),
+        ],
+    },
+    "rdna3": {(2048, 768, 1024): [(64, (64, 32, 8, 8, 2, False), (128, 32, 8, 8, 2, False)),
+                                  (128, (64, 32, 8, 8, 2, False), (128, 32, 8, 8, 2, False))]},
+    "cpu": {(2048, 768, 1024): [(64, (32, 32, 2, 4, 1, False), (32, 32, 2, 4, 1, False))]},  # the interpreter (tests)
+}
+FUSED_TILES["amd"] = FUSED_TILES["rdna3"]
 
 
-def make_experts(kind, tile=None):
+def fused_tiles(family, cfg, slice_tokens):
+    # the fused experts' tiles of the FUSED_TILES shape nearest to this model's (each size compared by its logarithm)
+    table = FUSED_TILES[family]
+    shape = (cfg.hidden_size, cfg.moe_intermediate_size,
+             max(1, slice_tokens * cfg.num_experts_per_tok // cfg.num_experts))
+    return table[min(table, key=lambda s: sum(abs(math.log(a / b)) for a, b in zip(s, shape)))]
+
+
+def tile_name(kind, tile):
+    if kind == "fused":
+        m, *gemms = tile
+        return f"fused {m} " + " ".join(f"{n}x{k}g{group}w{warps}s{stages}" + ("tma" if tma else "")
+                                        for n, k, group, warps, stages, tma in gemms)
+    return kind if tile is None else f"{kind} {tile[0]}x{tile[1]}x{tile[2]}"
+
+
+def make_grouped(kind, tile=None):
     """The grouped GEMM (a [rows, K] grouped by expert, w [experts, N, K], bounds [experts + 1]) -> [rows, N]."""
     if kind == "loop":
         return grouped_loop
@@ -3031,14 +3961,33 @@ def make_experts(kind, tile=None):
     raise UserError(f"unknown expert kernel {kind!r}")
 
 
-def expert_candidates(requested, device):
-    # (name, kind, tile) of each expert kernel that `requested` names: "auto", a kind, or a name pick_experts returned
+def make_experts(kind, tile=None, activation="silu"):
+    """moe_ffn's experts (x, h, weights, chosen, w, kernels) -> None, x += each token's weighted experts, with the
+    model's expert_activation between their GEMMs (the fused experts: SiLU alone, expert_candidates)."""
+    if kind != "fused":
+        return grouped_experts(make_grouped(kind, tile), activation)
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    return lambda x, h, weights, chosen, w, kernels: fused_experts(x, h, weights, chosen, w, tile)
+
+
+def expert_candidates(requested, device, cfg, slice_tokens):
+    # (name, kind, tile) of each expert kernel that `requested` names: "auto", a kind, or a name pick_experts returned;
+    # the fused experts' tiles are those of the shape nearest to cfg's at slices of slice_tokens. Not offered where the
+    # experts are gpt-oss's (fused_experts: biases, a clamped SwiGLU over interleaved gate and up, [experts, in, out]
+    # weights), which the fused kernels do not compute: the grouped GEMMs add the biases and apply the activation
     family, native = gpu_family(device), grouped_mm_native(device)
-    kinds = EXPERT_KINDS if native else ["triton", "grouped_mm", "loop"]
-    named = [(kind if tile is None else f"{kind} {tile[0]}x{tile[1]}x{tile[2]}", kind, tile) for kind in kinds
-             if not (kind == "triton" and requested == "auto" and device.type != "cuda")
+    kinds = EXPERT_KINDS if native else ["fused", "triton", "grouped_mm", "loop"]
+    if cfg.fused_experts:
+        if requested == "fused" or requested.startswith("fused "):
+            raise UserError("expert kernel 'fused' does not compute gpt-oss's experts (their biases, clamped SwiGLU "
+                            "and [experts, in, out] weights); --experts triton, grouped_mm or loop does")
+        kinds = [kind for kind in kinds if kind != "fused"]
+    tiles = {"triton": EXPERT_TILES[family], "fused": fused_tiles(family, cfg, slice_tokens)}
+    named = [(tile_name(kind, tile), kind, tile) for kind in kinds
+             if not (kind in tiles and requested == "auto" and device.type != "cuda")
              and not (kind == "grouped_mm" and requested == "auto" and device.type == "cuda" and not native)
-             for tile in (EXPERT_TILES[family] if kind == "triton" else [None])]
+             for tile in tiles.get(kind, [None])]
     chosen = [c for c in named if requested in ("auto", c[0], c[1])]
     if not chosen:
         raise UserError(f"unknown expert kernel {requested!r}")
@@ -3085,7 +4034,7 @@ def with_sinks(scores, sinks):
 def attention_reference(q, k, v, chunk, how, sinks=None):
     # float32 causal attention written out: softmax(softcap(q k^T · scale)) v per text and KV head ([group, n, n]
     # scores), over the keys each row sees (its window's), with each query head's sink where given ([heads])
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    out = torch.empty(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device)
     kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
     for s, e in zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:]):
@@ -3108,7 +4057,7 @@ def tree_attention_reference(q, k, v, seen, how, sinks=None):
     # float32 attention written out over an explicit visibility mask: q [rows, heads, D], k/v [keys, kv_heads, D],
     # seen [rows, keys] bool (a prefix tree's: each row's own path within its window, from tree_visibility); the
     # scale and softcap of how, and its sinks where given ([heads])
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    out = torch.empty(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device)
     group = q.shape[1] // k.shape[1]
     for h in range(k.shape[1]):
         heads = slice(h * group, (h + 1) * group)
@@ -3401,20 +4350,15 @@ def pick_attention(requested, device, cfg, picks):
 
 # --- the experts' kernels: checked against float32 experts, then timed
 
-def moe_reference(h, logits, gate_up, down, k, renormalize, router="softmax", activation="silu", gate_up_bias=None,
-                  down_bias=None):
-    # float32 math written out: softmax, top-k, renormalisation, each expert's SwiGLU on its tokens, weighted sum
-    # (gpt-oss: the top-k of the logits, their softmax; each expert's biases and ClampedSwiGLU). logits are the
-    # router's own bf16 output, and the k are torch.topk's, as transformers': bf16 logits tie often (in the check's 600
-    # tokens a few ties sit between the k-th and the (k+1)-th expert), and which of two equal probabilities topk keeps
-    # is its own rule (not the lower index); a logit rounded otherwise would swap experts too.
-    if router == "topk_softmax":
-        top, chosen = logits.topk(k, dim=-1)
-        top = top.float().softmax(-1)
-    else:
-        top, chosen = logits.float().softmax(-1).topk(k, dim=-1)
-        if renormalize:
-            top = top / top.sum(-1, keepdim=True)
+def moe_reference(h, logits, gate_up, down, k, renormalize, activation="silu", gate_up_bias=None, down_bias=None):
+    # float32 math written out: softmax, top-k, renormalisation, each expert's gated activation on its tokens (gpt-oss:
+    # with its biases and ClampedSwiGLU), weighted sum. logits are the router's own bf16 output, and the k are
+    # torch.topk's, as transformers': bf16 logits tie often (in the check's 600 tokens a few ties sit between the k-th
+    # and the (k+1)-th expert), and which of two equal probabilities topk keeps is its own rule (not the lower index);
+    # a logit rounded otherwise would swap experts too.
+    top, chosen = logits.float().softmax(-1).topk(k, dim=-1)
+    if renormalize:
+        top = top / top.sum(-1, keepdim=True)
     out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
     for e in range(gate_up.shape[0]):
         tokens, slots = (chosen == e).nonzero(as_tuple=True)
@@ -3448,7 +4392,6 @@ def expert_inputs(device, cfg, seed, tokens, experts):
     w = LayerWeights(mlp_norm=torch.ones(H, device=device, dtype=DTYPE), router=router.to(DTYPE),
                      gate_up=randn(experts, 2 * I, H, std=H ** -0.5), down=randn(experts, H, I, std=I ** -0.5))
     if cfg.fused_experts:  # gpt-oss: its layout, [experts, in, out] read through strides, biases, a clamp that bites
-        w.router_bias = randn(experts, std=0.5)
         w.gate_up = randn(experts, H, 2 * I, std=4 * H ** -0.5).transpose(1, 2)
         w.down = randn(experts, I, H, std=I ** -0.5).transpose(1, 2)
         w.gate_up_bias, w.down_bias = randn(experts, 2 * I), randn(experts, H)
@@ -3457,68 +4400,67 @@ def expert_inputs(device, cfg, seed, tokens, experts):
 
 def check_experts(candidates, device, cfg):
     """Each (name, kind, tile) candidate, run twice through moe_ffn on uneven routing: a list of dicts with name,
-    grouped (None where refused), error and, where refused, reason."""
+    experts (its experts function; None where refused), error and, where refused, reason."""
     k = min(cfg.num_experts_per_tok, 2)
     h, w = expert_inputs(device, cfg, seed=0, tokens=600, experts=min(cfg.num_experts, 8))
-    want = moe_reference(h, F.linear(h, w.router, w.router_bias), w.gate_up, w.down, k, cfg.norm_topk_prob,
-                         cfg.router, cfg.expert_activation, w.gate_up_bias, w.down_bias)
-    return [checked({"name": name, "grouped": None, "error": None}, "grouped", lambda: make_experts(kind, tile),
-                    lambda grouped: moe_ffn(torch.zeros_like(h), h, w, k, cfg.norm_topk_prob, grouped,
-                                            TORCH_KERNELS, cfg.router, cfg.expert_activation), want, "experts")
+    want = moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, cfg.norm_topk_prob, cfg.expert_activation,
+                         w.gate_up_bias, w.down_bias)
+    router = Router("softmax", k, cfg.norm_topk_prob)  # the expert kernels are under check, not the model's router
+    return [checked({"name": name, "experts": None, "error": None}, "experts",
+                    lambda: make_experts(kind, tile, cfg.expert_activation),
+                    lambda experts: moe_ffn(torch.zeros_like(h), h, w, router, experts, TORCH_KERNELS), want,
+                    "experts")
             for name, kind, tile in candidates]
 
 
-def experts_ms(grouped, inputs):
-    # median ms of a chunk's two grouped GEMMs (gate_up, down) over TIMING_REPEATS after one warm-up, on a stream of
-    # its own
-    rows, act, w, bounds = inputs
-    stream = torch.cuda.Stream(rows.device)
+def experts_ms(experts, inputs):
+    # median ms of a slice's experts after routing (a grouped GEMM's sort, gather, GEMMs, activation and combination;
+    # the fused experts' five launches) over TIMING_REPEATS after one warm-up, on a stream of its own
+    x = inputs[0]
+    stream = torch.cuda.Stream(x.device)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 1)]
     with torch.cuda.stream(stream):
-        grouped(rows, w.gate_up, bounds)
-        grouped(act, w.down, bounds)
+        experts(*inputs)
         for event in events[:-1]:
             event.record()
-            grouped(rows, w.gate_up, bounds)
-            grouped(act, w.down, bounds)
+            experts(*inputs)
         events[-1].record()
     events[-1].synchronize()
     return median_ms(events)
 
 
-def expert_timing_inputs(device, cfg, chunk_tokens, experts=8):
-    # one chunk's rows as a run sees them, for `experts` of the model's experts (their shapes decide the speed; all of
-    # them would be a layer's bytes of scratch): chunk_tokens * top-k / num_experts rows each on average, uneven
+def expert_timing_inputs(device, cfg, chunk_tokens, kernels, experts=8):
+    # one slice's routed tokens as a run sees them, for `experts` of the model's experts (their shapes decide the
+    # speed; all of them would be a layer's bytes of scratch): chunk_tokens * top-k / num_experts rows each on average,
+    # uneven; the experts' arguments (x, h, weights, chosen, w, kernels), kernels the run's (for the combination)
     h, w = expert_inputs(device, cfg, seed=1, tokens=max(2, chunk_tokens * experts // cfg.num_experts), experts=experts)
-    _, chosen = route(h, w.router, min(cfg.num_experts_per_tok, experts), cfg.norm_topk_prob)
-    pairs, bounds = expert_rows(chosen, experts)
-    rows = h[pairs // chosen.shape[1]]
-    act = torch.randn(rows.shape[0], cfg.moe_intermediate_size, device=device).to(DTYPE)
-    return rows, act, w, bounds
+    weights, chosen = route(h, w, Router("softmax", min(cfg.num_experts_per_tok, experts), cfg.norm_topk_prob))
+    return torch.zeros_like(h), h, weights, chosen, w, kernels
 
 
-def pick_experts(requested, device, cfg, picks, chunk_tokens=4096):
-    """(name, grouped, report): of the candidates that pass the check, the one this machine's picks name; else, on a
-    GPU with a writable picks file, the one timing picks on a chunk's shapes by pick_order's margin (then kept); else
-    the first in expert_candidates' order. Where the kept one is known, only it is checked."""
-    candidates = expert_candidates(requested, device)
+def pick_experts(requested, device, cfg, picks, chunk_tokens=4096, kernels=TORCH_KERNELS):
+    """(name, experts, report): of the candidates that pass the check, the one this machine's picks name; else, on a
+    GPU with a writable picks file, the one timing picks on a slice's shapes (chunk_tokens: the plan's MoE slice) by
+    pick_order's margin (then kept); else the first in expert_candidates' order. Where the kept one is known, only it
+    is checked. kernels: the run's (a grouped GEMM's timing includes their activation and combination)."""
+    candidates = expert_candidates(requested, device, cfg, chunk_tokens)
     kept = picks.get(f"experts {requested}")
     report = check_experts([c for c in candidates if c[0] == kept] or candidates, device, cfg)
-    if not any(e["grouped"] for e in report) and len(report) < len(candidates):  # the kept one failed
+    if not any(e["experts"] for e in report) and len(report) < len(candidates):  # the kept one failed
         report += check_experts([c for c in candidates if c[0] != kept], device, cfg)
-    passed = [e for e in report if e["grouped"] is not None]
+    passed = [e for e in report if e["experts"] is not None]
     if not passed:
         reasons = "; ".join(f"{e['name']}: {e['reason']}" for e in report)
         raise UserError(f"expert kernel {requested!r} is unusable on {device}: {reasons}")
     order = [c[0] for c in candidates]
     passed.sort(key=lambda e: order.index(e["name"]))  # the family's order of preference, whatever was checked first
     if len(passed) > 1 and device.type in TIMED_DEVICES and picks.writable():
-        inputs = expert_timing_inputs(device, cfg, chunk_tokens)
+        inputs = expert_timing_inputs(device, cfg, chunk_tokens, kernels)
         for entry in passed:
-            entry["time_ms"] = experts_ms(entry["grouped"], inputs)
+            entry["time_ms"] = experts_ms(entry["experts"], inputs)
         passed = pick_order(passed, lambda e: e["time_ms"])
         picks.put(f"experts {requested}", passed[0]["name"])
-    return passed[0]["name"], passed[0]["grouped"], report
+    return passed[0]["name"], passed[0]["experts"], report
 
 
 def rms_norm_f32(x, weight, eps, style):
@@ -3527,11 +4469,11 @@ def rms_norm_f32(x, weight, eps, style):
 
 
 # The layer-level dequantization's check (kernel_checks) dequantizes the layer of this tiny FP8 Qwen3-MoE, held as a
-# real one is: vectors and the router copied as bf16, projections of 2 x 2 whole blocks and of a side below FP8_BLOCK
-# (one partial block: the experts' 40), and 8 experts' 24. Whatever the model, its launches are this one's: the
-# shapes are in the tables, not in the kernel's arguments. (A dense layer would add nothing but time: 1 s in the
-# interpreter.)
-FP8_CHECK_MODEL = dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=384, num_hidden_layers=1,
+# real one is: vectors and the router copied as bf16, projections of 2 whole blocks by 2.5 (a side of 320, the last
+# block partial, as DeepSeek-V3's 576-row kv_a_proj_with_mqa) and of a side below FP8_BLOCK (one partial block: the
+# experts' 40), and 8 experts' 24. Whatever the model, its launches are this one's: the shapes are in the tables, not
+# in the kernel's arguments. (A dense layer would add nothing but time: 1 s in the interpreter.)
+FP8_CHECK_MODEL = dict(model_type="qwen3_moe", hidden_size=320, intermediate_size=384, num_hidden_layers=1,
                        num_attention_heads=4, num_key_value_heads=1, head_dim=64, vocab_size=64, rms_norm_eps=1e-6,
                        tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
                        quantization_config={"quant_method": "fp8", **FP8_CONFIG})
@@ -3586,19 +4528,29 @@ def kernel_checks(device, cfg):
     makes, against float32 math on random inputs. A configuration is what Triton compiles a kernel for: its
     constexprs and its integer arguments' specialisations (divisible by 16, equal to 1). head_norm_rope runs twice a
     layer, on the query heads and on the key heads: another head count, so another lane layout (HEADS) and another
-    base pointer into the same qkv rows, each checked; gated_act at the dense MLP's width and at the experts' (with
-    each's activation; gpt-oss's clamp biting: inputs spread to ±limit); rms_norm in the model's norm style. Every
-    input is laid out as in a run (q and k views of one qkv tensor, its row stride) so that each launch matches a
-    run's but for the token count, which only the grid sees. An FP8 or MXFP4 model's layer-level dequantization:
+    base pointer into the same qkv rows, each checked (the RoPE tables as wide as the model's: partial RoPE is a
+    variant); gated_act at the dense MLP's width, the experts' and the shared experts' (with each's activation;
+    gpt-oss's clamp biting: inputs spread to ±limit); rms_norm in the model's norm style. Every input is laid out as in
+    a run (q and k views of one qkv tensor, its row stride) so that each launch matches a run's but for the token
+    count, which only the grid sees. Latent attention (latent_qkv): RoPE on q's last channels of each head and on the
+    key all heads share, both views of their projections' outputs, interleaved where the model's RoPE is; rms_norm on
+    the latents, views of the first projection's output. An FP8 or MXFP4 model's layer-level dequantization:
     dequantize_checks."""
     gen = torch.Generator().manual_seed(1)
     T, H, D, eps, style = 67, cfg.hidden_size, cfg.head_dim, 1e-6, cfg.norm_style
-    Q, KV = cfg.q_size, cfg.kv_size
-    qkv = torch.randn(T, Q + 2 * KV, generator=gen).to(device, DTYPE)
+    Q, KV, heads, interleave = cfg.q_size, cfg.kv_size, cfg.num_attention_heads, cfg.rope_interleave
+    first = torch.randn(T, cfg.qkv_rows, generator=gen).to(device, DTYPE)  # the first projection's output
     x = torch.randn(T, H, generator=gen).to(device, DTYPE)
     w_h, w_d = (torch.rand(n, generator=gen).add(0.5).to(device, DTYPE) for n in (H, D))
-    cos, sin = rope_tables(torch.arange(T, device=device), cfg.ropes[0], D)
+    cos, sin = rope_tables(torch.arange(T, device=device), cfg.ropes[0], cfg.rope_dim)
     w_qk = w_d if cfg.qk_norm else None
+    if cfg.kv_lora_rank:
+        A, R, N, P = cfg.q_lora_rank or Q, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.rope_dim
+        q = torch.randn(T, Q, generator=gen).to(device, DTYPE) if cfg.q_lora_rank else first[:, :A]  # q_b's, or q's
+        ropes = (("query", q.view(T, heads, N + P)[..., N:]), ("key", first[:, A + R:].view(T, 1, P)))
+        latents = [first[:, start:start + n] for start, n in ((0, cfg.q_lora_rank), (A, R)) if n]
+    else:
+        ropes, latents = (("query", first[:, :Q].view(T, -1, D)), ("key", first[:, Q:Q + KV].view(T, -1, D))), []
     logits = (torch.randn(T, cfg.vocab_size, generator=gen) * 4).to(device)  # float32, as LOGITS has them
     targets = torch.randint(cfg.vocab_size, (T,), generator=gen).to(device)
     targets[::7] = -100
@@ -3608,13 +4560,18 @@ def kernel_checks(device, cfg):
         results.append((kernel, launch, check_error(got, want)))
     check("rms_norm", f"{H} wide" + {NORM_CAST: "", NORM_OFFSET: ", offset", NORM_FLOAT32: ", float32 weight"}[style],
           rms_norm_triton(x, w_h, eps, style), rms_norm_f32(x, w_h, eps, style))
-    for what, heads in (("query", qkv[:, :Q].view(T, -1, D)), ("key", qkv[:, Q:Q + KV].view(T, -1, D))):
-        want = apply_rope(rms_norm_f32(heads, w_d, eps, style) if cfg.qk_norm else heads.float(), cos.float(),
-                          sin.float())
-        check("head_norm_rope", f"{heads.shape[1]} {what} heads",
-              head_norm_rope_triton(heads, w_qk, cos, sin, eps, style), want)
+    for latent in latents:
+        w_latent = torch.rand(latent.shape[1], generator=gen).add(0.5).to(device, DTYPE)
+        check("rms_norm", f"{latent.shape[1]} wide, a latent", rms_norm_triton(latent, w_latent, LATENT_EPS),
+              rms_norm_f32(latent, w_latent, LATENT_EPS, NORM_CAST))
+    for what, x_heads in ropes:
+        normed = rms_norm_f32(x_heads, w_d, eps, style) if cfg.qk_norm else x_heads.float()
+        want = apply_rope(deinterleaved(normed) if interleave else normed, cos.float(), sin.float())
+        check("head_norm_rope", f"{x_heads.shape[1]} {what} heads" + (", interleaved" if interleave else ""),
+              head_norm_rope_triton(x_heads, w_qk, cos, sin, eps, style, interleave), want)
     widths = ([(cfg.intermediate_size, cfg.activation)] if "mlp" in cfg.layouts else []) + (
-        [(cfg.moe_intermediate_size, cfg.expert_activation)] if cfg.num_experts else [])
+        [(cfg.moe_intermediate_size, cfg.expert_activation)] if cfg.num_experts else []) + (
+        [(cfg.shared_intermediate_size, "silu")] if cfg.shared_intermediate_size else [])
     for width, activation in dict.fromkeys(widths):
         spread = activation.limit / 2 if isinstance(activation, ClampedSwiGLU) else 1.0
         gate_up = (torch.randn(T, 2 * width, generator=gen) * spread).to(device, DTYPE)
@@ -3703,10 +4660,14 @@ def pick_kernels(requested, device, cfg):
 
 def gemm_shapes(cfg, tokens=4096):
     # (name, M, N, K) of each GEMM of a layer step (the gated MLP's where some layer has one), then the loss's last;
-    # a MoE layer's experts are grouped GEMMs, not these (pick_experts times them)
-    H, Q, KV, I = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    # a MoE layer's experts are grouped GEMMs, not these (pick_experts times them). Each name but lm_head's is that of
+    # its weight in LayerWeights; latent attention's up-projections (q_b where q has a LoRA, kv_b) among them
+    H, I, R = cfg.hidden_size, cfg.intermediate_size, cfg.kv_lora_rank
+    latent = ([("q_b", tokens, cfg.q_size, cfg.q_lora_rank)] if cfg.q_lora_rank else []) + [
+        ("kv_b", tokens, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), R)] if R else []
     mlp = [("gate_up", tokens, 2 * I, H), ("down", tokens, H, I)] if "mlp" in cfg.layouts else []
-    return [("qkv", tokens, Q + 2 * KV, H), ("o_proj", tokens, H, Q), *mlp, ("lm_head", tokens, cfg.vocab_size, H)]
+    return [("qkv", tokens, cfg.qkv_rows, H), *latent, ("o_proj", tokens, H, cfg.num_attention_heads * cfg.v_head_dim),
+            *mlp, ("lm_head", tokens, cfg.vocab_size, H)]
 
 
 def gemm_tflops(device, shapes, weights=None, repeats=TIMING_REPEATS):
@@ -3821,6 +4782,7 @@ def machine_key(device, cfg):
                 triton.__version__ if triton is not None else None, package_version("flash_attn")]
     geometry = [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim]
     geometry += [cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size] if cfg.num_experts else []
+    geometry += [cfg.v_head_dim] if cfg.v_head_dim != cfg.head_dim else []
     geometry += [cfg.model_type] + [[how.scale, how.window, how.softcap] + ([how.sinks] if how.sinks else [])
                                     for how in attention_settings(cfg)]
     return json.dumps([device.type, *gpu, *versions, *geometry, source])
@@ -4564,8 +5526,9 @@ class Runner:
                 return fn(*args)
             picked_blas = side.submit(side_task, "blas", after, picked_attention, pick_blas, self.device, cfg,
                                       self.picks)
-            picked_experts = side.submit(side_task, "experts", after, picked_blas, pick_experts, experts, self.device,
-                                         cfg, self.picks, plan.moe_chunk_tokens) if cfg.num_experts else None
+            picked_experts = side.submit(side_task, "experts", after, picked_blas, lambda: pick_experts(
+                experts, self.device, cfg, self.picks, plan.moe_chunk_tokens, picked_kernels.result()[0])) \
+                if cfg.num_experts else None
             # Host memory page-locked in place, unlocked when this Runner goes and before it can be unmapped: freed
             # while registered, its addresses keep a stale registration that the next mapping there inherits (seen
             # on the H200: a later Runner's registrations and copies failed with "invalid argument").
@@ -4583,8 +5546,8 @@ class Runner:
             self.attention, self.attend, self.attention_report = picked_attention.result()
             self.kernels, self.kernel_errors = picked_kernels.result()
             self.blas, self.blas_tflops = picked_blas.result()
-            # the expert kernel picked (None for a dense model), its grouped GEMM, the check's report
-            self.experts, self.grouped, self.experts_report = picked_experts.result() if picked_experts else \
+            # the expert kernel picked (None for a dense model), its experts function, the check's report
+            self.experts, self.run_experts, self.experts_report = picked_experts.result() if picked_experts else \
                 (None, None, [])
             lap("kernels_wait")
         if self.device.type == "cuda":  # the checks' and timings' scratch (2 GiB reserved with kept picks on the H200)
@@ -4806,7 +5769,7 @@ class Runner:
                 if w.router is None:
                     mlp_block(x[s:e], w, cfg, self.plan.chunk_tokens, self.kernels)
                 else:
-                    moe_block(x[s:e], w, cfg, self.plan.moe_chunk_tokens, self.kernels, self.grouped)
+                    moe_block(x[s:e], w, cfg, self.plan.moe_chunk_tokens, self.kernels, self.run_experts)
             self.streamer.release(layer)
 
     def tree_attention(self):
@@ -4836,7 +5799,8 @@ class Runner:
         x = embed_tokens(self.embed, ids, cfg)  # [tokens, hidden]
         positions = wave.positions.to(dev)  # each token's depth
         tables = wave_rope_tables(positions, cfg)
-        wave_kv = [torch.empty(T, cfg.num_key_value_heads, cfg.head_dim, dtype=DTYPE, device=dev) for _ in range(2)]
+        wave_kv = [torch.empty(T, cfg.num_key_value_heads, D, dtype=DTYPE, device=dev)
+                   for D in (cfg.head_dim, cfg.v_head_dim)]
         self.run_layers(x, tables, wave.chunks, layers, attend, wave_kv)
         del wave_kv
         timer.mark("loss")
@@ -5147,11 +6111,13 @@ def parse_args(argv):
                         "family's nominal rates, as large as memory allows: one stderr line says which bound; not "
                         "under torchrun)")
     p.add_argument("--experts", default="auto", choices=["auto"] + EXPERT_KINDS,
-                   help="a mixture of experts' grouped GEMMs: torch's grouped_mm, prefill's Triton kernel, or one "
-                        "GEMM per expert (default: of those that match float32 experts at start-up, the one kept in "
-                        "--picks; the first run on a GPU times them and keeps the first in that order unless "
-                        "another is clearly (10%%) faster; without a picks file, grouped_mm where it is one kernel, "
-                        "else Triton; on a GPU grouped_mm only where it is one kernel, on the CPU grouped_mm)")
+                   help="a mixture of experts' expert compute: torch's grouped_mm, prefill's fused Triton experts "
+                        "(the rows aligned per expert, the gate+up GEMM with the activation, the down GEMM with the "
+                        "routing weight, one sum), prefill's Triton grouped GEMM, or one GEMM per expert (default: of "
+                        "those that match float32 experts at start-up, the one kept in --picks; the first run on a "
+                        "GPU times them and keeps the first in that order unless another is clearly (10%%) faster; "
+                        "without a picks file, grouped_mm where it is one kernel, else the fused experts; on a GPU "
+                        "grouped_mm only where it is one kernel, on the CPU grouped_mm)")
     p.add_argument("--load", default="auto", choices=["auto", "map", "copy"],
                    help="map: page-lock the streamed layers' pages of the checkpoint's page cache in place and "
                         "copy them to the GPU straight from there (no host copy; those pages stay locked in RAM while "

@@ -93,15 +93,15 @@ def doctor(runner):
     fig["attention_candidates"] = [{k: v for k, v in e.items() if k != "attend"} for e in report]
     fig.update(kernels=runner.kernels.name, kernel_errors=runner.kernel_errors, blas=runner.blas)
     if cfg.num_experts:  # every expert kernel offered here, checked, and timed on a chunk's shapes
-        experts = check_experts(expert_candidates("auto", dev), dev, cfg)
-        inputs = expert_timing_inputs(dev, cfg, plan.moe_chunk_tokens) if cuda else None
-        rows = inputs[0].shape[0] if cuda else 0
+        experts = check_experts(expert_candidates("auto", dev, cfg, plan.moe_chunk_tokens), dev, cfg)
+        inputs = expert_timing_inputs(dev, cfg, plan.moe_chunk_tokens, runner.kernels) if cuda else None
+        rows = inputs[3].numel() if cuda else 0  # the slice's (token, slot) rows
         for e in experts:
-            if cuda and e["grouped"] is not None:
-                e["time_ms"] = experts_ms(e["grouped"], inputs)
+            if cuda and e["experts"] is not None:
+                e["time_ms"] = experts_ms(e["experts"], inputs)
                 e["tflops"] = 6 * rows * cfg.moe_intermediate_size * cfg.hidden_size / (e["time_ms"] / 1e3) / 1e12
         fig["experts"] = runner.experts
-        fig["expert_candidates"] = [{k: v for k, v in e.items() if k != "grouped"} for e in experts]
+        fig["expert_candidates"] = [{k: v for k, v in e.items() if k != "experts"} for e in experts]
     if cuda:
         # a layer's weights on the device (a resident one's, else a slot's); a dense one where the model has any,
         # whose MLP's GEMMs are timed too
@@ -109,9 +109,9 @@ def doctor(runner):
         w = runner.streamer.scratch_views[kind] if cfg.quantized else \
             next((w for i, w in runner.streamer.resident.items() if cfg.layer_kinds[i] == kind), None) \
             or runner.streamer.slot_views[0][kind]  # an FP8 or MXFP4 model's: the bf16 scratch its layers become
-        own = {"qkv": w.qkv, "o_proj": w.o_proj, "gate_up": w.gate_up, "down": w.down, "lm_head": runner.lm_head}
         shapes = gemm_shapes(cfg, plan.chunk_tokens)[:-1] + [("lm_head", plan.loss_chunk_tokens, cfg.vocab_size,
                                                               cfg.hidden_size)]
+        own = {name: getattr(w, name) for name, _, _, _ in shapes[:-1]} | {"lm_head": runner.lm_head}
         fig["gemm_tflops"] = {}
         for library in BLAS_LIBRARIES:
             torch.backends.cuda.preferred_blas_library(library)
@@ -152,6 +152,13 @@ def doctor(runner):
                                          f"register, {fig['lock_s_per_gb']['alloc']:.2f} s/GB by alloc; "
                                          f"host->device {fig['h2d_gbps']:.1f} GB/s" if cuda else "")]
     sinks = any(how.sinks for how in cfg.attention)
+    if cfg.kv_lora_rank:  # DeepSeek's: what the kernels below run on
+        lines.append(f"attention  multi-head latent (MLA): {cfg.num_attention_heads} heads, q/k head dim "
+                     f"{cfg.head_dim} ({cfg.qk_nope_head_dim} + RoPE {cfg.rope_dim}"
+                     + (", interleaved" if cfg.rope_interleave else "") + f"), v {cfg.v_head_dim}; latents "
+                     + (f"q {cfg.q_lora_rank}, " if cfg.q_lora_rank else "q none (q_proj), ")
+                     + f"kv {cfg.kv_lora_rank}, expanded per token; softmax scale {cfg.attention[0].scale:.4g}"
+                     + (f", {cfg.ropes[0].kind} RoPE" if cfg.ropes[0].kind != "default" else ""))
     lines.append(f"attention  by the longest text in a chunk: {attention_summary(runner.attention)} (each checked "
                  f"against float32 attention on texts of {CHECK_LENGTHS}, then each bucket's own"
                  + (", with sinks: a logit a head in each row's softmax denominator, from -2 to 10 across the heads"
@@ -183,8 +190,12 @@ def doctor(runner):
                      + ("in one launch a layer" if runner.kernels.name == "triton" else "tensor by tensor")
                      + " (checked bit for bit against transformers' math)")
     if cfg.num_experts:
+        dense = cfg.layer_kinds.count("mlp")
+        lines.append(f"routing    {cfg.num_experts} experts a layer, {cfg.router.describe()}"
+                     + (f"; shared experts {cfg.shared_intermediate_size} wide" if cfg.shared_expert else "")
+                     + (f"; {dense} of {cfg.num_hidden_layers} layers dense" if dense else ""))
         lines.append(f"experts    {runner.experts} (checked against float32 experts on uneven routing)"
-                     + (f"; ms and TFLOP/s of a {plan.moe_chunk_tokens}-token slice's two grouped GEMMs, * picked"
+                     + (f"; ms and TFLOP/s of a {plan.moe_chunk_tokens}-token slice's experts after routing, * picked"
                         if cuda else ""))
         for e in fig["expert_candidates"]:
             state = f"refused: {e['reason'][:90]}" if "reason" in e else f"error {e['error']:.1e}" + (

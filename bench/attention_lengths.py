@@ -1,8 +1,10 @@
 """Attention at long lengths, as prefill's per-bucket pick sees it (one device command, ~1 min).
 
-    python bench/attention_lengths.py [--out DIR]
+    python bench/attention_lengths.py [--out DIR] [--geometry deepseek-v3]
 
-For prefill's attention candidates on this GPU (Qwen3-32B heads: 64 query, 8 KV, head_dim 128), on single texts of
+For prefill's attention candidates on this GPU (Qwen3-32B heads: 64 query, 8 KV, head_dim 128; or DeepSeek-V3's
+latent attention: 128 heads, q/k 192 in the Triton kernel's 256 lanes, v 128, zero-padded to 192 for flash-attn,
+torch's flash kernel and cuDNN), on single texts of
 new lengths: the first call (what a kernel plans per shape: cuDNN builds a graph per sequence length) and the mean
 of the next five, as TFLOP/s of causal attention; each candidate's error against float32 attention on a 4500-token
 text. Runs twice, in subprocesses: as prefill runs, and with TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (torch >= 2.9,
@@ -24,15 +26,24 @@ GEOMETRY = dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, n
                 rope_theta=1e6, tie_word_embeddings=False)
 
 
-def measure() -> dict:
+def geometry(name: str) -> dict:
+    if name == "qwen3-32b":
+        return GEOMETRY
+    sys.path.insert(0, str(ROOT))
+    import interact
+    from bench.make_checkpoint import DEEPSEEK_V3
+    return interact.config_json(DEEPSEEK_V3)  # its attention; the layers' kind changes nothing here
+
+
+def measure(name: str) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
     import prefill
 
-    dev, cfg = torch.device("cuda"), prefill.ModelConfig.from_json(GEOMETRY)
+    dev, cfg = torch.device("cuda"), prefill.ModelConfig.from_json(geometry(name))
     how = cfg.attention[0]
-    per_pair = 4 * cfg.num_attention_heads * cfg.head_dim
+    per_pair = 2 * cfg.num_attention_heads * (cfg.head_dim + cfg.v_head_dim)
     out = {}
     for name, kind, tile in prefill.attention_candidates("auto", prefill.gpu_family(dev)):
         if kind == "sdpa":
@@ -63,19 +74,21 @@ def measure() -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--geometry", choices=["qwen3-32b", "deepseek-v3"], default="qwen3-32b")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(measure()))
+        print(json.dumps(measure(args.geometry)))
         return 0
     results = {}
     for label, extra in (("default", {}), ("avoid_recompile", {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "1"})):
-        p = subprocess.run([sys.executable, __file__, "--child"], capture_output=True, text=True,
+        p = subprocess.run([sys.executable, __file__, "--child", "--geometry", args.geometry], capture_output=True,
+                           text=True,
                            env=dict(os.environ, **extra), timeout=400)
         sys.stderr.write(p.stderr[-3000:])
         results[label] = json.loads(p.stdout.splitlines()[-1]) if p.returncode == 0 else {"failed": p.stderr[-500:]}
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "attention_lengths.json").write_text(json.dumps(results, indent=1))
+    (Path(args.out) / f"attention_lengths-{args.geometry}.json").write_text(json.dumps(results, indent=1))
     print(f"{'run':16} {'candidate':14} {'err 4500':>9} " + " ".join(f"{n:>16}" for n in LENGTHS))
     print(f"{'':16} {'':14} {'':>9} " + " ".join(f"{'TFLOP/s (1st ms)':>16}" for _ in LENGTHS))
     for label, res in results.items():

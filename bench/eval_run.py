@@ -212,7 +212,8 @@ def floors(cfg: dict, stats: dict, tflops: float | None) -> dict:
     shapes = make_checkpoint.matrix_shapes(cfg)
     head = 2 * shapes["lm_head"][0] * shapes["lm_head"][1]
     per_token = make_checkpoint.flops_per_token(cfg) - head
-    attention = 4 * cfg["num_attention_heads"] * cfg["head_dim"] * cfg["num_hidden_layers"]
+    model = make_checkpoint.model_config(cfg)
+    attention = 2 * model.num_attention_heads * (model.head_dim + model.v_head_dim) * model.num_hidden_layers
     flops = stats["tokens_computed"] * per_token + stats["scored_rows"] * head + stats["attention_pairs"] * attention
     return {"unique_flops": flops, "unique_floor_s": flops / (tflops * 1e12) if tflops else None}
 

@@ -109,10 +109,74 @@ QWEN3_30B_A3B = {**QWEN3_32B, "model_type": "qwen3_moe", "hidden_size": 2048, "i
                  "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
                  "num_experts_per_tok": 8, "moe_intermediate_size": 768}
 
+# The other mixtures of experts (their config.json), each with the Qwen3 tokenizer's vocabulary (its ids reach 151668),
+# and how much of each the H200 machine holds (128 GiB of RAM, /dev/shm in it; 64 GiB of disk):
+MIXTRAL_8X7B = {  # mistralai/Mixtral-8x7B-v0.1: 8 experts of intermediate_size, top-2 renormalised, every layer MoE, no
+    # window; 32 layers of 2.9 GB (93 GB): run with --layers 16 (47 GB); its own vocabulary: 32000
+    "model_type": "mixtral", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "sliding_window": None, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+    "tie_word_embeddings": False, "max_position_embeddings": 32768,
+}
+QWEN1_5_MOE_A2_7B = {  # Qwen/Qwen1.5-MoE-A2.7B: 60 experts of 1408, top-4 not renormalised, a shared expert of 5632
+    # behind its sigmoid gate, q/k/v biases; 24 layers of 1.14 GB (28.7 GB): whole
+    "model_type": "qwen2_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+    "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60,
+    "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+    "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+    "sliding_window": 32768, "max_window_layers": 21, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+    "tie_word_embeddings": False, "max_position_embeddings": 8192,
+}
+GLM4_5_AIR = {  # zai-org/GLM-4.5-Air: 128 experts of 1408, top-8 by the sigmoid router (one group, scale 1), one shared
+    # expert, the first layer dense (10944), q/k/v biases, no q/k norm, RoPE on half of each head; 46 layers, the 45
+    # MoE ones 4.68 GB each (210 GB): run with --layers 10 (one dense and 9 MoE layers, 45 GB). Its own vocabulary:
+    # 151552. The router's weight and correction bias are written float32 (interact.write_random_checkpoint)
+    "model_type": "glm4_moe", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 10944,
+    "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+    "n_routed_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408, "n_shared_experts": 1,
+    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True, "first_k_dense_replace": 1,
+    "attention_bias": True, "use_qk_norm": False, "partial_rotary_factor": 0.5, "rope_theta": 1e6,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "max_position_embeddings": 131072,
+    "num_nextn_predict_layers": 1,
+}
+
+# DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3's; R1 and V3.1 share it): multi-head latent attention (128 heads,
+# q/k 192, v 128, latents q 1536 and kv 512), interleaved RoPE with YaRN (x40, mscale 1), 3 dense layers and 58 of
+# mixtures of experts (256 routed, 1 shared; the router's fields below); its one MTP layer (layer 61) is not written.
+# 61 layers are 1.34 TB in bf16 (a dense layer 1.17 GB, a MoE one 23.0 GB with its float32 router, embedding and
+# head 3.7 GB), 0.67 TB in FP8. The H200 machine (128 GiB RAM holding /dev/shm, 64 GiB disk, 139 GiB GPU) holds
+# --layers 7 at most (99.9 GB bf16 in /dev/shm, transformers' reference 93 GiB on the GPU; 8 would leave 13 GiB of
+# RAM beside /dev/shm's 114.5); --layers 6, the 3 dense and 3 MoE (76.9 GB bf16, 40.7 GB FP8), leaves room for
+# transformers' load, which fuses a layer's 256 experts (21 GiB) on the way. A MoE layer is also the smallest slot:
+# two of them and a 16,384-token expert slice's scratch plan 58 GiB, whatever the cap.
+# Vocabulary 151936, not 129280: the Qwen3 tokenizer's ids reach 151668, as for Llama-3.1-70B above.
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "vocab_size": 151936, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+    "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc",
+    "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
+    "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000, "rope_scaling": {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn"},
+    "attention_bias": False, "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
+    "head_dim": 64,  # absent in DeepSeek's file, qk_rope_head_dim then; spelled out for interact.config_json's default
+}
+# Moonlight-16B-A3B's (moonshotai/Moonlight-16B-A3B's, model_type deepseek_v3): no q LoRA, plain RoPE θ 5e4 (no
+# scaling), 1 dense layer and 26 of 64 routed experts (6 a token) and 2 shared; 32 GB in bf16, whole on the H200 machine
+MOONLIGHT_16B_A3B = {
+    **DEEPSEEK_V3, "vocab_size": 163840, "hidden_size": 2048, "intermediate_size": 11264,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "n_shared_experts": 2, "n_routed_experts": 64, "routed_scaling_factor": 2.446, "q_lora_rank": None, "n_group": 1,
+    "topk_group": 1, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "rope_scaling": None, "num_nextn_predict_layers": 0,
+}
+
 # gpt-oss's config.json (openai/gpt-oss-20b's and -120b's, as released: transformers 4 spelt its RoPE rope_scaling):
 # 24 layers of 32 experts or 36 of 128, every one a mixture of experts, 4 a token, 2880 wide; a window of 128 on
-# alternate layers (layer_types left to its default, so that --layers keeps it whole); the experts MXFP4 (--mxfp4). Its
-# RoPE is YaRN, which prefill refuses until it is built: tiny-gpt-oss has the default RoPE.
+# alternate layers (layer_types left to its default, so that --layers keeps it whole); its RoPE YaRN (x32 over 4096
+# positions, untruncated); the experts MXFP4 (--mxfp4).
 GPT_OSS_20B = {
     "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
     "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
@@ -131,10 +195,26 @@ GEOMETRIES = {"qwen3-32b": QWEN3_32B, "gemma3-27b": GEMMA3_27B, "qwen2.5-32b": Q
               "tiny-qwen2.5": tiny(QWEN2_5_32B), "tiny-llama": tiny(LLAMA_3_1_70B),
               "qwen3-30b-a3b": QWEN3_30B_A3B,
               "tiny-moe": tiny(QWEN3_30B_A3B, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+              "mixtral-8x7b": MIXTRAL_8X7B, "qwen1.5-moe-a2.7b": QWEN1_5_MOE_A2_7B, "glm-4.5-air": GLM4_5_AIR,
+              "tiny-mixtral": tiny(MIXTRAL_8X7B, num_local_experts=4),
+              "tiny-qwen1.5-moe": tiny(QWEN1_5_MOE_A2_7B, num_experts=8, moe_intermediate_size=64,
+                                       shared_expert_intermediate_size=128),
+              "tiny-glm-4.5-air": tiny(GLM4_5_AIR, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                       n_group=4, topk_group=2, routed_scaling_factor=2.5),
+              "deepseek-v3": DEEPSEEK_V3, "moonlight-16b-a3b": MOONLIGHT_16B_A3B,
+              # MLA and the V3 router at a CPU's size: 4 heads of 32 + RoPE 32 (v 32), latents 128 and 64, the first
+              # layer dense, then 8 experts of 128 in 4 groups (the best 2 kept), one shared (FP8: whole blocks, or one
+              # below)
+              "tiny-deepseek-v3": tiny(DEEPSEEK_V3, num_key_value_heads=4, head_dim=32, q_lora_rank=128,
+                                       kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+                                       n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, n_group=4,
+                                       topk_group=2, first_k_dense_replace=1),
+              "tiny-moonlight": tiny(MOONLIGHT_16B_A3B, num_key_value_heads=4, head_dim=32, kv_lora_rank=64,
+                                     qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=8,
+                                     num_experts_per_tok=2, moe_intermediate_size=128),
               "gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B,
               "tiny-gpt-oss": tiny(GPT_OSS_20B, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
-                                   sliding_window=16, rope_scaling=None,
-                                   rope_parameters={"rope_type": "default", "rope_theta": 150000.0})}
+                                   sliding_window=16)}
 
 
 def model_config(cfg: dict):
@@ -153,24 +233,28 @@ def geometry(name: str, layers: int | None = None) -> dict:
 def matrix_shapes(cfg: dict) -> dict[str, tuple[int, int, int]]:
     """name -> (N, K, count): each projection as an N x K weight, and how many of it a token meets.
 
-    q/k/v and gate/up are listed fused, as a runner would run them (the FLOPs are the same either way). In a MoE
-    geometry a token meets the router and its top-k experts of each layer instead of the dense MLP."""
-    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim") or h // heads
-    layers = cfg["num_hidden_layers"]
-    moe = model_config(cfg).layer_kinds.count("moe")  # a Qwen3-MoE's layers of experts (not the dense ones)
+    q/k/v and gate/up are listed fused, as a runner would run them (the FLOPs are the same either way); DeepSeek's
+    latent attention as prefill runs it (prefill.gemm_shapes): q's LoRA input and the latent fused ("qkv"), q_b and
+    kv_b. In a MoE geometry a token meets the router, its top-k experts of each layer and the shared experts (and
+    Qwen2-MoE's gate of them) instead of the dense MLP."""
+    import prefill
+    h, layers, model = cfg["hidden_size"], cfg["num_hidden_layers"], model_config(cfg)
+    moe = model.layer_kinds.count("moe")  # the layers of experts (not the dense ones)
     shapes = {
-        "qkv": ((heads + 2 * kv) * hd, h, layers),
-        "o": (h, heads * hd, layers),
+        **{"o" if name == "o_proj" else name: (n, k, layers) for name, _, n, k in prefill.gemm_shapes(model)
+           if name in ("qkv", "q_b", "kv_b", "o_proj")},
         "gate_up": (2 * cfg["intermediate_size"], h, layers - moe),
         "down": (h, cfg["intermediate_size"], layers - moe),
         "lm_head": (cfg["vocab_size"], h, 1),
     }
     if moe:
-        model = model_config(cfg)  # its reading of the experts' keys (gpt-oss: num_local_experts, intermediate_size)
-        top_k, inter = model.num_experts_per_tok, model.moe_intermediate_size
+        top_k, inter, shared = model.num_experts_per_tok, model.moe_intermediate_size, model.shared_intermediate_size
         shapes.update(router=(model.num_experts, h, moe), expert_gate_up=(2 * inter, h, top_k * moe),
                       expert_down=(h, inter, top_k * moe))
+        if shared:
+            shapes.update(shared_gate_up=(2 * shared, h, moe), shared_down=(h, shared, moe))
+        if model.shared_expert_gate:
+            shapes.update(shared_expert_gate=(1, h, moe))
     return shapes
 
 
@@ -181,11 +265,11 @@ def flops_per_token(cfg: dict) -> float:
 
 
 def attention_flops(cfg: dict, lengths: list[int]) -> float:
-    """Causal attention's FLOPs for texts of these token counts: q.k and p.v, 2 x head_dim each, per head, for each
-    (query, key) pair a layer computes: a text's n(n+1)/2, or with a window w each query's min(i + 1, w) keys (a
-    30k-token text: ~1/3 of its FLOPs without windows)."""
+    """Causal attention's FLOPs for texts of these token counts: q.k and p.v, 2 x their head dims (q/k's, v's), per
+    head, for each (query, key) pair a layer computes: a text's n(n+1)/2, or with a window w each query's min(i + 1,
+    w) keys (a 30k-token text: ~1/3 of its FLOPs without windows)."""
     model = model_config(cfg)
-    per_pair = 4 * model.num_attention_heads * model.head_dim
+    per_pair = 2 * model.num_attention_heads * (model.head_dim + model.v_head_dim)
 
     def pairs(n, w):
         return n * (n + 1) // 2 if w is None or w >= n else w * (w + 1) // 2 + (n - w) * w
@@ -194,9 +278,10 @@ def attention_flops(cfg: dict, lengths: list[int]) -> float:
 
 
 def checkpoint_bytes(cfg: dict, fp8: bool = False, mxfp4: bool = False) -> int:
-    """Bytes of every tensor the checkpoint holds (norms and biases included): bf16, or with fp8 each layer projection
-    at a byte an element plus a float32 scale a 128x128 block (interact.write_random_checkpoint's FP8), or with mxfp4
-    each expert weight at half a byte an element plus a byte a 32 (its MXFP4)."""
+    """Bytes of every tensor the checkpoint holds (norms and biases included): bf16 (the sigmoid router's float32), or
+    with fp8 each layer projection at a byte an element plus a float32 scale a 128x128 block
+    (interact.write_random_checkpoint's FP8), or with mxfp4 each expert weight at half a byte an element plus a byte a
+    32 (its MXFP4)."""
     import prefill
     model = model_config(cfg)
 
@@ -204,7 +289,8 @@ def checkpoint_bytes(cfg: dict, fp8: bool = False, mxfp4: bool = False) -> int:
         n = math.prod(shape)
         if mxfp4 and name in prefill.MXFP4_WEIGHTS:
             return n // 2 + n // prefill.MXFP4_GROUP
-        return n + 4 * math.prod(prefill.scale_grid(shape)) if fp8 and prefill.is_fp8_weight(name) else 2 * n
+        return n + 4 * math.prod(prefill.scale_grid(shape)) if fp8 and prefill.is_fp8_weight(name) else \
+            n * model.tensor_dtypes.get(name, prefill.DTYPE).itemsize
     layers = sum(nbytes(name, shape) for kind in model.layer_kinds for name, (_, shape) in model.layouts[kind].items())
     embed_params = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
     return layers + 2 * (model.hidden_size + embed_params)

@@ -61,7 +61,7 @@ def layer_weights(cfg, device):
 
 
 def chunk_rows(cfg, w, h):
-    weights, chosen = prefill.route(h, w.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    weights, chosen = prefill.route(h, w, cfg.router)
     pairs, bounds = prefill.expert_rows(chosen, cfg.num_experts)
     return weights, chosen, pairs, bounds, h[pairs // chosen.shape[1]]
 
@@ -90,21 +90,23 @@ def measure_chunk(cfg, w, tokens, entries, device, repeats, kernels):
     row["dense_same_rows_tflops"] = flops / row["dense_same_rows_ms"] / 1e9
     row["combine_ms"] = {name: ms(lambda: fn(x.clone(), out, row_of, weights), device, repeats)
                          for name, fn in combinations(kernels).items()}
-    for entry in entries:
-        grouped = entry["grouped"]
-        gemms = ms(lambda: (grouped(rows, w.gate_up, bounds), grouped(act, w.down, bounds)), device, repeats)
+    for entry, kind, tile in entries:
+        experts = entry["experts"]
+        grouped = None if kind == "fused" else prefill.make_grouped(kind, tile)  # the fused experts: no GEMM alone
+        gemms = ms(lambda: (grouped(rows, w.gate_up, bounds), grouped(act, w.down, bounds)), device, repeats) \
+            if grouped else None
         block_x = x.clone()
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
-        prefill.moe_block(block_x, w, cfg, tokens, kernels, grouped)
+        prefill.moe_block(block_x, w, cfg, tokens, kernels, experts)
         peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else None
         again = x.clone()
-        prefill.moe_block(again, w, cfg, tokens, kernels, grouped)
-        block = ms(lambda: prefill.moe_block(x.clone(), w, cfg, tokens, kernels, grouped), device, repeats)
+        prefill.moe_block(again, w, cfg, tokens, kernels, experts)
+        block = ms(lambda: prefill.moe_block(x.clone(), w, cfg, tokens, kernels, experts), device, repeats)
         row["candidates"][entry["name"]] = {
-            "grouped_gemms_ms": gemms, "grouped_tflops": flops / gemms / 1e9, "moe_block_ms": block,
+            "grouped_gemms_ms": gemms, "grouped_tflops": flops / gemms / 1e9 if gemms else None, "moe_block_ms": block,
             "moe_block_peak_bytes": peak, "same_bits_twice": torch.equal(block_x, again)}
     row["scratch_bytes_planned"] = tokens * prefill.moe_scratch_per_token(cfg)
     return row
@@ -136,8 +138,9 @@ def main(argv=None):
               "cpu", "torch": torch.__version__, "grouped_mm_native": prefill.grouped_mm_native(device),
               "commit": args.commit}
     # every candidate of this device, the CPU's Triton too (refused there: the check is the judge)
-    candidates = list(dict.fromkeys(prefill.expert_candidates("auto", device) + prefill.expert_candidates("triton",
-                                                                                                         device)))
+    slice_tokens = prefill.plan_memory(cfg, 0).moe_chunk_tokens  # the default plan's: the fused tiles' shape
+    candidates = list(dict.fromkeys(prefill.expert_candidates("auto", device, cfg, slice_tokens)
+                                    + prefill.expert_candidates("triton", device, cfg, slice_tokens)))
     for tile in filter(None, args.tiles.split(",")):  # more Triton tiles to try: BLOCK_M x N x K x warps x stages
         m, n, k, warps, stages = map(int, tile.split("x"))
         candidates.append((f"triton {m}x{n}x{k} w{warps} s{stages}", "triton", (m, n, k, warps, stages)))
@@ -145,7 +148,7 @@ def main(argv=None):
     checked = prefill.check_experts(candidates, device, cfg)
     report["check_s"] = time.perf_counter() - t
     report["check"] = {e["name"]: e.get("reason") or f"passed, error {e['error']:.2e}" for e in checked}
-    passed = [e for e in checked if e["grouped"] is not None]
+    passed = [(e, kind, tile) for e, (_, kind, tile) in zip(checked, candidates) if e["experts"] is not None]
     w = layer_weights(cfg, device)
     kernels, report["kernel_errors"] = prefill.pick_kernels("auto", device, cfg)  # as a run picks them
     report["kernels"] = kernels.name
@@ -157,7 +160,8 @@ def main(argv=None):
         gbps, _ = prefill_doctor.h2d_gbps(device, prefill.pin_method(), cfg.layer_bytes)
     else:
         gbps = 55.0  # about the H200's measured pinned host->device rate (55.5 GB/s): the CPU has no such copy
-    best = max((c["grouped_tflops"], name) for chunk in report["chunks"] for name, c in chunk["candidates"].items())
+    best = max((c["grouped_tflops"], name) for chunk in report["chunks"] for name, c in chunk["candidates"].items()
+               if c["grouped_tflops"])
     copy, compute = prefill.layer_balance(cfg, 45_000, gbps, best[0], attended=225)
     report["plan"] = {"h2d_gbps": gbps, "h2d_measured": device.type == "cuda", "best_grouped_tflops": best[0],
                       "best_candidate": best[1], "layer_bytes": cfg.layer_bytes,
@@ -174,7 +178,9 @@ def main(argv=None):
               + f", dense same rows {chunk['dense_same_rows_tflops']:.0f} TFLOP/s")
         for name, c in chunk["candidates"].items():
             peak = f"{c['moe_block_peak_bytes'] / 2**20:.0f}" if c["moe_block_peak_bytes"] is not None else "-"
-            print(f"  {name:26s} grouped {c['grouped_gemms_ms']:8.3f} ms {c['grouped_tflops']:7.1f} TFLOP/s, "
+            gemms = f"{c['grouped_gemms_ms']:8.3f} ms {c['grouped_tflops']:7.1f} TFLOP/s" if c["grouped_tflops"] \
+                else f"{'(fused: bench/moe_layer.py)':>25}"
+            print(f"  {name:26s} grouped {gemms}, "
                   f"moe_block {c['moe_block_ms']:8.3f} ms, peak {peak} MiB "
                   f"(planned {chunk['scratch_bytes_planned'] / 2**20:.0f}), same bits {c['same_bits_twice']}")
     plan = report["plan"]

@@ -1,33 +1,46 @@
-"""Qwen3-30B-A3B (random weights: 48 layers, 61 GB) through prefill on one GPU under GPU memory caps, against both
-floors measured in the same run, in one device command (~5 min on the H200; issue 22).
+"""A mixture of experts (random weights: Qwen3-30B-A3B by default, 48 layers, 61 GB; or another of
+bench/make_checkpoint.py's geometries, --layers cutting one the machine cannot hold) through prefill on one GPU under
+GPU memory caps, against both floors measured in the same run, in one device command (~5 min on the H200; issue 22).
 
     python bench/moe_run.py --out bench/results/2026-12-01-h200-qwen3-30b-a3b.json
+    python bench/moe_run.py --geometry glm-4.5-air --layers 10 --ckpt /dev/shm/prefill-bench/glm-4.5-air-10 --out ...
+    python bench/moe_run.py --geometry deepseek-v3 --layers 6 --fp8 --caps 64,60 \
+        --ckpt /dev/shm/prefill-bench/deepseek-v3-6-fp8 --out ...     # block-wise FP8 weights (NOTES.md: why these)
     python bench/moe_run.py --device cpu --geometry tiny-moe --ckpt /tmp/tiny-moe --texts 12 --corpus-tokens 20000 \
         --caps 0.04,0.02 --reference-texts 6 --out /tmp/moe-run.json            # the same steps, tried on the CPU
     python bench/moe_run.py --geometry gpt-oss-120b --layers 20 --mxfp4 --ckpt /dev/shm/prefill-bench/gpt-oss-120b-20l \
         --out bench/results/…-h200-gpt-oss-120b-mxfp4.json     # gpt-oss (make_checkpoint.py's docstring: which cut)
 
 Steps, in order:
-  1. checkpoint  bench/make_checkpoint.py's random weights (--reuse: kept across runs of this script)
+  1. checkpoint  bench/make_checkpoint.py's random weights (--reuse: kept across runs of this script); with --fp8
+                 their block-wise FP8 quantization (the official layout, each layer projection per 128x128 block),
+                 with --mxfp4 a gpt-oss's experts in MXFP4 (as released)
   2. texts       the contest-like workload (bench/workload.py: 100 chat-rendered math texts, ~45k tokens), and a
                  corpus of >= --corpus-tokens tokens of the same kind whose first texts are the workload's
   3. rates       measured here, on the device, before any runner holds it: the pinned host->device rate on one
                  layer's bytes (prefill.h2d_gbps), the dense GEMMs' rate on the layer's qkv, o_proj and lm_head
-                 shapes (prefill.gemm_tflops) and each expert kernel's grouped GEMM rate on one whole layer (all its
-                 experts, an expert slice's routing by a random router: the run's shapes)
+                 shapes (prefill.gemm_tflops) and each grouped GEMM's rate (the candidates but the fused experts,
+                 which have no GEMM alone: bench/moe_layer.py times them) on one whole layer (all its experts, an
+                 expert slice's routing by a random router: the run's shapes)
   4. runs        per cap: the contest protocol (interact.run_runner, as the harness drives it: T from `ready` to the
                  last loss), then the corpus mode (--input/--output) with the wave the plan picks (stats: its
                  elapsed_s, from ready to the last record); --gpu-memory is the cap less the 1.5 GiB that prefill's
                  own default keeps for the CUDA context (on the CPU: the cap)
   5. reference   transformers' bf16 model on the device (interact.load_reference_model, after every runner has gone)
-                 on the first --reference-texts texts: each run's max_rel_err over those
+                 on the first --reference-texts texts: each run's max_rel_err over those. An FP8 checkpoint's is its
+                 dequantized model (FineGrainedFP8Config(dequantize=True)), each weight q x scale rounded to bf16;
+                 a side its load cannot read (partial_blocks_dequantized: DeepSeek-V3's kv_a_proj_with_mqa) is
+                 dequantized by transformers' own _dequantize_fp8_weight, as its FP8Linear reads it; an MXFP4
+                 one's is Mxfp4Config(dequantize=True)'s load
 
 Per run the record holds model_type, cap_gib, t_seconds, tokens, the wave and the plan's bound line, streamed bytes,
-compute_floor_s (each token's FLOPs at the rates of step 3: attention projections, router and lm_head at the dense
-GEMM rate, its k experts at the grouped rate of the kernel the run picked, attention's scores at the dense rate too),
-transfer_floor_s (the run's streamed bytes at the pinned rate), t_over_max_floor and max_rel_err. A table last.
+compute_floor_s (each token's FLOPs at the rates of step 3, as prefill.layer_flops counts them: attention
+projections (prefill.gemm_shapes: MLA's q_b and kv_b too), router and lm_head at the dense GEMM rate, its k experts
+at the fastest grouped GEMM's rate (whichever kernel the run picked: the floor is the GEMMs' alone), the shared
+experts and attention's scores at the dense rate too), transfer_floor_s (the run's streamed bytes at the pinned rate), t_over_max_floor and max_rel_err. A table last.
 """
 import argparse
+import contextlib
 import json
 import math
 import subprocess
@@ -97,15 +110,16 @@ def measure_rates(cfg, device, chunk_tokens, moe_chunk_tokens):
     h = torch.randn(moe_chunk_tokens, cfg.hidden_size, generator=gen, device=device).to(prefill.DTYPE)
     w.router = (torch.randn(cfg.num_experts, cfg.hidden_size, generator=gen, device=device)
                 / math.sqrt(cfg.hidden_size)).to(prefill.DTYPE)
-    _, chosen = prefill.route(h, w.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    _, chosen = prefill.route(h, w, prefill.Router("softmax", cfg.num_experts_per_tok))  # the rate, any router
     pairs, bounds = prefill.expert_rows(chosen, cfg.num_experts)
     rows = h[pairs // cfg.num_experts_per_tok]
     act = torch.randn(rows.shape[0], cfg.moe_intermediate_size, device=device).to(prefill.DTYPE)
     flops = 6 * rows.shape[0] * cfg.moe_intermediate_size * cfg.hidden_size
     grouped = {}
-    for entry in prefill.check_experts(prefill.expert_candidates("auto", device), device, cfg):
-        if entry["grouped"] is not None:
-            fn = entry["grouped"]
+    candidates = [c for c in prefill.expert_candidates("auto", device, cfg, moe_chunk_tokens) if c[1] != "fused"]
+    for entry, (_, kind, tile) in zip(prefill.check_experts(candidates, device, cfg), candidates):
+        if entry["experts"] is not None:
+            fn = prefill.make_grouped(kind, tile)
             grouped[entry["name"]] = flops / seconds(lambda: (fn(rows, w.gate_up, bounds), fn(act, w.down, bounds)),
                                                      device) / 1e12
     del h, w, rows, act
@@ -114,15 +128,17 @@ def measure_rates(cfg, device, chunk_tokens, moe_chunk_tokens):
     return {"h2d_gbps": h2d, "dense_tflops": dense, "grouped_tflops": grouped}
 
 
-def compute_floor_s(cfg, geometry, counts, rates, experts):
+def compute_floor_s(cfg, geometry, counts, rates):
     # each token's FLOPs at the rate its kind of GEMM reaches here (see the docstring)
     dense, H, L = rates["dense_tflops"], cfg.hidden_size, cfg.num_hidden_layers
     moe = cfg.layer_kinds.count("moe")  # the others (mlp_only_layers, decoder_sparse_step) run the dense MLP
     per_token = sum((L - moe if name in ("gate_up", "down") else L) * 2 * N * K / (dense[name] * 1e12)
                     for name, _, N, K in prefill.gemm_shapes(cfg)[:-1])
     per_token += moe * 2 * cfg.num_experts * H / (dense["qkv"] * 1e12)  # the router, a thin dense GEMM
-    per_token += moe * cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H / (rates["grouped_tflops"][experts]
-                                                                                       * 1e12)
+    # the shared experts (DeepSeek-V3, GLM, Qwen2-MoE; and its gate), plain GEMMs
+    per_token += moe * (6 * cfg.shared_intermediate_size + 2 * cfg.shared_expert_gate) * H / (dense["qkv"] * 1e12)
+    per_token += moe * cfg.num_experts_per_tok * 6 * cfg.moe_intermediate_size * H / (
+        max(rates["grouped_tflops"].values()) * 1e12)
     per_token += 2 * cfg.vocab_size * H / (dense["lm_head"] * 1e12)
     return sum(counts) * per_token + make_checkpoint.attention_flops(geometry, counts) / (dense["qkv"] * 1e12)
 
@@ -160,9 +176,33 @@ def max_rel_err(losses, reference):
     return max(errs) if errs else None
 
 
+@contextlib.contextmanager
+def partial_blocks_dequantized():
+    """transformers' FP8 load (Fp8Dequantize, with dequantize=True on any device) takes a weight's block from its
+    shape over its scale grid and raises where the grid does not divide it: DeepSeek-V3's kv_a_proj_with_mqa, 576 rows
+    over 5 rows of scales (prefill.misread_side). Its own FP8Linear reads such a weight in 128x128 blocks, the last
+    partial (_dequantize_fp8_weight: prefill's dequantization, bit for bit, tests/test_mla.py); within this block its
+    load dequantizes those weights so, and every other weight as before."""
+    from unittest import mock
+
+    from transformers.integrations import finegrained_fp8
+
+    whole = finegrained_fp8.Fp8Dequantize._dequantize_one
+
+    def dequantize_one(self, quantized, scales, output_dtype=None):
+        if quantized.dtype != prefill.FP8 or not any(n % g for n, g in zip(quantized.shape[-2:], scales.shape[-2:])):
+            return whole(self, quantized, scales, output_dtype)
+        out = finegrained_fp8._dequantize_fp8_weight(quantized, scales, [prefill.FP8_BLOCK] * 2, torch.float32)
+        return out.to(output_dtype or torch.bfloat16)
+
+    with mock.patch.object(finegrained_fp8.Fp8Dequantize, "_dequantize_one", dequantize_one):
+        yield
+
+
 def reference_losses(args, ckpt, texts):
     t = time.perf_counter()
-    model = interact.load_reference_model(ckpt, args.device)
+    with partial_blocks_dequantized() if args.fp8 else contextlib.nullcontext():
+        model = interact.load_reference_model(ckpt, args.device)
     losses = interact.reference_losses(model, interact.load_tokenizer(ckpt), texts)
     del model
     return losses, time.perf_counter() - t
@@ -170,7 +210,7 @@ def reference_losses(args, ckpt, texts):
 
 def record(kind, cap, run, cfg, geometry, counts, rates, reference):
     s = run["stats"]
-    compute = compute_floor_s(cfg, geometry, counts, rates, s["experts"])
+    compute = compute_floor_s(cfg, geometry, counts, rates)
     transfer = s["streamed_bytes"] / (rates["h2d_gbps"] * 1e9)
     t = run["t_seconds"]
     return {"workload": kind, "model_type": cfg.model_type, "cap_gib": cap, "t_seconds": t, "texts": len(counts),
@@ -189,13 +229,18 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the record (JSON)")
     ap.add_argument("--geometry", default="qwen3-30b-a3b", choices=sorted(make_checkpoint.GEOMETRIES))
-    ap.add_argument("--layers", type=int, help="fewer layers than the geometry's (make_checkpoint.py --layers)")
-    ap.add_argument("--mxfp4", action="store_true", help="a gpt-oss geometry's experts in MXFP4, as released")
+    ap.add_argument("--layers", type=int, help="the geometry's first N layers (a model the machine cannot hold whole)")
+    ap.add_argument("--fp8", action="store_true", help="the checkpoint in block-wise FP8 (make_checkpoint.py --fp8: "
+                    "the same random weights quantized; the reference is its dequantized bf16 model)")
+    ap.add_argument("--mxfp4", action="store_true", help="a gpt-oss geometry's experts in MXFP4, as released (the "
+                    "reference: transformers' dequantized load of them)")
     ap.add_argument("--ckpt", default="/dev/shm/prefill-bench/qwen3-30b-a3b-s0", help="checkpoint folder")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--caps", default="48,24", help="GPU memory caps in GiB, comma-separated")
     ap.add_argument("--texts", type=int, default=100, help="the contest-like workload's texts")
     ap.add_argument("--corpus-tokens", type=int, default=500_000, help="the corpus's tokens at least")
+    ap.add_argument("--skip-corpus", action="store_true", help="the contest protocol alone at each cap (issue 36's "
+                    "family records: a runner's start-up each saved)")
     ap.add_argument("--reference-texts", type=int, default=30, help="texts transformers scores (a subset)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-timeout", type=float, default=240, help="seconds a runner may take")
@@ -205,10 +250,12 @@ def main(argv=None):
                     "of one batch (--wave-tokens 65536): the same numbers, whatever the planned wave")
     args = ap.parse_args(argv)
     t0, device = time.perf_counter(), torch.device(args.device)
+    if args.fp8 and args.mxfp4:
+        ap.error("--fp8 and --mxfp4: one format at a time")
     geometry = make_checkpoint.geometry(args.geometry, args.layers)
     built = make_checkpoint.build(Path(args.ckpt), geometry, seed=0, device=args.device, tokenizer=args.tokenizer,
-                                  reuse=True, mxfp4=args.mxfp4)
-    cfg = prefill.ModelConfig.from_dir(args.ckpt)  # as the runs read it (MXFP4's layer bytes)
+                                  reuse=True, fp8=args.fp8, mxfp4=args.mxfp4)
+    cfg = prefill.ModelConfig.from_dir(args.ckpt)  # as the runs read it (a quantized model's layer bytes)
     log(f"checkpoint {built['path']}: {built['bytes'] / 1e9:.1f} GB, {built['seconds']:.0f} s"
         + (" (reused)" if built["reused"] else ""))
     tok = workload.load_tokenizer(args.ckpt)
@@ -224,7 +271,8 @@ def main(argv=None):
     runs = []
     with tempfile.TemporaryDirectory(prefix="moe-run-") as work:
         for cap in [float(c) for c in args.caps.split(",")]:
-            for kind, texts, fn in [("contest", contest, run_protocol), ("corpus", corpus, run_corpus)]:
+            for kind, texts, fn in [("contest", contest, run_protocol), ("corpus", corpus, run_corpus)][
+                    :1 if args.skip_corpus else 2]:
                 runs.append((kind, cap, fn(args, args.ckpt, cap, texts, Path(work))))
                 log(f"{kind} at {cap:g} GiB: T {runs[-1][2]['t_seconds']:.2f} s")
                 if args.repeat:  # the same run again (the corpus: in waves of one batch), its losses compared
@@ -235,7 +283,7 @@ def main(argv=None):
                         + f": the same losses {runs[-1][2]['same_losses_again']}")
     reference, reference_s = reference_losses(args, args.ckpt, contest[:args.reference_texts])
     log(f"reference: {len(reference)} texts in {reference_s:.0f} s")
-    res = {"geometry": args.geometry, "model_type": cfg.model_type, "layers": cfg.num_hidden_layers,
+    res = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "model_type": cfg.model_type, "fp8": args.fp8,
            "mxfp4": args.mxfp4, "device": args.device,
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "commit": args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

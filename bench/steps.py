@@ -101,15 +101,15 @@ def gemm_rates(cfg: dict, ms: list[int], device: str, warmup: int = 3, repeats: 
 
 
 def gemm_sustained(cfg: dict, m: int, device: str, seconds: float = 5.0, weight_sets: int = 4) -> dict:
-    """TFLOP/s of one layer's GEMMs (qkv, o, gate_up, down) at M tokens run back to back for ~`seconds`, with
-    no synchronisation in between, timed as one whole: what a forward pass can sustain (clocks under a long
-    load, launch gaps), unlike the burst medians above.  Each iteration takes the next of `weight_sets`
+    """TFLOP/s of one layer's GEMMs (qkv, o, gate_up, down; MLA's q_b, kv_b) at M tokens run back to back for
+    ~`seconds`, with no synchronisation in between, timed as one whole: what a forward pass can sustain (clocks under
+    a long load, launch gaps), unlike the burst medians above.  Each iteration takes the next of `weight_sets`
     weight sets (0.98 GB each for Qwen3-32B), so no weight sits in L2 from the iteration before."""
     import torch
 
     from bench.make_checkpoint import matrix_shapes
 
-    shapes = {k: v for k, v in matrix_shapes(cfg).items() if k in ("qkv", "o", "gate_up", "down")}
+    shapes = {k: v for k, v in matrix_shapes(cfg).items() if k in ("qkv", "q_b", "kv_b", "o", "gate_up", "down")}
     gen = torch.Generator(device=device).manual_seed(1)
     xs = {k: torch.randn(m, kk, generator=gen, device=device, dtype=torch.bfloat16) for k, (n, kk, _) in shapes.items()}
     outs = {k: torch.empty(m, n, device=device, dtype=torch.bfloat16) for k, (n, _, _) in shapes.items()}

@@ -42,7 +42,8 @@ import torch
 
 import interact
 import prefill
-from bench.make_checkpoint import GEMMA3_27B, GPT_OSS_120B, LLAMA_3_1_70B, QWEN2_5_32B, QWEN3_30B_A3B, QWEN3_32B
+from bench.make_checkpoint import (DEEPSEEK_V3, GEMMA3_27B, GLM4_5_AIR, GPT_OSS_120B, LLAMA_3_1_70B, MIXTRAL_8X7B,
+                                   MOONLIGHT_16B_A3B, QWEN1_5_MOE_A2_7B, QWEN2_5_32B, QWEN3_30B_A3B, QWEN3_32B)
 
 # Every geometry docs/models.md claims a family by, with its head counts (the query and the key launches of
 # head_norm_rope, the attention kernels' HEADS and KV_HEADS) and head_dim: Qwen3-0.6B's (its config.json) block sizes
@@ -51,9 +52,17 @@ from bench.make_checkpoint import GEMMA3_27B, GPT_OSS_120B, LLAMA_3_1_70B, QWEN2
 # two) and q/k/v biases; Mistral 7B v0.1 a window on every layer; Llama-3.2-1B a head_dim of 64, SmolLM2-135M (the
 # real checkpoint the tests run) 9 query heads to 3 KV heads. The other families bring the kernels' variants: Gemma 3
 # its (1 + w) norms, q/k norm, GELU and a window (4B: head_dim 256), Gemma 2 a window with a softcap, Llama RoPE
-# without a q/k norm, gpt-oss (20b's kernels are 120b's) sinks with and without a window, its norms' float32 product,
-# the clamped SwiGLU, its experts' out-contiguous weights and MXFP4 (its RoPE the default here: prefill refuses YaRN
-# until it is built, and RoPE's tables are no kernel's).
+# without a q/k norm. The other mixtures of experts: GLM-4.5-Air's RoPE on half of each head of 128 (the partial
+# variant of head_norm_rope), its dense first layer and shared expert (gated_act at 1408, beside its experts'), 96 query
+# heads; GLM-4.5's the same with its q/k norm (zai-org/GLM-4.5: 5120 wide, 160 experts of 1536, 3 dense layers of
+# 12288); Mixtral's experts 14336 wide; Qwen1.5-MoE-A2.7B's shared expert of 5632, 16 heads of 128 over 2048.
+# DeepSeek-V3 its latent attention: the latents' norms, interleaved RoPE on q's last 64 channels of 192 (a head stride
+# of its own) and on the one key all heads share, a q/k head dim of 192 (no Triton attention kernel on RDNA3: over
+# 128), its 3 dense layers of 18432 and the V3 router's top-8 of 256 experts of 2048 over 7168; Moonlight the same
+# without q's LoRA (q_proj's rows beside the latent's), here with rope_interleave false (as a copy whose RoPE rows were
+# de-interleaved would say) so that both RoPE variants compile at MLA's strides, and its top-6 of 64 experts of 1408
+# with 2 shared. gpt-oss (20b's kernels are 120b's): sinks with and without a window, its norms' float32 product, the
+# clamped SwiGLU, its experts' out-contiguous weights and their biases, and MXFP4 (its YaRN's tables are no kernel's).
 MODELS = {"Qwen3-32B": QWEN3_32B,
           "Qwen3-0.6B": {**QWEN3_32B, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                          "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True},
@@ -80,9 +89,16 @@ MODELS = {"Qwen3-32B": QWEN3_32B,
           "SmolLM2-135M": {**LLAMA_3_1_70B, "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
                            "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
                            "head_dim": 64, "tie_word_embeddings": True, "rope_scaling": None, "rope_theta": 1e5},
-          "gpt-oss-120b": {**GPT_OSS_120B, "rope_scaling": None, "rope_theta": 150000.0,
-                           "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}}
-MOE_MODELS = ("Qwen3-30B-A3B", "Qwen3-235B-A22B", "gpt-oss-120b")  # the grouped GEMM's N, K and expert stride differ
+          "GLM-4.5-Air": GLM4_5_AIR,
+          "GLM-4.5": {**GLM4_5_AIR, "hidden_size": 5120, "intermediate_size": 12288, "num_hidden_layers": 92,
+                      "n_routed_experts": 160, "moe_intermediate_size": 1536, "first_k_dense_replace": 3,
+                      "routed_scaling_factor": 2.5, "use_qk_norm": True},
+          "Mixtral-8x7B": MIXTRAL_8X7B, "Qwen1.5-MoE-A2.7B": QWEN1_5_MOE_A2_7B,
+          "DeepSeek-V3": DEEPSEEK_V3, "Moonlight-16B-A3B": {**MOONLIGHT_16B_A3B, "rope_interleave": False},
+          "gpt-oss-120b": GPT_OSS_120B}
+# the grouped GEMM's N, K and expert stride differ; the others' shared experts and routers; gpt-oss's strides
+MOE_MODELS = ("Qwen3-30B-A3B", "Qwen3-235B-A22B", "GLM-4.5-Air", "GLM-4.5", "Mixtral-8x7B", "Qwen1.5-MoE-A2.7B",
+              "DeepSeek-V3", "Moonlight-16B-A3B", "gpt-oss-120b")
 KNOWN_SPILLING_TILE = (64, 64, 4, 2)  # spills 205 VGPRs under Triton 3.9, 16 under 3.6 (and 137 with 2 stages in an earlier review of Triton 3.6)
 LDS_BYTES = 65536  # per workgroup on RDNA3
 TOKENS = 3  # no launch parameter depends on the token count
@@ -194,7 +210,7 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
     flat = torch.empty(cfg.layer_numel, dtype=prefill.DTYPE)  # never touched: only its views' shapes and offsets
     w = prefill.layer_views(flat, cfg)
     x = torch.zeros(TOKENS, cfg.hidden_size, dtype=prefill.DTYPE)
-    cos, sin = prefill.rope_tables(torch.arange(TOKENS), cfg.ropes[0], cfg.head_dim)
+    cos, sin = prefill.rope_tables(torch.arange(TOKENS), cfg.ropes[0], cfg.rope_dim)
     chunk = prefill.Chunk(0, TOKENS, [0, TOKENS], torch.tensor([0, TOKENS], dtype=torch.int32), TOKENS)
     # a prefix tree's chunk (the tree kernel): a root token, then a node of the others reading it
     tree_chunk = prefill.Chunk(0, TOKENS, [0, 1, TOKENS], torch.tensor([0, 1, TOKENS], dtype=torch.int32),
@@ -207,9 +223,13 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
         for tile, how in itertools.product(tiles, prefill.attention_settings(cfg)):
             attend = prefill.make_attention("triton", tile)
             prefill.attention_block(x, w, cos, sin, chunk, cfg, attend, prefill.TRITON_KERNELS, how)
+        if not tiles:  # no Triton attention here (DeepSeek's 192 on RDNA3): another backend's, around the same kernels
+            prefill.attention_block(x, w, cos, sin, chunk, cfg, lambda q, k, v, chunk, how: q.new_empty(
+                *q.shape[:2], v.shape[2]), prefill.TRITON_KERNELS, prefill.attention_settings(cfg).most_common()[0][0])
         for tile, how in itertools.product(tree_tiles, prefill.attention_settings(cfg)):
             attend = prefill.make_attention("triton", tile)
-            wave_kv = [torch.zeros(TOKENS, cfg.num_key_value_heads, cfg.head_dim, dtype=prefill.DTYPE)] * 2
+            wave_kv = [torch.zeros(TOKENS, cfg.num_key_value_heads, D, dtype=prefill.DTYPE)
+                       for D in (cfg.head_dim, cfg.v_head_dim)]
             prefill.attention_block(x, w, cos, sin, tree_chunk, cfg, attend, prefill.TRITON_KERNELS, how, wave_kv)
         if "mlp" in cfg.layouts:  # a mixture of experts' feed-forward: moe_launches
             prefill.mlp_block(x, prefill.layer_views(flat, cfg, "mlp"), cfg, TOKENS, prefill.TRITON_KERNELS)
@@ -227,13 +247,20 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
     return list(dict.fromkeys(launches)), kernels
 
 
-def moe_launches(target, tiles, model):
-    """The distinct kernel launches of one MoE feed-forward (moe_block) with each grouped GEMM tile in tiles."""
+def moe_launches(target, kind, tiles, model):
+    """The distinct kernel launches of one MoE feed-forward (moe_block) with the expert kernel of kind ("triton": the
+    grouped GEMM, "fused": the fused experts) in each of its tiles."""
     cfg = model_config(MODELS[model])
     E, H, I = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size  # as many experts as a token meets
-    w = prefill.LayerWeights(mlp_norm=torch.ones(H, dtype=prefill.DTYPE), router=torch.zeros(E, H, dtype=prefill.DTYPE),
+    S, router = cfg.shared_intermediate_size, cfg.tensor_dtypes.get("mlp.gate.weight", prefill.DTYPE)
+    cfg = dataclasses.replace(cfg, num_experts=E, n_group=1, topk_group=1)  # (its groups: of the model's experts)
+    w = prefill.LayerWeights(mlp_norm=torch.ones(H, dtype=prefill.DTYPE), router=torch.zeros(E, H, dtype=router),
+                             router_bias=torch.zeros(E) if cfg.router_kind == "sigmoid" else None,
                              gate_up=torch.empty(E, 2 * I, H, dtype=prefill.DTYPE),
-                             down=torch.empty(E, H, I, dtype=prefill.DTYPE))
+                             down=torch.empty(E, H, I, dtype=prefill.DTYPE),
+                             shared_gate_up=torch.empty(2 * S, H, dtype=prefill.DTYPE) if S else None,
+                             shared_down=torch.empty(H, S, dtype=prefill.DTYPE) if S else None,
+                             shared_gate=torch.empty(1, H, dtype=prefill.DTYPE) if cfg.shared_expert_gate else None)
     if cfg.fused_experts:  # gpt-oss: its experts' [experts, in, out] read through strides, and their biases
         w = dataclasses.replace(w, router_bias=torch.zeros(E, dtype=prefill.DTYPE),
                                 gate_up=torch.empty(E, H, 2 * I, dtype=prefill.DTYPE).transpose(1, 2),
@@ -244,13 +271,23 @@ def moe_launches(target, tiles, model):
     launches = []
     with launches_recorded(target, model, launches):
         for tile in tiles:
-            prefill.moe_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS, prefill.make_experts("triton", tile))
+            experts = prefill.make_experts(kind, tile, cfg.expert_activation)
+            prefill.moe_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS, experts)
     return list(dict.fromkeys(launches))
 
 
 def expert_tile(launch):
     c, o = launch.named_constexprs(), dict(launch.options)
     return c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], o["num_warps"], o["num_stages"]
+
+
+def fused_gemm_tile(launch):  # (BLOCK_M, (BLOCK_N, BLOCK_K, warps, stages, TMA)) of a fused GEMM (GROUP_M: an int)
+    c, o = launch.named_constexprs(), dict(launch.options)
+    return c["BLOCK_M"], (c["BLOCK_N"], c["BLOCK_K"], o["num_warps"], o["num_stages"], c["TMA"])
+
+
+# every fused experts' tile offered on RDNA3, whichever shape a model's is nearest to
+RDNA3_FUSED_TILES = sorted({tile for tiles in prefill.FUSED_TILES["rdna3"].values() for tile in tiles})
 
 
 # ----------------------------------------------------------------------------- compiling and reading the registers
@@ -319,13 +356,16 @@ def offered_tree_tiles(model):
 
 def offered_launches(target):
     """Every distinct launch of prefill's kernels for every model, with the attention tiles offered on RDNA3, and of
-    the MoE feed-forward with the grouped GEMM tiles offered there."""
+    the MoE feed-forward with the grouped GEMM tiles and the fused experts' tiles offered there."""
     launches = []
     for model in MODELS:
         found, kernels = prefill_launches(target, model, offered_tiles(model), offered_tree_tiles(model))
         launches += found
-    return launches + [launch for model in MOE_MODELS
-                       for launch in moe_launches(target, prefill.EXPERT_TILES["rdna3"], model)], kernels
+    # the fused experts are not offered for gpt-oss's (expert_candidates)
+    return launches + [launch for model in MOE_MODELS for kind, tiles in (("triton", prefill.EXPERT_TILES["rdna3"]),
+                                                                          ("fused", RDNA3_FUSED_TILES))
+                       if not (kind == "fused" and model_config(MODELS[model]).fused_experts)
+                       for launch in moe_launches(target, kind, tiles, model)], kernels
 
 
 @pytest.fixture(scope="module")
@@ -343,8 +383,13 @@ def distinct_compiles(launches):
 def test_every_kernel_prefill_launches_is_recorded_in_every_offered_variant(offered):
     launches, kernels = offered
     launched = {launch.kernel for launch in launches}
-    # each JIT function is launched, or is a helper that a launched kernel calls: a new kernel cannot go unchecked
-    called = {name for name in kernels for k in launched if re.search(rf"\b{name}\(", getattr(prefill, k).src)}
+    # each JIT function is launched, or is a helper that a launched kernel calls (or a helper of one): a new kernel
+    # cannot go unchecked
+    called, callers = set(), launched
+    while callers:
+        callers = {name for name in kernels for k in callers if re.search(rf"\b{name}\(", getattr(prefill, k).src)}
+        callers -= called
+        called |= callers
     assert set(kernels) == launched | called, f"never launched by prefill's layers: {set(kernels) - launched - called}"
     for kernel, offers in (("_attention_kernel", offered_tiles), ("_tree_attention_kernel", offered_tree_tiles)):
         tiles = {(launch.model, attention_tile(launch)) for launch in launches if launch.kernel == kernel}
@@ -355,10 +400,20 @@ def test_every_kernel_prefill_launches_is_recorded_in_every_offered_variant(offe
                             (False, False, True), (True, False, True)}, kernel  # every one launched
     assert not offered_tiles("Gemma-3-4B") and offered_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
     assert not offered_tree_tiles("Gemma-3-4B") and offered_tree_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
-    norms = {launch.named_constexprs()["NORM"] for launch in launches if launch.kernel == "_head_norm_rope_kernel"}
-    assert norms == {0, 1, 2}
+    ropes = {(c["NORM"], c["INTERLEAVE"]) for launch in launches if launch.kernel == "_head_norm_rope_kernel"
+             for c in [launch.named_constexprs()]}
+    assert ropes == {(0, False), (1, False), (2, False), (0, True)}
+    assert not offered_tiles("DeepSeek-V3") and not offered_tree_tiles("Moonlight-16B-A3B")  # q/k head dim 192
+    partial = {(launch.model, c["ROT"]) for launch in launches if launch.kernel == "_head_norm_rope_kernel"
+               for c in [launch.named_constexprs()] if c["ROT"] < c["HALF"]}
+    assert partial == {("GLM-4.5-Air", 32), ("GLM-4.5", 32)}  # RoPE on half of their heads of 128: 64 channels
+    assert {c["NORM"] for launch in launches if launch.kernel == "_head_norm_rope_kernel"
+            for c in [launch.named_constexprs()] if c["ROT"] < c["HALF"]} == {0, 1}  # without and with a q/k norm
     assert ({expert_tile(launch) for launch in launches if launch.kernel == "_grouped_gemm_kernel"}
             == set(prefill.EXPERT_TILES["rdna3"]))
+    for kernel, gemm in (("_moe_gate_up_kernel", 1), ("_moe_down_kernel", 2)):  # each GEMM in each fused tile
+        assert ({fused_gemm_tile(launch) for launch in launches if launch.kernel == kernel}
+                == {(tile[0], tile[gemm][:2] + tile[gemm][3:]) for tile in RDNA3_FUSED_TILES}), kernel
     assert len(distinct_compiles(launches)) > 100  # the parts below compile them all
 
 

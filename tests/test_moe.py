@@ -9,6 +9,7 @@ within it. Two more checkpoints keep dense layers among the MoE ones (mlp_only_l
 MLPs move the loss by 10-15 times the tolerance (test_each_dense_layer_decides_some_loss).
 """
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -152,10 +153,10 @@ def test_what_is_not_built_is_refused_in_one_line(moe_checkpoint):
                          ({"decoder_sparse_step": True}, "decoder_sparse_step is True; expected a positive integer"),
                          ({"norm_topk_prob": "yes"}, "true or false"),
                          ({"moe_intermediate_size": 0}, "moe_intermediate_size is 0"),
-                         ({"model_type": "mixtral", "num_local_experts": 8}, "'mixtral', a mixture of experts"),
-                         ({"model_type": "qwen2_moe"}, "'qwen2_moe', a mixture of experts"),
-                         ({"model_type": "deepseek_v3", "num_experts": None, "n_routed_experts": 8},
-                          "'deepseek_v3', a mixture of experts (of those prefill runs qwen3_moe and gpt_oss)")]:
+                         ({"model_type": "minimax", "num_local_experts": 8}, "'minimax', a mixture of experts"),
+                         ({"model_type": "qwen3_next"}, "'qwen3_next', a mixture of experts"),
+                         ({"model_type": "olmoe"}, "'olmoe', a mixture of experts (of those prefill runs qwen3_moe, "
+                          "qwen2_moe, mixtral, glm4_moe, deepseek_v3, gpt_oss only)")]:
         with pytest.raises(prefill.UserError) as e:
             prefill.ModelConfig.from_json(hub_config(saved, **bad), "hub.json")
         assert message in str(e.value) and str(e.value).startswith("hub.json") and "\n" not in str(e.value)
@@ -201,14 +202,13 @@ def test_moe_block_matches_transformers_mlp(moe_checkpoint, mlp_io, kind):
     from transformers import Qwen3MoeForCausalLM
     path = moe_checkpoint[0]
     cfg = saved_config(path)
-    grouped = prefill.make_experts(kind)
+    experts = prefill.make_experts(kind)
     bf16 = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16)  # its default experts: grouped_mm
     for i, (x, y) in mlp_io.items():
         w = layer_weights(path, cfg, i)
         xb = x.to(prefill.DTYPE)
         h = prefill.rms_norm(xb, w.mlp_norm, cfg.rms_norm_eps)
-        out = prefill.moe_ffn(torch.zeros_like(h), h, w, cfg.num_experts_per_tok, cfg.norm_topk_prob, grouped,
-                              prefill.TORCH_KERNELS)
+        out = prefill.moe_ffn(torch.zeros_like(h), h, w, cfg.router, experts, prefill.TORCH_KERNELS)
         with torch.no_grad():
             hf = bf16.model.layers[i].mlp(bf16.model.layers[i].post_attention_layernorm(xb)[None])[0]
             same_routing = prefill.moe_reference(h, torch.nn.functional.linear(h, w.router), w.gate_up, w.down,
@@ -219,10 +219,10 @@ def test_moe_block_matches_transformers_mlp(moe_checkpoint, mlp_io, kind):
         assert rel_err(out, y) <= 1.02 * rel_err(hf, y)
         assert rel_err(out, hf.float()) < 1e-2 and rel_err(out, same_routing) < 1e-2
         chunked = xb.clone()
-        prefill.moe_block(chunked, w, cfg, 37, prefill.TORCH_KERNELS, grouped)  # 288 tokens: 7 full chunks and a cut
+        prefill.moe_block(chunked, w, cfg, 37, prefill.TORCH_KERNELS, experts)  # 288 tokens: 7 full chunks and a cut
         assert torch.equal(chunked, xb + out)  # rows are independent of the chunk they ride in
         again = xb.clone()
-        prefill.moe_block(again, w, cfg, 37, prefill.TORCH_KERNELS, grouped)
+        prefill.moe_block(again, w, cfg, 37, prefill.TORCH_KERNELS, experts)
         assert torch.equal(again, chunked)
 
 
@@ -231,18 +231,19 @@ import json, sys, torch, prefill
 from safetensors.torch import load_file
 # the interpreter multiplies bfloat16 tiles as raw integers, so the kernel runs on float16 here (bf16 on a GPU)
 data = load_file(sys.argv[1])
-report = {}
+report, router = {}, prefill.Router("softmax", 2, True)
 for i in json.loads(sys.argv[2]):
     w = prefill.LayerWeights(**{n: data[f"{i}.{n}"].to(torch.float16)
                                 for n in ("mlp_norm", "router", "gate_up", "down")})
     h = data[f"{i}.h"].to(torch.float16)
     want = prefill.moe_reference(h, torch.nn.functional.linear(h, w.router), w.gate_up, w.down, 2, True)
     for tile in sorted({t for family in prefill.EXPERT_TILES.values() for t in family}):
-        out = prefill.moe_ffn(torch.zeros_like(h), h, w, 2, True, prefill.make_experts("triton", tile),
+        out = prefill.moe_ffn(torch.zeros_like(h), h, w, router, prefill.make_experts("triton", tile),
                               prefill.TORCH_KERNELS)
         report[f"{i} {tile}"] = ((out.float() - want).norm() / want.norm()).item()
-    wrong = lambda a, w, bounds: prefill.grouped_triton(a, w.roll(1, 0), bounds, prefill.EXPERT_TILES["cpu"][0])
-    out = prefill.moe_ffn(torch.zeros_like(h), h, w, 2, True, wrong, prefill.TORCH_KERNELS)
+    wrong = prefill.grouped_experts(lambda a, w, bounds: prefill.grouped_triton(a, w.roll(1, 0), bounds,
+                                                                                prefill.EXPERT_TILES["cpu"][0]))
+    out = prefill.moe_ffn(torch.zeros_like(h), h, w, router, wrong, prefill.TORCH_KERNELS)
     report[f"{i} wrong expert"] = ((out.float() - want).norm() / want.norm()).item()
 print(json.dumps(report))
 """
@@ -306,7 +307,7 @@ def test_fused_combination_through_the_model_and_its_planted_bugs_refused(moe_ch
 
 def test_whole_model_through_the_runner_matches_transformers(moe_checkpoint, moe_runner, reference):
     # measured: 5.3e-3 (transformers' own bf16: 5.0e-3; "ok", two predictions, the worst of both)
-    assert moe_runner.experts == "grouped_mm" and moe_runner.grouped is not None
+    assert moe_runner.experts == "grouped_mm" and moe_runner.run_experts is not None
     assert max_rel_err(moe_runner.losses(moe_runner.tokenize(TEXTS)), reference) < TOLERANCE
     loop = runner(moe_checkpoint[0], experts="loop")  # --experts: the fallback, asked for by kind
     assert loop.experts == "loop" and max_rel_err(loop.losses(loop.tokenize(TEXTS)), reference) < TOLERANCE
@@ -514,10 +515,10 @@ def check_cfg(moe_checkpoint):
 
 def test_start_up_check_passes_torch_experts_and_refuses_planted_bugs(check_cfg, monkeypatch):
     cfg = check_cfg
-    candidates = prefill.expert_candidates("auto", CPU)
+    candidates = prefill.expert_candidates("auto", CPU, cfg, 4096)
     assert [c[0] for c in candidates] == ["grouped_mm", "loop"]  # no Triton on the CPU unless asked for
     good = prefill.check_experts(candidates, CPU, cfg)
-    assert all(e["grouped"] is not None and e["error"] < prefill.CHECK_TOLERANCE / 2 for e in good), good
+    assert all(e["experts"] is not None and e["error"] < prefill.CHECK_TOLERANCE / 2 for e in good), good
 
     def wrong_expert(a, w, bounds):  # expert e's rows through expert e + 1
         return prefill.grouped_loop(a, w.roll(1, 0), bounds)
@@ -527,16 +528,28 @@ def test_start_up_check_passes_torch_experts_and_refuses_planted_bugs(check_cfg,
         return out + torch.rand(()) * 1e-3 * out.abs().max()
 
     for bug, reason in [(wrong_expert, "differs from float32 experts"), (unrepeatable, "other bits")]:
-        monkeypatch.setattr(prefill, "make_experts", lambda kind, tile=None, bug=bug: bug)
+        monkeypatch.setattr(prefill, "make_grouped", lambda kind, tile=None, bug=bug: bug)
         [entry] = prefill.check_experts([("loop", "loop", None)], CPU, cfg)
-        assert entry["grouped"] is None and reason in entry["reason"], entry
+        assert entry["experts"] is None and reason in entry["reason"], entry
         with pytest.raises(prefill.UserError, match=f"expert kernel 'loop' is unusable on cpu: loop: .*{reason}"):
             prefill.pick_experts("loop", CPU, cfg, prefill.Picks(None, "key"))
     monkeypatch.undo()
     route = prefill.route
-    monkeypatch.setattr(prefill, "route", lambda h, router, k, renormalize, *kind: route(h, router, k, False, *kind))
+    monkeypatch.setattr(prefill, "route", lambda h, w, router: route(h, w, dataclasses.replace(router,
+                                                                                             renormalize=False)))
     with pytest.raises(prefill.UserError, match="grouped_mm: differs.*loop: differs"):
         prefill.pick_experts("auto", CPU, cfg, prefill.Picks(None, "key"))
+
+
+def experts_of_kind(monkeypatch):
+    # make_experts's functions, each with its kind attached (experts.kind), for stand-in timings that tell them apart
+    make = prefill.make_experts
+
+    def tagged(kind, tile=None, activation="silu"):
+        experts = functools.partial(make(kind, tile, activation))
+        experts.kind = kind
+        return experts
+    monkeypatch.setattr(prefill, "make_experts", tagged)
 
 
 def test_pick_times_once_keeps_the_fastest_and_later_checks_only_it(check_cfg, tmp_path, monkeypatch):
@@ -545,31 +558,34 @@ def test_pick_times_once_keeps_the_fastest_and_later_checks_only_it(check_cfg, t
     assert not (tmp_path / "picks.json").exists()
     timed = []
 
-    def experts_ms(grouped, inputs):
-        timed.append(grouped)
-        rows, act, w, bounds = inputs
-        assert rows.shape[1] == cfg.hidden_size and act.shape[1] == cfg.moe_intermediate_size
-        return 1.0 if grouped is prefill.grouped_loop else 2.0
+    def experts_ms(experts, inputs):
+        timed.append(experts)
+        x, h, weights, chosen, w, kernels = inputs  # a slice's routed tokens, the run's kernels
+        assert h.shape[1] == cfg.hidden_size and w.down.shape[2] == cfg.moe_intermediate_size
+        assert chosen.shape == weights.shape == (h.shape[0], cfg.num_experts_per_tok)
+        assert kernels is prefill.TORCH_KERNELS
+        return 1.0 if experts.kind == "loop" else 2.0
 
+    experts_of_kind(monkeypatch)
     monkeypatch.setattr(prefill, "TIMED_DEVICES", ("cpu",))
     monkeypatch.setattr(prefill, "experts_ms", experts_ms)
-    name, grouped, report = prefill.pick_experts("auto", CPU, cfg, picks)
-    assert (name, grouped, len(timed), len(report)) == ("loop", prefill.grouped_loop, 2, 2)
+    name, experts, report = prefill.pick_experts("auto", CPU, cfg, picks)
+    assert (name, experts.kind, len(timed), len(report)) == ("loop", "loop", 2, 2)
     assert json.loads((tmp_path / "picks.json").read_text()) == {"this machine": {"experts auto": "loop"}}
     name, _, report = prefill.pick_experts("auto", CPU, cfg, picks)
     assert name == "loop" and [e["name"] for e in report] == ["loop"] and len(timed) == 2
     with pytest.raises(prefill.UserError, match="unknown expert kernel 'cutlass'"):
-        prefill.expert_candidates("cutlass", CPU)
+        prefill.expert_candidates("cutlass", CPU, cfg, 4096)
 
 
 def test_re_timing_the_expert_kernels_under_noise_within_the_margin_picks_the_same(check_cfg, tmp_path, monkeypatch):
     # grouped_mm first in the order of preference: a loop 3% faster stays behind it at every start, 20% faster wins
     gen = torch.Generator().manual_seed(0)
+    experts_of_kind(monkeypatch)
     monkeypatch.setattr(prefill, "TIMED_DEVICES", ("cpu",))
     for loop_ms, want in ((0.97, "grouped_mm"), (0.8, "loop")):
-        monkeypatch.setattr(prefill, "experts_ms", lambda grouped, inputs, loop_ms=loop_ms: (
-            loop_ms if grouped is prefill.grouped_loop else 1.0) * (1 + 0.04 * (2 * torch.rand((), generator=gen).item()
-                                                                                 - 1)))
+        monkeypatch.setattr(prefill, "experts_ms", lambda experts, inputs, loop_ms=loop_ms: (
+            loop_ms if experts.kind == "loop" else 1.0) * (1 + 0.04 * (2 * torch.rand((), generator=gen).item() - 1)))
         for start in range(8):
             picks = prefill.Picks(tmp_path / f"{loop_ms}-{start}" / "picks.json", "machine")
             assert prefill.pick_experts("auto", CPU, check_cfg, picks)[0] == want
@@ -595,13 +611,16 @@ def test_torch_grouped_mm_is_offered_on_a_gpu_only_where_it_is_one_kernel(hip, a
         monkeypatch.setenv("ROCM_ALLOW_GROUP_GEMM_CK", ck)
     gpu = torch.device("cuda")
     assert prefill.grouped_mm_native(gpu) is native
-    names = [name for name, _, _ in prefill.expert_candidates("auto", gpu)]
+    cfg = geometry_config(QWEN3_30B_A3B)
+    names = [name for name, _, _ in prefill.expert_candidates("auto", gpu, cfg, 16384)]
     family = prefill.gpu_family(gpu)
     tiles = [f"triton {m}x{n}x{k}" for m, n, k, *_ in prefill.EXPERT_TILES[family]]
-    assert names == (["grouped_mm"] + tiles + ["loop"] if native else tiles + ["loop"])
+    fused = [f"fused {m} " + " ".join(f"{n}x{k}g{g}w{w}s{s}" + ("tma" if tma else "") for n, k, g, w, s, tma in gemms)
+             for m, *gemms in prefill.FUSED_TILES[family][2048, 768, 1024]]
+    assert names == (["grouped_mm"] + fused + tiles + ["loop"] if native else fused + tiles + ["loop"])
     # asked for by name it is there all the same: the start-up check then judges it
-    assert [name for name, _, _ in prefill.expert_candidates("grouped_mm", gpu)] == ["grouped_mm"]
-    assert [c[0] for c in prefill.expert_candidates("auto", CPU)] == ["grouped_mm", "loop"]  # the tests' CPU
+    assert [name for name, _, _ in prefill.expert_candidates("grouped_mm", gpu, cfg, 16384)] == ["grouped_mm"]
+    assert [c[0] for c in prefill.expert_candidates("auto", CPU, cfg, 16384)] == ["grouped_mm", "loop"]  # the tests'
 
 
 @settings(max_examples=50, deadline=None)

@@ -490,8 +490,8 @@ def test_checkpoint_problems_are_named(gqa_checkpoint, tmp_path):
     assert "no config.json" in error(tmp_path)
     other = copy("moe")
     cfg = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps(dict(cfg, model_type="mixtral", num_local_experts=8)))
-    assert "'mixtral', a mixture of experts" in error(other)
+    (other / "config.json").write_text(json.dumps(dict(cfg, model_type="minimax", num_local_experts=8)))
+    assert "'minimax', a mixture of experts" in error(other)
     pickles = copy("pickle")
     for f in pickles.glob("*.safetensors*"):
         f.unlink()
@@ -973,10 +973,10 @@ def stats_faults(path, tmp_path):
 
 def model_faults(path, tmp_path):
     good = json.loads((path / "config.json").read_text())
-    return [Fault("'mixtral', a mixture of experts", model=folder_with(tmp_path, "moe", dict(
-                good, model_type="mixtral", num_local_experts=8))),
-            Fault("RoPE type 'yarn' is not supported",
-                  model=folder_with(tmp_path, "yarn", dict(good, rope_parameters={"rope_type": "yarn"}))),
+    return [Fault("'minimax', a mixture of experts", model=folder_with(tmp_path, "moe", dict(
+                good, model_type="minimax", num_local_experts=8))),
+            Fault("RoPE type 'dynamic' is not supported",
+                  model=folder_with(tmp_path, "dynamic", dict(good, rope_parameters={"rope_type": "dynamic"}))),
             Fault("quantized weights (quantization_config 'awq')", model=folder_with(
                 tmp_path, "awq", dict(good, quantization_config={"quant_method": "awq"}))),
             Fault("intermediate_size is a list (layers of different sizes)", model=folder_with(

@@ -119,8 +119,8 @@ def test_a_miscompile_of_the_key_head_launch_alone_is_refused_at_start_up(cfg, m
     launches = [(kernel, launch) for kernel, launch, _ in prefill.kernel_checks(CPU, cfg)]
     assert ("head_norm_rope", "8 query heads") in launches and ("head_norm_rope", "2 key heads") in launches
 
-    def one_head_short_on_keys(x, w, cos, sin, eps, offset):
-        out = prefill.head_norm_rope(x, w, cos, sin, eps, offset)
+    def one_head_short_on_keys(x, w, cos, sin, eps, offset, interleave=False):
+        out = prefill.head_norm_rope(x, w, cos, sin, eps, offset, interleave)
         if x.shape[1] == cfg.num_key_value_heads:
             out[:, -1] = 0  # the last head never written
         return out

@@ -1,0 +1,155 @@
+"""prefill's fused experts (fused_experts: align_experts' two launches, the gate+up GEMM with the activation, the down
+GEMM with the routing weight, the sum into x) in Triton's interpreter: against float32 experts on uneven routing, the
+alignment against its specification (hypothesis), the start-up check refusing planted bugs, and the whole tiny
+Qwen3-MoE of test_moe.py against transformers in float32.
+
+The interpreter multiplies bf16 tiles as raw integers, so the interpreted process runs prefill in float16
+(prefill.DTYPE, read when a tensor is made): the kernels round to their tensors' own dtype, bf16 on a GPU. One process
+does it all (its imports, the checkpoint's load and the start-up checks cost as much as the cases themselves).
+"""
+import json
+
+import pytest
+import torch
+
+import prefill
+from test_families import TEXTS
+from test_moe import CPU, geometry_config, reference, moe_checkpoint, save_moe_checkpoint  # noqa: F401 (fixtures)
+from test_prefill import TOLERANCE, interpreted, max_rel_err
+from bench.make_checkpoint import QWEN3_30B_A3B
+
+RUNNER_TEXTS = [0, 8]  # 59 tokens and 1: the interpreter runs the model's kernels a program a block
+
+SCRIPT = """
+import json, sys, types
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+import prefill
+prefill.DTYPE = torch.float16  # the interpreter multiplies bf16 tiles as raw integers
+prefill.CHECK_LENGTHS = [37, 100]  # the attention check (SDPA) on short texts: the experts are under test here
+cpu, report = torch.device("cpu"), {}
+
+# fused_experts against float32 experts (moe_reference) on expert_inputs' uneven routing (expert 0 takes half the
+# tokens, over several blocks and a partial one; the last expert none): top-2 in every tile offered anywhere, top-1
+# (weights not renormalised, so that they matter) and top-3 in the interpreter's tile, sizes that no tile divides
+# (hidden 80, moe_intermediate 48: partial K and column tiles in both GEMMs), and weights stored [experts, K, N] (as
+# gpt-oss stores them) read through strides; each twice, for the bits
+def case(hidden, inter, tokens, k, renormalize, tile, transposed=False):
+    geometry = types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, fused_experts=False)
+    h, w = prefill.expert_inputs(cpu, geometry, seed=k, tokens=tokens, experts=8)
+    want = prefill.moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, renormalize)
+    if transposed:
+        w.gate_up, w.down = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (w.gate_up, w.down))
+    runs = [prefill.moe_ffn(torch.zeros_like(h), h, w, prefill.Router("softmax", k, renormalize), prefill.make_experts("fused", tile),
+                            prefill.TORCH_KERNELS) for _ in range(2)]
+    return {"error": prefill.check_error(runs[0], want), "same_bits": torch.equal(*runs)}
+
+tiles = sorted({t for family in prefill.FUSED_TILES.values() for shape in family.values() for t in shape})
+[here] = prefill.FUSED_TILES["cpu"].values()
+report["cases"] = {f"top-2 {tile}": case(64, 32, 200, 2, True, tile) for tile in tiles}
+report["cases"] |= {"top-1": case(64, 32, 70, 1, False, here[0]), "top-3": case(64, 32, 45, 3, True, here[0]),
+                    "hidden 80, moe_intermediate 48": case(80, 48, 150, 2, True, here[0]),
+                    "[experts, K, N] weights": case(64, 32, 100, 2, True, here[0], transposed=True)}
+
+# align_experts against its specification, written out: expert by expert, each one's (token, slot) rows in token
+# order, padded with `rows` to a multiple of the block; then the blocks' experts, -1 past the last
+@settings(max_examples=40, deadline=None, database=None)
+@given(tokens=st.integers(1, 300), experts=st.integers(1, 40), k=st.integers(1, 4), spread=st.floats(0, 6),
+       block_m=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
+def aligned(tokens, experts, k, spread, block_m, seed):
+    k = min(k, experts)
+    gen = torch.Generator().manual_seed(seed)  # a few favoured experts, the others often empty
+    scores = torch.rand(tokens, experts, generator=gen) + spread * torch.randn(experts, generator=gen)
+    chosen = scores.topk(k, dim=-1).indices.sort(dim=-1).values
+    flat, rows, ids, blocks = chosen.flatten(), chosen.numel(), [], []
+    for e in range(experts):
+        mine = (flat == e).nonzero().flatten().tolist()
+        padded = -(-len(mine) // block_m) * block_m
+        ids += mine + [rows] * (padded - len(mine))
+        blocks += [e] * (padded // block_m)
+    got_ids, got_blocks = prefill.align_experts(chosen, experts, block_m)
+    assert got_blocks.shape[0] == -(-rows // block_m) + experts
+    assert got_blocks[:len(blocks)].tolist() == blocks and (got_blocks[len(blocks):] == -1).all()
+    assert got_ids[:len(ids)].tolist() == ids
+
+try:
+    aligned()
+    report["alignment"] = "as specified"
+except AssertionError as e:
+    report["alignment"] = f"{type(e).__name__}: {e}"[:2000]
+
+# the start-up check of the fused candidate on the model's shapes, with a planted bug each
+cfg = prefill.ModelConfig.from_dir(sys.argv[1])
+[candidate] = prefill.expert_candidates("fused", cpu, cfg, 4096)
+make, align = prefill.make_experts, prefill.align_experts
+
+def last_slot_dropped(weights):
+    weights = weights.clone()
+    weights[:, -1] = 0
+    return weights
+
+def next_expert(chosen, experts, block_m):  # each block's rows through the next expert's weights
+    ids, block_expert = align(chosen, experts, block_m)
+    return ids, torch.where(block_expert >= 0, (block_expert + 1) % experts, block_expert)
+
+for name, bug in {"weights of the two slots swapped": lambda weights: weights.flip(-1).contiguous(),
+                  "a slot skipped": last_slot_dropped, "the next expert's weights": None}.items():
+    prefill.align_experts = next_expert if bug is None else align
+    prefill.make_experts = lambda kind, tile, activation, bug=bug: (lambda x, h, weights, chosen, w, kernels: make(
+        kind, tile, activation)(x, h, weights if bug is None else bug(weights), chosen, w, kernels))
+    [entry] = prefill.check_experts([candidate], cpu, cfg)
+    report[name] = [entry["error"], entry.get("reason")]
+prefill.align_experts, prefill.make_experts = align, make
+
+# the whole model with the fused experts (its start-up check passes them): two texts (60 tokens), scored twice
+r = prefill.Runner(sys.argv[1], device="cpu", attention="sdpa", experts="fused", picks="")
+ids = r.tokenize(json.loads(sys.argv[2]))
+losses = r.losses(ids)
+report["runner"] = {"experts": r.experts, "check_error": r.experts_report[0]["error"], "losses": losses,
+                    "again": r.losses(ids) == losses}
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted_report(moe_checkpoint):  # noqa: F811 (a fixture of test_moe)
+    p = interpreted(SCRIPT, moe_checkpoint[0], json.dumps([TEXTS[i] for i in RUNNER_TEXTS]))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
+def test_fused_experts_match_float32_experts_in_the_interpreter(interpreted_report):
+    # uneven routing (an empty expert, partial blocks), top-1, -2 and -3, every tile offered, sizes no tile divides,
+    # transposed weights: float16 against float32 math, the same bits a second time
+    cases = interpreted_report["cases"]
+    assert len(cases) == len({t for f in prefill.FUSED_TILES.values() for s in f.values() for t in s}) + 4, cases
+    assert all(c["same_bits"] and c["error"] < 2e-3 for c in cases.values()), cases  # measured: 1.0e-3-1.5e-3
+
+
+def test_the_alignment_numbers_every_row_once_expert_by_expert_and_pads_the_rest(interpreted_report):
+    assert interpreted_report["alignment"] == "as specified"
+
+
+def test_the_start_up_check_refuses_planted_bugs_in_the_fused_experts(interpreted_report):
+    for bug in ("weights of the two slots swapped", "a slot skipped", "the next expert's weights"):
+        error, reason = interpreted_report[bug]
+        assert error > 4 * prefill.CHECK_TOLERANCE and reason.startswith("differs from float32 experts"), (bug, error)
+
+
+def test_the_fused_experts_through_the_model_match_transformers(interpreted_report, reference):
+    run = interpreted_report["runner"]
+    assert run["experts"].startswith("fused") and run["check_error"] < prefill.CHECK_TOLERANCE / 4, run
+    assert max_rel_err(run["losses"], [reference[i] for i in RUNNER_TEXTS]) < TOLERANCE and run["again"], run
+
+
+def test_fused_experts_are_offered_on_gpus_with_the_nearest_shapes_tiles(monkeypatch):
+    cfg = geometry_config(QWEN3_30B_A3B)
+    assert [kind for _, kind, _ in prefill.expert_candidates("auto", CPU, cfg, 16384)] == ["grouped_mm", "loop"]
+    assert [c[2] for c in prefill.expert_candidates("fused", CPU, cfg, 16384)] == prefill.FUSED_TILES["cpu"][
+        2048, 768, 1024]  # asked for by kind: the interpreter's tile
+    # of two shapes, each model gets the tiles of the nearest: sizes compared by their logarithms
+    monkeypatch.setitem(prefill.FUSED_TILES, "cpu", {(2048, 768, 1024): ["small"], (4096, 1536, 1024): ["large"]})
+    big = dict(QWEN3_30B_A3B, hidden_size=4096, moe_intermediate_size=1536)
+    assert prefill.fused_tiles("cpu", cfg, 16384) == ["small"] and prefill.fused_tiles("cpu", cfg, 512) == ["small"]
+    assert prefill.fused_tiles("cpu", geometry_config(big), 16384) == ["large"]
