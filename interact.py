@@ -684,10 +684,12 @@ class Placement:
     summary: str  # one line for the log
 
 
-def reference_placement(model_dir: str | Path, device: str | None = None, gpu_gib: float | None = None) -> Placement:
+def reference_placement(model_dir: str | Path, device: str | None = None, gpu_gib: float | None = None,
+                        widen: int = 1) -> Placement:
     """Where the reference model goes: the CPU when torch sees no GPU (or device="cpu"); else the whole model
-    on the GPU when its weights fit in gpu_gib (default: free memory less REFERENCE_GPU_MARGIN_GIB); else as
-    much as fits on the GPU and the rest in host memory, placed by accelerate (device_map="auto", max_memory).
+    (its checkpoint's bytes times widen: 2 for a bf16 checkpoint loaded in float32) on the GPU when it fits in gpu_gib
+    (default: free memory less REFERENCE_GPU_MARGIN_GIB); else as much as fits on the GPU and the rest in host
+    memory, placed by accelerate (device_map="auto", max_memory).
     Only that last case needs accelerate; without it, it is a UserError."""
     import torch
 
@@ -705,7 +707,7 @@ def reference_placement(model_dir: str | Path, device: str | None = None, gpu_gi
         budget = max(0, free - int(REFERENCE_GPU_MARGIN_GIB * 2**30))
     else:
         budget = int(gpu_gib * 2**30)
-    need = checkpoint_bytes(model_dir)
+    need = checkpoint_bytes(model_dir) * widen
     have_accelerate = importlib.util.find_spec("accelerate") is not None
     if need <= budget:
         summary = f"reference: transformers on {device}, the whole model ({_gib(need)} of {_gib(budget)})"
@@ -761,13 +763,17 @@ def dequantized_kwargs(model_dir: str | Path) -> dict:
         return {}
 
 
-def load_reference_model(model_dir: str | Path, device: str | None = None, gpu_gib: float | None = None):
-    placement = reference_placement(model_dir, device, gpu_gib)  # a UserError comes before transformers' import
+def load_reference_model(model_dir: str | Path, device: str | None = None, gpu_gib: float | None = None,
+                         float32: bool = False):
+    """transformers' model of model_dir in bf16 (the reference --check compares with), or float32 (the truth a bf16
+    run's rounding is measured against)."""
+    placement = reference_placement(model_dir, device, gpu_gib, 2 if float32 else 1)  # UserError before the import
     print(placement.summary, flush=True)
     import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs = {dtype_kwarg(): torch.bfloat16, **placement.kwargs, **dequantized_kwargs(model_dir)}
+    kwargs = {dtype_kwarg(): torch.float32 if float32 else torch.bfloat16, **placement.kwargs,
+              **dequantized_kwargs(model_dir)}
     if _softcapped(model_dir):  # SDPA has no softcap: transformers' SDPA path would leave Gemma 2's out
         kwargs["attn_implementation"] = "eager"
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)

@@ -33,7 +33,7 @@ both):
       expert_candidates
   start-up checks and picks: check_attention, pick_attention, check_experts, pick_experts, check_kernels,
       pick_kernels, pick_blas, Picks
-  packing and loss: Wave, batches, wave_of, Score, sequence_nll
+  packing and loss: timed_batch_tokens, Wave, batches, wave_of, Score, sequence_nll
   evaluation: the prefix tree: Request, Loglikelihood, PrefixTrie, request_batches, tree_wave, pick_tree_attention,
       continuation_logprobs
   tokenizer: plain_tokenizer, load_tokenizer
@@ -72,8 +72,24 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+# How a SIGINT or SIGTERM ends a run: one line on stderr and this exit code, whenever it comes. main() installs
+# on_signal (the protocol and the command line); until then, through the seconds of `import torch`, a signal ends the
+# process at once with the same line, where Python's default would print the traceback of whatever was importing.
+SIGNAL_ENDS = {signal.SIGINT: ("interrupted (SIGINT)", 130), signal.SIGTERM: ("terminated (SIGTERM)", 143)}
+
+
+def exit_at_once(signum, frame):
+    line, code = SIGNAL_ENDS[signum]
+    os.write(2, f"prefill: {line}\n".encode())
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    for signum in SIGNAL_ENDS:
+        signal.signal(signum, exit_at_once)
+
+import torch  # noqa: E402 (after the signal handlers above: importing it takes seconds)
+import torch.nn.functional as F  # noqa: E402
 
 GiB = 2**30
 DTYPE = torch.bfloat16
@@ -2346,10 +2362,21 @@ def gated_act(gate_up, activation):
     return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
 
 
+CPU_LOSS_BYTES = 8 * 2**20  # logits a CPU's log-softmax takes at a time: its output stays in cache (32 MiB of L3 here)
+
+
 def token_nll(logits, targets):
     # logits: [tokens, vocab] float32 (bf16 where LOGITS says so, upcast as transformers upcasts its bf16 logits)
-    # -> [tokens] float32; 0 at -100
-    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none")
+    # -> [tokens] float32; 0 at -100. On the CPU in blocks of rows, the same bits (each row's log-softmax is its own):
+    # cross_entropy writes a whole chunk's float32 log-softmax to memory and reads it back, and did so in 0.45 s of
+    # the demo's 883-token loss chunk, against its head GEMM's 0.6 s, on two AVX2 cores (bench/NOTES.md, issue 38)
+    if logits.device.type != "cpu":
+        return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none")
+    rows, nll = max(1, CPU_LOSS_BYTES // (4 * logits.shape[1])), torch.empty(logits.shape[0], dtype=torch.float32)
+    for r in range(0, logits.shape[0], rows):
+        nll[r:r + rows] = F.cross_entropy(logits[r:r + rows].float(), targets[r:r + rows], ignore_index=-100,
+                                          reduction="none")
+    return nll
 
 
 def embed_tokens(embed, ids, cfg):
@@ -2368,11 +2395,13 @@ def embed_tokens(embed, ids, cfg):
 LOGITS = {"texts": "float32", "continuations": "float32"}
 
 
-def lm_logits(h, lm_head, final_norm, cfg, kernels, dtype="float32"):
+def lm_logits(h, lm_head, final_norm, cfg, kernels, dtype="float32", out=None):
     # h: [tokens, hidden] -> [tokens, vocab] float32 (or bf16): the final norm (bf16), lm_head, and Gemma 2's final
-    # softcap in the logits' dtype, in transformers' steps (divide, tanh, multiply), in place
+    # softcap in the logits' dtype, in transformers' steps (divide, tanh, multiply), in place. out: float32 room for
+    # at least h's rows of logits, reused from chunk to chunk (None: a new tensor)
     x = kernels.rms_norm(h, final_norm, cfg.rms_norm_eps, cfg.norm_style)
-    logits = kernels.head(x, lm_head) if dtype == "float32" else F.linear(x, lm_head)
+    logits = kernels.head(x, lm_head, None if out is None else out[:x.shape[0]]) if dtype == "float32" else \
+        F.linear(x, lm_head)
     if cfg.final_softcap is not None:
         logits.div_(cfg.final_softcap).tanh_().mul_(cfg.final_softcap)
     return logits
@@ -2390,16 +2419,18 @@ def combine(x, out, row_of, weights):
 HEAD_SLICE = 8192  # vocabulary rows upcast at a time by head_upcast: a slice of lm_head in float32, never all of it
 
 
-def head_out_dtype(x, w):
-    # x: [tokens, hidden] bf16, w: [vocab, hidden] bf16 -> [tokens, vocab] float32: bf16 operands, float32 output
-    # (torch 2.11 on the H200: as fast as bf16 logits; not on the CPU)
-    return torch.mm(x, w.T, out_dtype=torch.float32)
+def head_out_dtype(x, w, out=None):
+    # x: [tokens, hidden] bf16, w: [vocab, hidden] bf16 -> [tokens, vocab] float32 (into out, where given): bf16
+    # operands, float32 output (torch 2.11 on the H200: as fast as bf16 logits; not on the CPU)
+    return torch.mm(x, w.T, out_dtype=torch.float32, out=out)
 
 
-def head_upcast(x, w):
-    # the same product from float32 copies of the operands: the plain fallback (its products of bf16 values are exact
-    # in float32, so it differs from head_out_dtype only in summation order)
-    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+def head_upcast(x, w, out=None):
+    # the same product from float32 copies of the operands: the plain fallback, and the CPU's (its products of bf16
+    # values are exact in float32, so it differs from head_out_dtype only in summation order). On 2 AVX2 cores it
+    # runs at the rate of a float32 GEMM of the whole head (the slices' upcasts cost ~4%), 7x a bf16 GEMM's, into a
+    # reused out; a new out of 0.5 GB cost 20% more in page faults (bench/NOTES.md, issue 38)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device) if out is None else out
     xf = x.float()
     for v in range(0, w.shape[0], HEAD_SLICE):
         torch.mm(xf, w[v:v + HEAD_SLICE].float().T, out=out[:, v:v + HEAD_SLICE])
@@ -2416,7 +2447,8 @@ class Kernels:
     token_nll: object       # (logits [tokens, vocab], targets [tokens]) -> [tokens] float32
     combine: object         # (x [tokens, hidden] += each token's k expert rows of out, weighted: see combine)
     dequantize_layer: object  # (held [a layer's bytes], out [its bf16 elements], FP8Layer): see dequantize_layer
-    head: object = head_upcast  # (x [tokens, hidden], lm_head [vocab, hidden]) -> float32 logits: pick_head's
+    head: object = head_upcast  # (x [tokens, hidden], lm_head [vocab, hidden], out [tokens, vocab] float32 or
+    #                             None) -> float32 logits: pick_head's
 
 
 # late-bound, so that tests can swap a piece of the math for a broken one
@@ -4620,7 +4652,7 @@ def pick_head(device, cfg):
     want = x.double() @ w.double().T
     for head in (head_out_dtype, head_upcast):
         try:
-            got = head(x, w)
+            got = head(x, w, torch.empty(want.shape, dtype=torch.float32, device=device))  # into room, as the loss
             error = check_error(got.double(), want) if got.dtype == torch.float32 else math.inf
         except Exception as e:  # the CPU has no out_dtype kernel (torch 2.15): NotImplementedError
             error, reason = math.inf, failure(e)
@@ -4797,6 +4829,29 @@ def default_picks_path():
 BATCH_TEXTS = 8192  # texts in one batch at most, so that a run of texts too short to compute cannot pile up
 
 
+# A corpus's batch (--output without --wave-tokens; records land a batch at a time): about BATCH_SECONDS of compute
+# at its device family's nominal rate, so that a record lands every few seconds and an interrupt loses at most that
+# much work, whatever the device. The rate is fixed per family and never measured, and so is the batch: which texts
+# share a batch decides the last bits of their numbers (on two AVX2 cores a float32 GEMM of 1-3, 5-7 or 9-11 rows sums
+# in another order than one of more, and a batch's last loss chunk can be that short: bench/NOTES.md, issue 38; a GPU
+# picks GEMM kernels and attention backends by sizes), so that a resumed run must cut the batches the interrupted
+# one cut: the batch is kept in OUT.settings.json, and another is refused. GPUs: the wave plan's nominal rates
+# (PLAN_RATES), at which Qwen3-32B's 64 GFLOP a token fill the 65,536 tokens of the default wave on NVIDIA and 8,192
+# on RDNA3; the CPU: two AVX2 cores (bf16 GEMMs at ~8 GFLOP/s a core, the float32 head at ~60).
+BATCH_SECONDS = 10
+BATCH_TFLOPS = {**{family: tflops for family, (_, tflops) in PLAN_RATES.items()}, "cpu": 0.02}
+BATCH_MIN_TOKENS = 256
+
+
+def timed_batch_tokens(cfg, family):
+    """A corpus's batch for cfg on a device of family: the largest power of two of tokens, from BATCH_MIN_TOKENS to
+    WAVE_STEP, whose FLOPs (every layer's matrices and the head; attention's scores left out) take at most
+    BATCH_SECONDS at the family's nominal rate. Settings and model alone: no timing, no free memory."""
+    flops = sum(layer_flops(cfg, kind, 1) for kind in cfg.layer_kinds) + 2 * cfg.hidden_size * cfg.vocab_size
+    tokens = int(BATCH_SECONDS * BATCH_TFLOPS[family] * 1e12 / flops)
+    return max(BATCH_MIN_TOKENS, min(WAVE_STEP, 1 << max(0, tokens.bit_length() - 1)))
+
+
 @dataclass
 class Wave:
     seqs: list        # positions (in the batch) of the sequences in this wave, in packing order
@@ -4860,9 +4915,11 @@ def sequence_nll(h, lm_head, final_norm, targets, seq_index, n_seqs, cfg, chunk_
     # host. Returns [n_seqs] float64 sums, added on the host in token order: index_add_ on a GPU adds with atomics in
     # whatever order the threads arrive, so its last bits would vary from run to run.
     nll = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    room = torch.empty(min(chunk_tokens, h.shape[0]), cfg.vocab_size, dtype=torch.float32, device=h.device) \
+        if LOGITS["texts"] == "float32" else None  # every chunk's logits, in turn
     for s in range(0, h.shape[0], chunk_tokens):
-        logits = lm_logits(h[s:s + chunk_tokens], lm_head, final_norm, cfg, kernels, LOGITS["texts"])  # [chunk, vocab]
-        nll[s:s + chunk_tokens] = kernels.token_nll(logits, targets[s:s + chunk_tokens])
+        logits = lm_logits(h[s:s + chunk_tokens], lm_head, final_norm, cfg, kernels, LOGITS["texts"], room)
+        nll[s:s + chunk_tokens] = kernels.token_nll(logits, targets[s:s + chunk_tokens])  # logits: [chunk, vocab]
     return torch.zeros(n_seqs, dtype=torch.float64).index_add_(0, seq_index, nll.cpu().double())
 
 
@@ -5151,10 +5208,12 @@ def continuation_logprobs(h, rows, targets, lm_head, final_norm, cfg, chunk_toke
     on the host."""
     logprob = torch.empty(rows.numel(), dtype=torch.float32, device=h.device)
     greedy = torch.empty(rows.numel(), dtype=torch.bool, device=h.device)
+    room = torch.empty(min(chunk_tokens, rows.numel()), cfg.vocab_size, dtype=torch.float32, device=h.device) \
+        if LOGITS["continuations"] == "float32" else None  # every chunk's logits, in turn
     for s in range(0, rows.numel(), chunk_tokens):
         unique, inverse = torch.unique_consecutive(rows[s:s + chunk_tokens], return_inverse=True)
-        logits = lm_logits(h[unique.to(h.device)], lm_head, final_norm, cfg, kernels,
-                           LOGITS["continuations"])  # [rows, vocab] float32
+        logits = lm_logits(h[unique.to(h.device)], lm_head, final_norm, cfg, kernels, LOGITS["continuations"],
+                           room)  # [rows, vocab] float32
         inverse, t = inverse.to(h.device), targets[s:s + chunk_tokens].to(h.device)
         greedy[s:s + t.numel()] = logits.argmax(-1)[inverse] == t
         if unique.numel() < t.numel():  # several targets read one row (a question's choices): a row for each
@@ -5476,7 +5535,7 @@ class Runner:
 
     def __init__(self, model_dir, device=None, gpu_memory_gib=None, attention="auto", kernels="auto",
                  chunk_tokens=4096, wave_tokens=WAVE_STEP, workers=None, load="auto", pin="auto", picks=None,
-                 host_memory_gib=None, experts="auto"):
+                 host_memory_gib=None, experts="auto", timed_batches=False):
         t0 = time.perf_counter()
         self.load_wall_s, marks = {}, [t0]  # where time-to-ready goes, for --stats
         # when each phase of the time to `ready` ended, in seconds since the process started (--stats)
@@ -5509,11 +5568,16 @@ class Runner:
             tokenizer = side.submit(side_task, "tokenizer", load_tokenizer, model_dir)
             self.times_attention = attention_to_time(attention, self.device, self.picks)
             self.wave_plan = None  # wave_tokens None: WAVE_STEP, or for a MoE model the wave plan_wave picks
-            if wave_tokens is None and cfg.num_experts:
+            # timed_batches (a corpus's records): texts cut into batches of timed_batch_tokens, at most the wave, each
+            # its own wave (where they are WAVE_STEP, a MoE model's planned wave still holds several)
+            batch = min(timed_batch_tokens(cfg, gpu_family(self.device)), wave_tokens or WAVE_STEP) \
+                if timed_batches else None
+            if wave_tokens is None and cfg.num_experts and batch in (None, WAVE_STEP):
                 self.plan, self.wave_plan = plan_wave(cfg, self._budget(gpu_memory_gib), chunk_tokens,
                                                       PLAN_RATES[gpu_family(self.device)])
             else:
-                self.plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens or WAVE_STEP)
+                self.plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens or WAVE_STEP,
+                                        batch)
             plan = self.plan
             lap("setup")
             # so do the kernels' JIT compilation, checks and timings
@@ -5559,7 +5623,7 @@ class Runner:
         self.streamer = WeightStreamer(cfg, {i: on_device[i] for i in plan.resident_layers}, host,
                                        plan.streamed_layers, self.device, self.kernels.dequantize_layer)
         weakref.finalize(self, self.streamer.stop)  # its threads end with this Runner, or before the process exits
-        self.stats = {}
+        self.stats, self.timed_batches = {}, timed_batches
         self.requested_attention, self.tree_attend = attention, None  # the latter picked at the first prefix tree
         log(f"loaded {cfg.num_hidden_layers}-layer {cfg.model_type} ({self._model_bytes() / 1e9:.1f} GB) from "
             f"{model_dir} in {time.perf_counter() - t0:.1f} s on {self.device}, {self.load_mode} ({self.load_seconds}); "
@@ -5587,18 +5651,23 @@ class Runner:
     def tokenize(self, texts):
         return self.tokenizer(texts) if texts else []
 
-    def score(self, texts):
+    def score(self, texts, progress=None):
         """The Python API: scores texts (one string, or an iterable of strings read as it goes) with the model kept
         loaded, yielding one Score (index, tokens, loss, nll_sum) per text, in order, a batch at a time. The same
         path as the command line's: texts are tokenized a few batches ahead on a side thread, each batch runs as
         one wave, and batches are cut from the token counts alone, so the numbers are those of
         `prefill.py --input`. An item that is not a string raises UserError with the command line's message
         ("element 1 is int, not a string") once the batches before it are scored. self.stats covers this call
-        alone: emptied when its iteration starts, complete once the iterator is exhausted."""
+        alone: emptied when its iteration starts, complete once the iterator is exhausted. progress: a Progress to
+        add each batch to, as it is scored."""
         texts = [texts] if isinstance(texts, str) else texts  # a string is one text, not an iterable of characters
         self.stats = {}
-        for batch in self.text_batches(text_of(t, f"element {i}") for i, t in enumerate(texts)):
-            yield from self.score_batch(batch)
+        with contextlib.closing(self.text_batches(text_of(t, f"element {i}") for i, t in enumerate(texts))) as cut:
+            for batch in cut:
+                scores = self.score_batch(batch)
+                if progress is not None:
+                    progress.add(len(scores), sum(s.tokens for s in scores))
+                yield from scores
 
     def losses(self, token_lists, layers=None):
         """Mean losses (nan below 2 tokens) of token lists already tokenized, in the same batches as score (layers:
@@ -5633,7 +5702,7 @@ class Runner:
 
         def tokenized():
             items_left, index, error = iter(items), 0, None
-            while not error:
+            while not error and not stop.is_set():  # the consumer gone: read and tokenize no further
                 group = []
                 try:
                     group.extend(itertools.islice(items_left, TOKENIZE_GROUP))  # keeps what came before a failure
@@ -5675,11 +5744,11 @@ class Runner:
                 self._note_long_texts(batch, kind, length)
                 yield batch
         finally:
+            # closed by its consumer (the corpus loop, Runner.score) where the run ends, never left to a later garbage
+            # collection or the interpreter's exit. The producer ends within a tokenizer call of `stop`; one blocked
+            # reading its input (stdin) is left behind after a second, in CPython's own read, which the exit leaves be
+            # (nothing on this thread runs torch, whose C++ a finalizing interpreter must not return into: on_signal)
             stop.set()
-            # a daemon thread still inside native code (the tokenizer, GIL released) when the interpreter finalizes
-            # can abort the process: seen once after a SIGINT, "terminate called without an active exception"
-            # (pytorch#38228). The producer ends within a tokenizer call of `stop`; one blocked reading its input
-            # is left behind after a second.
             producer.join(timeout=1.0)
 
     def _note_long_texts(self, batch, kind, length):
@@ -5940,33 +6009,40 @@ class Runner:
 # Without a terminal, a progress line at most this often, and less often as the run grows (every tenth of the time
 # elapsed): a day's run logs ~60 lines, and the harness, which reads stderr only after a run of seconds, gets none
 PROGRESS_LINE_S = 60
+# An ETA only from the rate of this many batches or more: texts land a batch at a time, and one batch says little of
+# the rate (a single long text, or the first with the run's one-off costs). Counted a text at a time, the demo's one
+# batch of 100 read `1 texts of 100, ETA 1:40:41` a second before the end (issue 38).
+ETA_BATCHES = 2
 
 
 class Progress:
     """Texts and tokens done, tokens/s and ETA: a tqdm bar on a terminal; elsewhere a line PROGRESS_LINE_S after the
     start, then at most that often, and less often as the run grows (none in a run of seconds, such as the harness's,
-    which reads stderr only after the run)."""
+    which reads stderr only after the run, nor once every text is done: the summary line follows). Texts are added a
+    batch at a time, as they are scored; the ETA extrapolates the rate of ETA_BATCHES batches or more."""
 
     def __init__(self, total, unit="text"):  # unit: "request" for continuations
         self.total, self.texts, self.scored, self.tokens, self.t0 = total, 0, 0, 0, time.perf_counter()
-        self.next_line, self.unit = self.t0 + PROGRESS_LINE_S, unit
+        self.next_line, self.unit, self.batches = self.t0 + PROGRESS_LINE_S, unit, 0
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True, smoothing=0.05)
 
-    def add(self, texts, scored_tokens, held=False):  # held: texts --resume kept, which take no time
+    def add(self, texts, scored_tokens, held=False):  # a batch; held: texts --resume kept, which take no time
         self.texts += texts
         self.scored += 0 if held else texts
+        self.batches += 0 if held else 1
         self.tokens += scored_tokens
         now = time.perf_counter()
         elapsed = max(1e-9, now - self.t0)
         if self.bar is not None:
             self.bar.set_postfix_str(f"{self.tokens} tokens, {self.tokens / elapsed:.0f} tokens/s", refresh=False)
             self.bar.update(texts)
-        elif now >= self.next_line:
+        elif now >= self.next_line and self.texts != self.total:
             self.next_line = now + max(PROGRESS_LINE_S, elapsed / 10)
-            eta = (self.total - self.texts) * elapsed / self.scored if self.total and self.scored else None
+            eta = (self.total - self.texts) * elapsed / self.scored if self.total and self.batches >= ETA_BATCHES \
+                else None
             left = f" of {self.total}" + (f", ETA {datetime.timedelta(seconds=round(eta))}" if eta is not None
                                           else "") if self.total else ""
             log(f"{self.texts} {self.unit}s{left}; {self.tokens} tokens, {self.tokens / elapsed:.0f} tokens/s")
@@ -5992,9 +6068,13 @@ def parse_request(data, source="stdin"):
     try:
         values = json_array(data, source)
     except UserError:
-        if ends_short(decoded(data)):  # the first line of a pretty-printed array, say
+        text = decoded(data)
+        if ends_short(text) and text.endswith("\n"):  # the first line of a pretty-printed array, say
             raise UserError(f"{source}: the request ends at a line break before its JSON array does: the protocol "
                             "takes the whole request on one line (--input FILE reads texts in any layout)") from None
+        if ends_short(text):  # no line break: the input ended (stdin closed) inside the array
+            raise UserError(f"{source}: the request's input ended before its JSON array did (cut short: stdin "
+                            "closed inside it)") from None
         raise
     return [text_of(t, f"{source}: element {i}") for i, t in enumerate(values)]
 
@@ -6027,6 +6107,10 @@ def bounded(kind, low, high):
 
 
 MAX_TOKENS = 2**31 - 1  # cu_seqlens are int32
+# --attention's kinds described in --help, in the order of its choices (ATTENTION_KINDS; a test checks each has one)
+ATTENTION_HELP = {"triton": "prefill's own Triton kernel", "flash": "flash_attn's varlen kernel",
+                  "torch-flash": "torch's flash kernel", "cudnn": "torch's cuDNN SDPA per text (NVIDIA only)",
+                  "sdpa": "SDPA per text"}
 PAIR_FIELDS = ("context", "continuation")  # --context-field, --continuation-field
 
 
@@ -6089,8 +6173,8 @@ def parse_args(argv):
                    help="default: cuda when torch sees a GPU, else cpu; a GPU that this torch build cannot see is an "
                         "error (exit 2), not a silent CPU run")
     p.add_argument("--attention", default="auto", choices=["auto"] + ATTENTION_KINDS,
-                   help="attention kernel: flash_attn's varlen kernel, prefill's own Triton kernel, torch's flash "
-                        "kernel, torch's cuDNN SDPA per text (NVIDIA only), or SDPA per text (default: of those that "
+                   help=f"attention kernel: {', '.join(ATTENTION_HELP.get(k, k) for k in ATTENTION_KINDS[:-1])}, "
+                        f"or {ATTENTION_HELP.get(ATTENTION_KINDS[-1], ATTENTION_KINDS[-1])} (default: of those that "
                         "run here and match float32 attention at start-up, per bucket of a chunk's longest text "
                         f"({', '.join(BUCKET_LABELS)} tokens) the one kept in --picks; the first run on a GPU times "
                         "them per bucket and keeps the first in a fixed order unless another is clearly (10%%) "
@@ -6109,7 +6193,8 @@ def parse_args(argv):
                         f"each streaming the layers again (default {WAVE_STEP}; for a mixture of experts with "
                         "--input, the smallest multiple of it whose compute hides the wave's copies at the GPU "
                         "family's nominal rates, as large as memory allows: one stderr line says which bound; not "
-                        "under torchrun)")
+                        "under torchrun). With --output, also the batch whose records land at once (default: about "
+                        f"{BATCH_SECONDS} s of compute at the device family's nominal rate, at most {WAVE_STEP})")
     p.add_argument("--experts", default="auto", choices=["auto"] + EXPERT_KINDS,
                    help="a mixture of experts' expert compute: torch's grouped_mm, prefill's fused Triton experts "
                         "(the rows aligned per expert, the gate+up GEMM with the activation, the down GEMM with the "
@@ -6163,13 +6248,14 @@ def check_writable(path, option="--stats"):
         os.unlink(path)
 
 
-def runner_of(args, wave_tokens, picks=None):
-    """The Runner the command line's options ask for, with wave_tokens (None: planned, for a mixture of experts' corpus)
-    and picks (None: the --picks file's; a rank > 0 takes rank 0's)."""
+def runner_of(args, wave_tokens, picks=None, timed_batches=False):
+    """The Runner the command line's options ask for, with wave_tokens (None: planned, for a mixture of experts'
+    corpus), picks (None: the --picks file's; a rank > 0 takes rank 0's) and timed_batches (a corpus's records:
+    batches of timed_batch_tokens)."""
     return Runner(args.model, device=args.device, gpu_memory_gib=args.gpu_memory, attention=args.attention,
                   kernels=args.kernels, chunk_tokens=args.chunk_tokens, wave_tokens=wave_tokens, load=args.load,
                   pin=args.pin, host_memory_gib=args.host_memory, experts=args.experts,
-                  picks=args.picks if picks is None else picks)
+                  picks=args.picks if picks is None else picks, timed_batches=timed_batches)
 
 
 def warmed_up(runner):  # seconds the warm-up took
@@ -6251,11 +6337,10 @@ def serve_protocol(args, protocol):
         return 1
     texts = parse_request(line)
     t0, start_unix_s = time.perf_counter(), time.time()  # wall clock: bench times a run's ready
-    progress, scores = Progress(len(texts)), []
+    progress = Progress(len(texts))
     try:
-        for score in runner.score(texts):
-            scores.append(score)
-            progress.add(1, score.tokens)
+        with contextlib.closing(runner.score(texts, progress)) as scoring:
+            scores = list(scoring)
     finally:
         progress.close()
     print_losses(protocol, scores)
@@ -6277,26 +6362,41 @@ class PeerFailed(Exception):
     why."""
 
 
-# A SIGINT or SIGTERM that arrives while a batch's records are written waits until they are on disk, so that a
-# signal never leaves a partial record (main installs on_signal for both).
-SIGNALS_HELD = {"on": False, "pending": None}
+# main installs on_signal for SIGINT and SIGTERM. One that arrives while a batch's records are written waits until
+# they are on disk, so that a signal never leaves a partial record. The first one raised ends the run; a later one
+# (or one after main has returned) is ignored while the run winds down (side threads joined, generators closed, the
+# exit's finalizers run), which then ends in the first one's line and code; only a wind-down stuck past
+# WIND_DOWN_S is cut short by one, at once, with that line and code. A second signal is common: a terminal's Ctrl-C
+# signals `uv run` and prefill alike, and users press it twice. Raised during the wind-down, it cut the wind-down
+# short: a traceback from whatever finalizer it hit (the tokenizer thread's join in Runner.read_ahead, an atexit hook,
+# threading's exit); and where it cut the join of a thread still inside torch (the start-up checks', when it came
+# during the load), the interpreter finalized under that thread, whose return from torch's C++ into Python then
+# aborted the process (pybind11's gil_scoped_release, pytorch#38228): "terminate called without an active
+# exception", exit 134 (8 of 8 tries here with three SIGINTs 0.3 s apart during the load; bench/NOTES.md, issue 38).
+WIND_DOWN_S = 10.0
+SIGNALS = {"held": False, "pending": None, "first": None, "ending": None}  # ending: since when (time.monotonic)
 
 
 def on_signal(signum, frame):
-    if SIGNALS_HELD["on"]:
-        SIGNALS_HELD["pending"] = signum
+    if SIGNALS["ending"] is not None:
+        if time.monotonic() - SIGNALS["ending"] > WIND_DOWN_S:
+            exit_at_once(SIGNALS["first"] or signum, frame)
         return
+    if SIGNALS["held"]:
+        SIGNALS["pending"] = SIGNALS["pending"] or signum
+        return
+    SIGNALS["first"], SIGNALS["ending"] = signum, time.monotonic()
     raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
 
 
 @contextlib.contextmanager
 def signals_held():
-    SIGNALS_HELD["on"] = True
+    SIGNALS["held"] = True
     try:
         yield
     finally:
-        SIGNALS_HELD["on"] = False
-        signum, SIGNALS_HELD["pending"] = SIGNALS_HELD["pending"], None
+        SIGNALS["held"] = False
+        signum, SIGNALS["pending"] = SIGNALS["pending"], None
         if signum:
             on_signal(signum, None)
 
@@ -6349,11 +6449,11 @@ def main(argv=None):
         os.dup2(os.open(os.devnull, os.O_WRONLY), protocol.fileno())
         return failed("stdout closed before every loss was written", 1)
     except (KeyboardInterrupt, Terminated, PeerFailed) as e:  # a corpus run's note: how far it got, how to resume
-        why = "interrupted (SIGINT)" if isinstance(e, KeyboardInterrupt) else \
-            "terminated (SIGTERM)" if isinstance(e, Terminated) else "error: stopped"
+        why, code = SIGNAL_ENDS[signal.SIGINT] if isinstance(e, KeyboardInterrupt) else \
+            SIGNAL_ENDS[signal.SIGTERM] if isinstance(e, Terminated) else ("error: stopped", 1)
         cause = str(e) if isinstance(e, PeerFailed) else group.cause() if group else None
         log("; ".join([why + (f": {cause}" if cause else ""), *getattr(e, "__notes__", [])]))
-        return 130 if isinstance(e, KeyboardInterrupt) else 143 if isinstance(e, Terminated) else 1
+        return code
     except Exception as e:
         if os.environ.get("PREFILL_DEBUG"):
             traceback.print_exc()
@@ -6369,6 +6469,8 @@ if __name__ == "__main__":
     # the siblings' `import prefill` is this module, run as __main__: a second copy would have its own UserError,
     # signal state and registrar
     sys.modules.setdefault("prefill", sys.modules[__name__])
-    for signum in (signal.SIGINT, signal.SIGTERM):  # 130 and 143 with one line, never amid a batch's records
+    for signum in SIGNAL_ENDS:  # 130 and 143 with one line, never amid a batch's records
         signal.signal(signum, on_signal)
-    sys.exit(main())
+    code = main()
+    SIGNALS["ending"] = time.monotonic()
+    sys.exit(code)

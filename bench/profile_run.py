@@ -20,7 +20,7 @@ import prefill  # noqa: E402
 KINDS = [  # first match wins; names as CUDA/ROCm kernels and aten ops show them
     ("copy", ("memcpy", "Memcpy", "copy_")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "varlen")),
-    ("gemm", ("gemm", "Gemm", "cutlass", "nvjet", "sm90_xmma", "Cijk", "wgmma")),
+    ("gemm", ("gemm", "Gemm", "cutlass", "nvjet", "sm90_xmma", "Cijk", "wgmma", "_moe_gate_up", "_moe_down")),
     ("loss", ("log_softmax", "nll_loss", "cross_entropy", "index_add")),
 ]
 

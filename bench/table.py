@@ -1,15 +1,18 @@
-"""The performance table: one Markdown row per bench/results/*.json report written by bench/run.py.
+"""The performance tables: one Markdown row per bench/results/*.json report written by bench/run.py, and one per run
+of each record bench/moe_run.py wrote (the mixtures of experts: a family's geometry, whole or its first layers).
 
-    python bench/table.py           # print the table
-    python bench/table.py --write   # rewrite docs/performance.md's table between its markers (or --write FILE)
+    python bench/table.py           # print the tables
+    python bench/table.py --write   # rewrite docs/performance.md's tables between their markers (or --write FILE)
 
-docs/performance.md keeps the table between the lines `<!-- bench-table -->` and `<!-- /bench-table -->`.
+docs/performance.md keeps the tables between the lines `<!-- bench-table -->` and `<!-- /bench-table -->`, and
+`<!-- moe-table -->` and `<!-- /moe-table -->`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PERFORMANCE_DOC = HERE.parent / "docs" / "performance.md"
 START, END = "<!-- bench-table -->", "<!-- /bench-table -->"
+MOE_START, MOE_END = "<!-- moe-table -->", "<!-- /moe-table -->"
 
 COLUMNS = ("date", "commit", "machine", "workload", "GPUs (speedup)", "texts", "tokens", "T (s)", "compute floor (s)", "T / floor",
            "sustained floor (s)", "T / sustained floor", "transfer floor (s)", "time to ready (s)", "ready / ready floor",
@@ -89,12 +93,43 @@ def markdown(reports: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_section(text: str, table: str) -> str:
+MOE_COLUMNS = ("date", "commit", "model (random weights)", "run", "cap (GiB)", "tokens", "T (s)", "compute floor (s)",
+               "transfer floor (s)", "T / larger floor", "max rel err (bf16)", "experts picked", "record")
+
+
+def moe_rows(folder: Path) -> list[list[str]]:
+    """A row per run of each moe_run record (those with runs and a geometry), in the files' order (dated names)."""
+    rows = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # load_reports has said so
+        if not isinstance(record, dict) or "geometry" not in record or "runs" not in record:
+            continue
+        cut = re.search(r"-L(\d+)\b", path.name)  # the records of a geometry's first N layers say so in their names
+        model = record["geometry"] + (f", first {cut[1]} layers" if cut else "") + (", FP8" if record.get("fp8") else "")
+        extra = f" ({record['runner_args']})" if record.get("runner_args") else ""
+        for r in record["runs"]:
+            rows.append([path.name[:10], f"`{shown_commit(record)}`", model, r["workload"] + extra, f"{r['cap_gib']:g}",
+                         str(r["tokens"]), f"{r['t_seconds']:.2f}", f"{r['compute_floor_s']:.2f}",
+                         f"{r['transfer_floor_s']:.2f}", f"{r['t_over_max_floor']:.2f}×",
+                         _num(r.get("max_rel_err"), "{:.1e}"), str(r.get("experts") or "–").split(" ")[0],
+                         path.name])
+    return rows
+
+
+def moe_markdown(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(MOE_COLUMNS) + " |", "|" + "|".join("---" for _ in MOE_COLUMNS) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def replace_section(text: str, table: str, start_marker: str = START, end_marker: str = END) -> str:
     """text with everything between the markers replaced by table; ValueError if the markers are missing."""
-    start, end = text.find(START), text.find(END)
+    start, end = text.find(start_marker), text.find(end_marker)
     if start < 0 or end < start:
-        raise ValueError(f"no `{START}` ... `{END}` section")
-    return text[: start + len(START)] + "\n" + table + text[end:]
+        raise ValueError(f"no `{start_marker}` ... `{end_marker}` section")
+    return text[: start + len(start_marker)] + "\n" + table + text[end:]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,17 +139,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="rewrite FILE's table section instead of printing (FILE default: %(const)s)")
     args = ap.parse_args(argv)
 
-    table = markdown(load_reports(Path(args.results)))
+    table, moe = markdown(load_reports(Path(args.results))), moe_markdown(moe_rows(Path(args.results)))
     if not args.write:
-        print(table, end="")
+        print(table + "\n" + moe, end="")
         return 0
     doc = Path(args.write)
     try:
-        doc.write_text(replace_section(doc.read_text(), table))
+        doc.write_text(replace_section(replace_section(doc.read_text(), table), moe, MOE_START, MOE_END))
     except (OSError, ValueError) as e:
         print(f"table.py: {args.write}: {e}", file=sys.stderr)
         return 1
-    print(f"table.py: {args.write}: {len(table.splitlines()) - 2} rows")
+    print(f"table.py: {args.write}: {len(table.splitlines()) - 2} rows, {len(moe.splitlines()) - 2} MoE runs")
     return 0
 
 

@@ -115,6 +115,7 @@ def test_a_killed_rank_stops_the_run_in_seconds_with_one_line_and_the_output_res
     relaunch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
     command = shlex.join(relaunch + [str(ROOT / "prefill.py"), "--model", str(model), *ARGS, "--input", str(texts),
                                      "--output", str(out), "--resume"])
+    command = f"cd {shlex.quote(os.getcwd())} && {command}"  # this directory's: pasted anywhere, it works
     assert f"rank 1 (pid {victim}) ended without an error" in lines[-1], stderr
     assert lines[-1].endswith(f"; resume with: {command}"), stderr
     assert sum("rank 1" in line for line in lines) == 1, stderr
@@ -122,8 +123,8 @@ def test_a_killed_rank_stops_the_run_in_seconds_with_one_line_and_the_output_res
     assert 0 < size < len(want) and size in ends and want.startswith(out.read_bytes())  # whole batches
     cut = ends[ends.index(size) + 1]  # as if killed amid the next batch's write: whole records, then a cut line
     out.write_bytes(want[:want.rindex(b"\n", 0, cut - 1) + 9])
-    p = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=180,
-                       env=dict(os.environ, OMP_NUM_THREADS=THREADS))  # the command as it was printed
+    p = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                       env=dict(os.environ, OMP_NUM_THREADS=THREADS))  # the command as it was printed, elsewhere
     assert p.returncode == 0 and out.read_bytes() == want and p.stdout == "", p.stderr
     lines = own_lines(p.stderr)  # rank 0's load, plan, resume and summary lines; rank 1 says nothing
     assert len(lines) == 4 and lines[2].startswith(f"prefill: resume: {want[:size].count(NEWLINE)} texts of {out}")

@@ -514,14 +514,23 @@ def test_rolling_documents_run_past_max_length(evaluated, eval_checkpoint):
 
 
 def test_generate_until_is_refused_before_any_model_loads(task_dir, tmp_path):
-    # the checkpoint folder does not even exist: the refusal comes first, one line naming the task, exit 2
-    p = subprocess.run([sys.executable, str(ROOT / "prefill_eval.py"), "--model", "prefill", "--model_args",
-                        f"pretrained={tmp_path / 'nothing-here'}", "--tasks", "t_ll,t_gen", "--include_path",
+    # a folder without a checkpoint: the refusal comes first, one line naming the task, exit 2, with lm-eval's task
+    # manager built once and nothing imported that lm-eval's own start does not import (prefill, transformers)
+    empty = tmp_path / "no-checkpoint"
+    empty.mkdir()
+    probe = ("import sys, runpy, lm_eval.tasks as t; made = []; init = t.TaskManager.__init__; "
+             "t.TaskManager.__init__ = lambda self, *a, **k: made.append(1) or init(self, *a, **k); "
+             "sys.argv = sys.argv[1:]; code = None\ntry: runpy.run_path(sys.argv[0], run_name='__main__')\n"
+             "except SystemExit as e: code = e.code\n"
+             "print('task managers', len(made), 'imported', sorted(m for m in ('prefill', 'transformers') "
+             "if m in sys.modules), file=sys.stderr); sys.exit(code)")
+    p = subprocess.run([sys.executable, "-c", probe, str(ROOT / "prefill_eval.py"), "--model", "prefill",
+                        "--model_args", f"pretrained={empty}", "--tasks", "t_ll,t_gen", "--include_path",
                         str(task_dir), "--device", "cpu"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 2, p.stderr[-2000:]
     errors = [line for line in p.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and "t_gen" in errors[0] and "t_ll" not in errors[0], p.stderr[-2000:]
-    assert "nothing-here" not in p.stderr
+    assert p.stderr.splitlines()[-1] == "task managers 1 imported []", p.stderr[-2000:]
 
 
 def test_generate_until_runs_for_another_model(eval_checkpoint, task_dir, tmp_path):
@@ -541,7 +550,8 @@ def test_help_lists_prefill_s_model_args_and_lm_eval_s_own():
     for key in ("pretrained", "gpu_memory", "max_length", "wave_tokens", "chunk_tokens", "attention", "kernels",
                 "host_memory", "picks", "add_bos_token"):
         assert f"  {key}=" in p.stdout, key
-    assert "usage: lm-eval" in p.stdout
+    # lm-eval's own help, under this script's name; --device is optional
+    assert "usage: prefill_eval.py" in p.stdout and "usage: lm-eval" not in p.stdout and "pass --device" not in p.stdout
 
 
 # ----------------------------------------------------------------------------- corpus mode, torchrun

@@ -234,7 +234,7 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
         if "mlp" in cfg.layouts:  # a mixture of experts' feed-forward: moe_launches
             prefill.mlp_block(x, prefill.layer_views(flat, cfg, "mlp"), cfg, TOKENS, prefill.TRITON_KERNELS)
         final_norm = torch.ones(cfg.hidden_size, dtype=prefill.DTYPE)
-        head = lambda x, w: torch.empty(x.shape[0], w.shape[0])  # float32 logits, by shape only, as F.linear's
+        head = lambda x, w, out: out  # float32 logits, by shape only (the loss's room for them), as F.linear's
         prefill.sequence_nll(x, lm_head, final_norm, targets, torch.zeros(TOKENS, dtype=torch.int64), 1,
                              cfg, TOKENS, prefill.dataclasses.replace(prefill.TRITON_KERNELS, head=head))
         # the model as a block-wise FP8 (gpt-oss: MXFP4) checkpoint would hold it (where its shapes allow one): each

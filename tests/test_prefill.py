@@ -4,6 +4,7 @@ The weights are scaled so that attention decides the loss: a wrong RoPE base, a 
 mapping moves some text's loss by several times the 1% tolerance (test_realistic_bug_falls_outside_tolerance).
 """
 import concurrent.futures
+import contextlib
 import dataclasses
 import gc
 import io
@@ -318,6 +319,22 @@ def test_batches_keep_sequences_whole_and_bounded():
     assert prefill.wave_of([[1], []], chunk_tokens=10) is None
 
 
+def test_the_cpu_log_softmax_in_blocks_of_rows_gives_the_bits_of_one_over_the_chunk(monkeypatch):
+    # token_nll on the CPU takes a few rows at a time (their log-softmax stays in cache): the same bits as
+    # cross_entropy over the whole chunk, float32 and bf16 logits, -100 targets included, whatever the block
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (320, 5000):
+        logits = torch.randn(37, vocab, generator=gen) * 4
+        targets = torch.randint(vocab, (37,), generator=gen)
+        targets[::5] = -100
+        for dtype in (torch.float32, torch.bfloat16):
+            whole = torch.nn.functional.cross_entropy(logits.to(dtype).float(), targets, ignore_index=-100,
+                                                      reduction="none")
+            for rows in (1, 3, 36, 64):
+                monkeypatch.setattr(prefill, "CPU_LOSS_BYTES", rows * 4 * vocab)
+                assert torch.equal(prefill.token_nll(logits.to(dtype), targets), whole), (vocab, dtype, rows)
+
+
 QWEN3_32B = dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                  num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
                  rope_theta=1e6, tie_word_embeddings=False)
@@ -594,6 +611,27 @@ def test_a_request_of_several_lines_says_the_protocol_takes_one(gqa_checkpoint):
     assert len(errors) == 1 and "takes the whole request on one line (--input FILE reads" in errors[0], p.stderr
 
 
+def test_a_request_cut_short_says_where_it_ended():
+    # a line break inside the array (a pretty-printed request's first line), or none: the input ended inside it
+    with pytest.raises(prefill.UserError, match="ends at a line break before its JSON array does"):
+        prefill.parse_request(b'["one",\n')
+    for cut in (b'["one", "two"', b'["one",', '["one"'):
+        with pytest.raises(prefill.UserError) as e:
+            prefill.parse_request(cut)
+        assert "input ended before its JSON array did" in str(e.value) and "line break" not in str(e.value)
+    with pytest.raises(prefill.UserError, match="not JSON"):  # wrong, not short
+        prefill.parse_request(b'["one" "two"]')
+
+
+def test_the_attention_option_describes_its_choices_in_their_order(capsys):
+    with pytest.raises(SystemExit):
+        prefill.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert set(prefill.ATTENTION_HELP) == set(prefill.ATTENTION_KINDS)
+    at = [text.index(prefill.ATTENTION_HELP[kind]) for kind in prefill.ATTENTION_KINDS]
+    assert at == sorted(at) and f"{{auto,{','.join(prefill.ATTENTION_KINDS)}}}" in text
+
+
 # ----------------------------------------------------------------------------- the Python API
 
 def readme_api_example():
@@ -837,7 +875,9 @@ def shared_runner(model, chunk_tokens, wave_tokens, **kw):
         RUNNERS[key] = REAL_RUNNER(model, **kw)
     r = RUNNERS[key]
     # the plan those options give, whole: the loss chunks' rows too, which decide the float32 head's GEMM shapes
-    r.plan = prefill.plan_memory(r.cfg, r.plan.budget_bytes, chunk_tokens, wave_tokens or prefill.WAVE_STEP)
+    batch = min(prefill.timed_batch_tokens(r.cfg, "cpu"), wave_tokens or prefill.WAVE_STEP) \
+        if kw.get("timed_batches") else None
+    r.plan = prefill.plan_memory(r.cfg, r.plan.budget_bytes, chunk_tokens, wave_tokens or prefill.WAVE_STEP, batch)
     return r
 
 
@@ -1157,13 +1197,23 @@ def test_progress_without_a_terminal_is_a_line_a_minute_at_most_and_sparser_as_t
     assert lines[10] == []  # the harness reads stderr only after the run: nothing there
     day = lines[86400]
     assert day[0] == 60 and all(b - a >= 60 for a, b in zip(day, day[1:])) and 20 < len(day) < 80, day
-    # the line: texts of the total, the ETA from the rate of the texts scored (not of those --resume kept), tokens/s
+    # the line: texts of the total, the ETA from the rate of the texts scored (not of those --resume kept) once two
+    # batches are, tokens/s
     clock[0] = 0.0
     progress = prefill.Progress(1000)
     progress.add(100, 0, held=True)
     clock[0] = 60.0
-    progress.add(300, 6000)
-    assert capsys.readouterr().err == "prefill: 400 texts of 1000, ETA 0:02:00; 6000 tokens, 100 tokens/s\n"
+    progress.add(150, 3000)
+    assert capsys.readouterr().err == "prefill: 250 texts of 1000; 3000 tokens, 50 tokens/s\n"
+    clock[0] = 120.0
+    progress.add(150, 3000)
+    assert capsys.readouterr().err == "prefill: 400 texts of 1000, ETA 0:04:00; 6000 tokens, 50 tokens/s\n"
+    # none once every text is done, however late: the summary line follows (issue 38: the demo's 100 texts, one
+    # batch, read `1 texts of 100, ETA 1:40:41` a second before the end when they were added one at a time)
+    progress = prefill.Progress(100)
+    clock[0] = 106.0
+    progress.add(100, 47373)
+    assert capsys.readouterr().err == ""
 
 
 def test_sigterm_after_ready_is_one_line_and_exit_143(gqa_checkpoint):
@@ -1175,6 +1225,23 @@ def test_sigterm_after_ready_is_one_line_and_exit_143(gqa_checkpoint):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 143 and out == "", err
     assert err.splitlines()[-1] == "prefill: terminated (SIGTERM)" and "Traceback" not in err
+
+
+def test_the_first_signal_ends_the_run_and_later_ones_let_it_wind_down(monkeypatch):
+    # a second SIGINT or SIGTERM raised during the wind-down cut the joins and finalizers short (a traceback, or the
+    # exit 134 of a thread left inside torch); held ones wait for the records being written, the first one kept
+    monkeypatch.setattr(prefill, "SIGNALS", {"held": False, "pending": None, "first": None, "ending": None})
+    clock, exits = [100.0], []
+    monkeypatch.setattr(prefill.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(prefill, "exit_at_once", lambda signum, frame: exits.append(signum))
+    with pytest.raises(KeyboardInterrupt), prefill.signals_held():
+        prefill.on_signal(signal.SIGINT, None)  # held: nothing raised until the records are written
+        prefill.on_signal(signal.SIGTERM, None)
+    assert prefill.on_signal(signal.SIGTERM, None) is None and prefill.on_signal(signal.SIGINT, None) is None
+    clock[0] += prefill.WIND_DOWN_S + 1  # a wind-down stuck that long is cut short, with the first one's code
+    prefill.on_signal(signal.SIGTERM, None)
+    assert exits == [signal.SIGINT]
+    assert prefill.SIGNAL_ENDS[signal.SIGINT] == ("interrupted (SIGINT)", 130)
 
 
 # ----------------------------------------------------------------------------- corpus: --input --output, --resume
@@ -1205,12 +1272,12 @@ def corpus_in_process(monkeypatch, capsys, model, *args):
     return rc, err
 
 
-def batch_ends(output):
+def batch_ends(output, batch_tokens=64):
     """Byte offsets at which the batches of an --output file end, by the batching rule applied to its tokens."""
     lines = output.read_bytes().splitlines(keepends=True)
     items = [(i, [0] * json.loads(line)["tokens"], len(line)) for i, line in enumerate(lines)]
     ends, size = [], 0
-    for batch in prefill.batches(items, wave_tokens=64):
+    for batch in prefill.batches(items, wave_tokens=batch_tokens):
         size += sum(n for _, _, n in batch)
         ends.append(size)
     return ends
@@ -1332,14 +1399,48 @@ def test_resume_refuses_a_record_scored_from_another_text_or_with_other_settings
                           "with the same ones (checkpoint: a digest of config.json", before_load=True)
     # another kernel picked at start-up (the picks file changed): named once the model is loaded
     settings.write_text(json.dumps(dict(kept, **{"attention <=1024": "triton 64x64"})))
-    refused(texts, expect="made with other kernels than this start-up picked (attention <=1024 'triton 64x64', now "
-                          "'sdpa')")
+    refused(texts, expect="made with other kernels or batches than this start-up picked (attention <=1024 'triton "
+                          "64x64', now 'sdpa')")
     settings.write_bytes(kept_settings)
     # records an older prefill wrote, without digests: none can be proven, so none is kept
     data = b"".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "digest"}).encode() + NEWLINE
                     for line in data.splitlines())
     out.write_bytes(data)
     refused(texts, expect="was written by an older prefill.py, whose records carry no digest", before_load=True)
+
+
+def test_a_corpus_cuts_batches_by_time_and_a_resume_keeps_them(gqa_checkpoint, tmp_path, monkeypatch, capsys):
+    # --output without --wave-tokens: batches of timed_batch_tokens, of the model and the device family's nominal
+    # rate alone (here a slower one, so that 150 texts make several batches), each appended as it is scored. The
+    # batch is kept in OUT.settings.json: a resume that would cut other batches (another prefill's rule) is refused
+    # before anything is written; one that cuts the same finishes the uninterrupted run's bytes.
+    path, _ = gqa_checkpoint
+    monkeypatch.setitem(prefill.BATCH_TFLOPS, "cpu", 1e-6)
+    assert prefill.timed_batch_tokens(prefill.ModelConfig.from_dir(path), "cpu") == prefill.BATCH_MIN_TOKENS == 256
+    texts = corpus_file(tmp_path / "in.jsonl", 150)
+    full, out = tmp_path / "full.jsonl", tmp_path / "out.jsonl"
+    appended, append = [], prefill_corpus.CorpusOutput.append
+
+    def run(output, *more):
+        with monkeypatch.context() as patch:
+            patch.setattr(prefill_corpus.CorpusOutput, "append", lambda self, scores, batch: (
+                appended.append(len(batch)), append(self, scores, batch)))
+            return main_in_process(patch, capsys, path, Fault("", ("--input", texts, "--output", output,
+                                                                   "--chunk-tokens", 40, *more)))
+    rc, _, err = run(full)
+    want, ends = full.read_bytes(), batch_ends(full, 256)
+    settings = json.loads((tmp_path / "full.jsonl.settings.json").read_text())
+    assert rc == 0 and settings["batch_tokens"] == 256 and settings["wave_tokens"] == prefill.WAVE_STEP, err
+    assert len(appended) == len(ends) > 3 and sum(appended) == 150  # a batch at a time
+    (tmp_path / "out.jsonl.settings.json").write_text(json.dumps(settings))
+    out.write_bytes(want[:ends[1] + 20])  # two batches and a cut line
+    rc, _, err = run(out, "--resume")
+    assert rc == 0 and out.read_bytes() == want and "resume: " in err, err
+    out.write_bytes(want[:ends[1]])
+    monkeypatch.setattr(prefill, "BATCH_MIN_TOKENS", 512)
+    rc, _, err = run(out, "--resume")
+    assert rc == 2 and "made with other kernels or batches than this start-up picked (batch_tokens 256, now 512)" \
+        in err.splitlines()[-1] and out.read_bytes() == want[:ends[1]], err
 
 
 def test_a_kill_while_the_settings_are_written_leaves_the_old_file_whole(tmp_path, monkeypatch):
@@ -1458,7 +1559,46 @@ def test_sigkill_then_sigint_then_resume_is_byte_identical(gqa_checkpoint, tmp_p
     # the command to resume with, as it can be pasted: this interpreter, the script as it was given, quoted arguments
     assert rc == 130 and err.splitlines()[-1] == (
         f"prefill: interrupted (SIGINT); {done} of 150 texts done in {out}; resume with: "
-        f"{shlex.join(cmd + ['--resume'])}"), err
+        f"cd {shlex.quote(os.getcwd())} && {shlex.join(cmd + ['--resume'])}"), err
     rc, err = corpus_in_process(monkeypatch, capsys, path, *args, "--resume")  # the rest, in-process
     assert rc == 0 and out.read_bytes() == want, err
     assert "150 texts, " in err.splitlines()[-1] and f"({done} texts were in {out} already)" in err
+
+
+def test_two_sigterms_through_uv_end_in_one_line_and_resume_from_anywhere(gqa_checkpoint, tmp_path, monkeypatch,
+                                                                            capsys):
+    # A terminal's Ctrl-C signals the whole process group, `uv run` and prefill both, and users press it twice; uv
+    # passes a SIGTERM on to its child besides. Two SIGTERMs to the group of `uv run prefill.py` started in a session
+    # of its own, 0.5 s apart once a batch has landed: one line and 143 (no traceback, no abort), whole batches, and
+    # the command that line ends in, pasted in another directory, finishes the uninterrupted run's bytes.
+    uv = os.environ.get("UV") or shutil.which("uv")  # `uv run pytest` sets UV
+    if uv is None:
+        pytest.skip("no uv here: the README runs the tests through `uv run`")
+    path, _ = gqa_checkpoint
+    texts = corpus_file(tmp_path / "in.jsonl", 400)
+    full, out = tmp_path / "full.jsonl", tmp_path / "out.jsonl"
+    assert corpus_in_process(monkeypatch, capsys, path, "--input", texts, "--output", full)[0] == 0
+    want, ends = full.read_bytes(), batch_ends(full)
+    p = subprocess.Popen([uv, "run", "--no-sync", "prefill.py", "--model", str(path), "--device", "cpu", "--attention",
+                          "sdpa", "--input", str(texts), "--output", str(out), *map(str, CORPUS_ARGS)], cwd=ROOT,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    while not (out.exists() and out.stat().st_size) and p.poll() is None:
+        time.sleep(0.002)
+    for pause in (0, 0.5):
+        time.sleep(pause)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 143 and stdout == "", stderr
+    assert not any(s in stderr for s in ("Traceback", "Exception ignored", "terminate called")), stderr
+    size, last = out.stat().st_size, stderr.splitlines()[-1]
+    done = out.read_bytes().count(NEWLINE)
+    assert size in ends and size < len(want) and want.startswith(out.read_bytes())  # whole batches, far from the end
+    head = f"prefill: terminated (SIGTERM); {done} of 400 texts done in {out}; resume with: cd "
+    assert last.startswith(head) and last.endswith(" --resume"), stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    resumed = subprocess.run(["bash", "-c", last.split("resume with: ", 1)[1]], cwd=elsewhere, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0 and out.read_bytes() == want, resumed.stderr

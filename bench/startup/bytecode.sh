@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 27.6 on the H200: is the machine's `import torch` (3.7-5.5 s in 2026-12-02-h200-startup-phases.json) slow
 # because its Python environment has no byte-compiled files (PYTHONDONTWRITEBYTECODE set, every process compiling
-# torch from source again)? An environment installed as the README says (uv sync, compile-bytecode) has them.
+# torch from source again)? An environment installed as the README says (uv sync --compile-bytecode) has them.
 # Run from the repository root with .cache/tokenizer carried; COMMIT names the checkout (the device's .git is older).
 #   COMMIT=abc1234 bash bench/startup/bytecode.sh
 # Writes into $OUT: env.txt (the interpreter's bytecode settings, whether torch has __pycache__), import.txt
