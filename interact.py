@@ -329,7 +329,7 @@ QWEN3_CONFIG_DEFAULTS = {
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 # Everything in a Qwen3-MoE config.json besides the geometry (transformers 5.24's Qwen3MoeConfig): no layer kept
@@ -378,7 +378,8 @@ def _checkpoint_tensors(cfg: dict):
     out_scale = 1 / math.sqrt(2 * layers)
     norm_mean = 0.0 if model.norm_offset else 1.0  # Gemma's norms scale by 1 + w
     out_std = {"o_proj", "down_proj", "w2"}  # the residual's writers: out_scale / sqrt(their input width), experts'
-    #                                          too (Mixtral's w2 is an expert's down)
+    #                                          too (Mixtral's w2 is an expert's down; gpt-oss's fused down_proj
+    #                                          [experts, in, out]: its input width is shape[1] too)
     yield "model.embed_tokens.weight", (model.vocab_size, h), 0.0, LOGIT_STD / math.sqrt(h)
     for i in range(layers):
         for name, (_, shape) in model.layouts[model.layer_kinds[i]].items():
@@ -387,7 +388,8 @@ def _checkpoint_tensors(cfg: dict):
             elif name.endswith("bias"):  # the sigmoid router's e_score_correction_bias too
                 yield f"model.layers.{i}.{name}", shape, 0.0, NORM_NOISE
             else:
-                std = out_scale / math.sqrt(shape[1]) if name.split(".")[-2] in out_std else 1 / math.sqrt(h)
+                role = name.removesuffix(".weight").split(".")[-1]
+                std = out_scale / math.sqrt(shape[1]) if role in out_std else 1 / math.sqrt(h)
                 yield f"model.layers.{i}.{name}", shape, 0.0, std
     yield "model.norm.weight", (h,), norm_mean, NORM_NOISE
     if not model.tie_word_embeddings:
@@ -416,6 +418,33 @@ def quantize_fp8_blocks(w, block: int = 128):
     return q.view(R, C)[:rows, :cols].contiguous(), scales
 
 
+# MXFP4, as gpt-oss is released (transformers' Mxfp4Config writes these two keys): its experts' weights only
+MXFP4_QUANTIZATION = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between e2m1's magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
+
+
+def quantize_mxfp4(w):
+    """w [experts, in, out] (transformers' layout, in a multiple of 32) -> (blocks uint8 [experts, out, in / 32, 16],
+    scales uint8 [experts, out, in / 32]) on w's device, an expert at a time: each 32 inputs' scale the power of two
+    that brings their amax to 6 or below (e8m0, bias 127), each value the nearest e2m1 code, two a byte (the even
+    one in the low nibble), as prefill and transformers read them."""
+    import torch
+
+    E, K, N = w.shape
+    blocks = torch.empty(E, N, K // 32, 16, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(E, N, K // 32, dtype=torch.uint8, device=w.device)
+    midpoints = torch.tensor(E2M1_MIDPOINTS, device=w.device)
+    for e in range(E):
+        groups = w[e].float().T.contiguous().view(N, K // 32, 32)
+        exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0**-120) / 6.0)).clamp(-127, 127)
+        codes = torch.bucketize((groups / torch.exp2(exponent)[..., None]).abs(), midpoints)
+        codes |= (groups < 0).to(codes.dtype) << 3
+        blocks[e] = (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8)
+        scales[e] = (exponent + 127).to(torch.uint8)
+    return blocks, scales
+
+
 def write_random_checkpoint(
     out_dir: str | Path,
     config: dict,
@@ -426,6 +455,7 @@ def write_random_checkpoint(
     tokenizer_dir: str | Path | None = None,
     tensors=_checkpoint_tensors,
     fp8: bool = False,
+    mxfp4: bool = False,
 ) -> Path:
     """Write a random bf16 checkpoint of a family prefill runs that transformers loads, plus tokenizer files.
 
@@ -444,6 +474,10 @@ def write_random_checkpoint(
     checkpoint of a (config, seed, device) is the bf16 one's quantization. A side that is not a multiple of 128 ends in
     a partial block, as DeepSeek-V3's kv_a_proj_with_mqa does (prefill refuses the sides transformers would read
     otherwise: prefill.misread_side).
+
+    mxfp4: gpt-oss as released (MXFP4_QUANTIZATION): each layer's experts' gate_up_proj and down_proj
+    (prefill.MXFP4_WEIGHTS) drawn in bf16 as above, then quantized on `device` (quantize_mxfp4) into X_blocks and
+    X_scales; the rest bf16.
     """
     import torch
     from safetensors.torch import save_file
@@ -458,15 +492,25 @@ def write_random_checkpoint(
     float32 = {f"model.layers.{i}.{name}" for i in range(model.num_hidden_layers) for name in model.tensor_dtypes}
     block = FP8_QUANTIZATION["weight_block_size"][0]
     quantized = {name for name, _, _, _ in specs if fp8 and prefill.is_fp8_weight(name)}
-    if fp8:
-        cfg["quantization_config"] = dict(FP8_QUANTIZATION)
+    in_mxfp4 = {name for name, _, _, _ in specs if mxfp4 and name.endswith(prefill.MXFP4_WEIGHTS)}
+    if mxfp4 and not in_mxfp4:
+        raise UserError(f"--mxfp4: a {cfg.get('model_type')} has no MXFP4 experts (gpt_oss has)")
+    if fp8 or mxfp4:
+        cfg["quantization_config"] = dict(FP8_QUANTIZATION if fp8 else MXFP4_QUANTIZATION)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
     def file_bytes(name, shape):
-        # a quantized weight: one byte an element, and a float32 scale a block
+        # a quantized weight: one byte an element and a float32 scale a block (FP8); half a byte an element and a
+        # byte a 32 (MXFP4)
         n = math.prod(shape)
-        return n + 4 * math.prod(prefill.scale_grid(shape)) if name in quantized else (4 if name in float32 else 2) * n
+        if name in quantized:
+            return n + 4 * math.prod(prefill.scale_grid(shape))
+        return n // 2 + n // 32 if name in in_mxfp4 else (4 if name in float32 else 2) * n
+
+    def stored(name):  # the names a tensor is written as
+        return [name, name + "_scale_inv"] if name in quantized else \
+            [name + "_blocks", name + "_scales"] if name in in_mxfp4 else [name]
 
     # Plan the shards first: their file names carry the shard count.
     shards, size = [[]], 0
@@ -496,6 +540,9 @@ def write_random_checkpoint(
                 if tname in quantized:
                     q, scales = quantize_fp8_blocks(t, block)
                     tensors[tname], tensors[tname + "_scale_inv"] = q.cpu(), scales.cpu()
+                elif tname in in_mxfp4:
+                    q, scales = quantize_mxfp4(t)
+                    tensors[tname + "_blocks"], tensors[tname + "_scales"] = q.cpu(), scales.cpu()
                 else:
                     tensors[tname] = t.cpu()
             if writing is not None:
@@ -505,8 +552,7 @@ def write_random_checkpoint(
         writing.result()
 
     if len(shards) > 1:
-        weight_map = {t: name for name, shard in zip(names, shards) for s in shard
-                      for t in ([s[0], s[0] + "_scale_inv"] if s[0] in quantized else [s[0]])}
+        weight_map = {t: name for name, shard in zip(names, shards) for s in shard for t in stored(s[0])}
         index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -596,30 +642,31 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB"
 
 
-def fp8_checkpoint(model_dir: str | Path) -> bool:
-    """Whether the checkpoint's config.json says block-wise FP8 (quant_method fp8)."""
+def quantization_method(model_dir: str | Path) -> str | None:
+    """The checkpoint's config.json's quant_method: "fp8" (block-wise FP8), "mxfp4" (gpt-oss's experts), another, or
+    None where it has none."""
     try:
         quantized = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
     except (OSError, ValueError, AttributeError):
-        return False
-    return isinstance(quantized, dict) and quantized.get("quant_method") == "fp8"
+        return None
+    return quantized.get("quant_method") if isinstance(quantized, dict) else None
 
 
 def checkpoint_bytes(model_dir: str | Path) -> int:
     """The model's size in memory in bf16: the weight files' size (an overestimate for float32 files, cast on load);
-    for an FP8 checkpoint, which the reference dequantizes (dequantized_kwargs), 2 bytes an element of every tensor
-    but the scales, about twice its files."""
+    for an FP8 or MXFP4 checkpoint, which the reference dequantizes (dequantized_kwargs), 2 bytes an element of every
+    tensor but the scales (4 a byte of MXFP4's blocks, two codes a byte), about twice (four times) its files."""
     model_dir = Path(model_dir)
     files = list(model_dir.glob("*.safetensors")) or list(model_dir.glob("*.bin"))
-    if not (fp8_checkpoint(model_dir) and files[0].suffix == ".safetensors"):
+    if not (quantization_method(model_dir) in ("fp8", "mxfp4") and files[0].suffix == ".safetensors"):
         return sum(f.stat().st_size for f in files)
     from safetensors import safe_open
 
     size = 0
     for f in files:
         with safe_open(f, framework="pt") as st:
-            size += sum(2 * math.prod(st.get_slice(name).get_shape()) for name in st.keys()
-                        if not name.endswith("_scale_inv"))
+            size += sum((4 if name.endswith("_blocks") else 2) * math.prod(st.get_slice(name).get_shape())
+                        for name in st.keys() if not name.endswith(("_scale_inv", "_scales")))
     return size
 
 
@@ -698,11 +745,15 @@ def dequantized_kwargs(model_dir: str | Path) -> dict:
     rounded to bf16 as prefill computes it (SPEC 15): the model the losses are defined on. {} for any other
     checkpoint. Without them transformers dequantizes only on a CPU or a GPU below compute capability 8.9; on an H100
     or H200 it keeps the weights FP8 and quantizes the activations per token too (W8A8: other losses), through a
-    Triton kernel it downloads from the Hub."""
-    if not fp8_checkpoint(model_dir):
+    Triton kernel it downloads from the Hub. An MXFP4 checkpoint (gpt-oss) likewise, by Mxfp4Config(dequantize=True):
+    otherwise transformers runs its MXFP4 matmuls (kernels from the Hub) on a GPU of compute capability 7.5 or more."""
+    method = quantization_method(model_dir)
+    if method not in ("fp8", "mxfp4"):
         return {}
     import transformers
 
+    if method == "mxfp4":
+        return {"quantization_config": transformers.Mxfp4Config(dequantize=True)}
     try:
         return {"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)}
     except (AttributeError, TypeError) as e:  # a transformers without FineGrainedFP8Config or its dequantize

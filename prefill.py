@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """prefill: the per-text language-modelling loss of a Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3 model, or of a
-mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3), whose weights need not fit in GPU memory.
+mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3, gpt-oss), whose weights need not fit in GPU
+memory.
 
     python prefill.py --model DIR      prints `ready`, reads one JSON array of texts from stdin,
                                        prints one loss per text (in order) and exits.
@@ -14,20 +15,22 @@ huge request is split into waves).
 This file alone is the engine: the protocol and the Python API need nothing beside it. Its sections, in reading
 order, with their main definitions (no definition reads a name defined further down; tests/test_layout.py checks
 both):
-  config: Rope, AttentionSettings, Router, moe_fields, sigmoid_moe_fields, Family, FAMILIES, ConfigFields, yarn_rope,
-      latent_fields, fp8_fields, held_layout, ModelConfig
+  config: Rope, AttentionSettings, Router, moe_fields, sigmoid_moe_fields, gpt_oss_fields, Family, FAMILIES,
+      ConfigFields, yarn_rope, latent_fields, fp8_fields, held_layout, ModelConfig
   checkpoint loading: header_tensors, Workers, pinned_empty, Checkpoint, check_tensors, LayerWeights, layer_views,
       Stager
   memory plan: MemoryPlan, plan_memory, layer_flops, plan_wave, HostPlan, plan_host
-  weight streaming: HeldLayers, StorageRing, dequantize_fp8, FP8Layer, fp8_layer, dequantize_layer, WeightStreamer
+  weight streaming: HeldLayers, StorageRing, dequantize_fp8, dequantize_mxfp4, FP8Layer, fp8_layer, dequantize_layer,
+      WeightStreamer
   model math: rms_norm, rope_tables, apply_rope, gated_act, token_nll, combine, Kernels, TORCH_KERNELS, Chunk,
       latent_qkv, attention_block, gated_mlp, mlp_block
   fused kernels (Triton, optional): rms_norm_triton, head_norm_rope_triton, dequantize_layer_triton,
       token_nll_triton, TRITON_KERNELS
   attention backends: attention_sdpa, attention_triton, make_attention, ATTENTION_TILES, gpu_family,
       attention_candidates
-  mixture of experts: route_softmax, route_sigmoid, route, expert_rows, moe_ffn, shared_experts, moe_block,
-      grouped_experts, grouped_loop, grouped_triton, align_experts, fused_experts, FUSED_TILES, expert_candidates
+  mixture of experts: route_softmax, route_sigmoid, route_topk_softmax, route, expert_rows, moe_ffn, shared_experts,
+      moe_block, grouped_experts, grouped_loop, grouped_triton, align_experts, fused_experts, FUSED_TILES,
+      expert_candidates
   start-up checks and picks: check_attention, pick_attention, check_experts, pick_experts, check_kernels,
       pick_kernels, pick_blas, Picks
   packing and loss: timed_batch_tokens, Wave, batches, wave_of, Score, sequence_nll
@@ -226,10 +229,14 @@ class Rope:
 @dataclass(frozen=True)
 class AttentionSettings:
     """One layer's attention beyond causal GQA: the softmax of softcap(q·k · scale) over the keys j that query i sees,
-    i - window < j <= i as in transformers (window None: every earlier key), softcap(s) = cap · tanh(s / cap)."""
+    i - window < j <= i as in transformers (window None: every earlier key), softcap(s) = cap · tanh(s / cap). sinks
+    (gpt-oss): a learned logit per query head joins each row's softmax as one more column, whose probability is
+    dropped (transformers' eager_attention_forward): each row's denominator gains exp(sink); its values are the
+    layer's weights (self_attn.sinks)."""
     scale: float
     window: int | None = None
     softcap: float | None = None
+    sinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -240,7 +247,8 @@ class Router:
     the router's weight too; sigmoid scores; e_score_correction_bias added to them for the choice only; the top-k
     among the experts of the topk_group groups (of n_group, consecutive experts) whose two best biased scores sum
     highest; weighed by their unbiased scores, renormalised (+1e-20) when renormalize, times scale
-    (routed_scaling_factor)."""
+    (routed_scaling_factor). "topk_softmax" (gpt-oss): the top-k of the bf16 router's logits, its bias added, then a
+    softmax over those k alone."""
     kind: str = "softmax"
     top_k: int = 1
     renormalize: bool = False
@@ -250,7 +258,8 @@ class Router:
 
     def describe(self):
         groups = f" among the best {self.topk_group} of {self.n_group} groups" if self.topk_group < self.n_group else ""
-        return (f"{self.kind} top-{self.top_k}{groups}" + (", correction bias" if self.kind == "sigmoid" else "")
+        bias = {"sigmoid": ", correction bias", "topk_softmax": ", biased logits"}.get(self.kind, "")
+        return (f"{self.kind} top-{self.top_k}{groups}{bias}"
                 + (", renormalised" if self.renormalize else "") + (f", times {self.scale:g}" if self.scale != 1 else ""))
 
 
@@ -270,7 +279,7 @@ def from_max_window_layers(fields, layers):  # Qwen2, Qwen3: with use_sliding_wi
     return ["sliding_attention" if window and i >= first else "full_attention" for i in range(layers)], window
 
 
-def alternate(fields, layers):  # Gemma 2: even layers slide
+def alternate(fields, layers):  # Gemma 2, gpt-oss: even layers slide
     return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)], \
         fields.off_or(fields.count, "sliding_window", 4096)
 
@@ -393,6 +402,30 @@ def sigmoid_moe_fields(fields, path, layers, defaults):
 
 
 @dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (GptOssExperts._apply_gate): gate and up interleaved in gate_up's columns (gate
+    [..., ::2], up [..., 1::2]), gate clamped above at limit, up to ±limit, then (up + 1) · gate · sigmoid(alpha ·
+    gate)."""
+    alpha: float
+    limit: float
+
+
+def gpt_oss_fields(fields, path, layers, defaults):
+    """gpt-oss's experts (transformers 5.24, models/gpt_oss): every layer a mixture of num_local_experts (or
+    num_experts, its attribute_map's other spelling) experts intermediate_size wide, num_experts_per_tok of them a
+    token. The router (mlp.router) is a linear with a bias; each token keeps its top-k logits, then a softmax over
+    those (Router "topk_softmax"). The experts are fused as transformers holds them (fused_experts): gate and up
+    interleaved in one projection, biases on both projections, the clamped SwiGLU between (swiglu_alpha,
+    swiglu_limit). As for Qwen3-MoE, router_aux_loss_coef and output_router_logits only add the router's auxiliary
+    loss to HF's .loss: not read."""
+    experts, top_k = expert_count(fields, path, ("num_local_experts", "num_experts"), defaults)
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=fields.count("intermediate_size"),
+                router_kind="topk_softmax", fused_experts=True,
+                expert_activation=ClampedSwiGLU(fields.positive("swiglu_alpha", 1.702),
+                                                fields.positive("swiglu_limit", 7.0)))
+
+
+@dataclass(frozen=True)
 class Family:
     """What a model_type's config.json leaves to transformers' modeling code (read in transformers 5.24)."""
     layer_types: object = no_window  # (fields, layers) -> (each layer's type, the window of sliding ones)
@@ -422,6 +455,9 @@ class Family:
     #                                of it (which layers keep the MLP among them too); None: a dense model
     moe_defaults: tuple = ()       # (key, default) pairs of its configuration class that experts reads (none: required)
     latent_attention: bool = False  # DeepSeek-V3: multi-head latent attention (latent_fields)
+    sinks: bool = False            # gpt-oss: attention sinks (AttentionSettings.sinks)
+    norm_float32: bool = False     # gpt-oss: every RMSNorm is w·x̂ in float32, then the cast (NORM_FLOAT32)
+    defaults: dict = None          # config.json keys whose default in the family's config class is not prefill's
 
 
 GEMMA = dict(reads_layer_types=True, norm_offset=True, sandwich_norms=True, embed_scale=True, attention_bias=True,
@@ -454,6 +490,14 @@ FAMILIES = {
         ("n_routed_experts", 256), ("num_experts_per_tok", 8), ("moe_intermediate_size", 2048),
         ("n_shared_experts", 1), ("n_group", 8), ("topk_group", 4), ("routed_scaling_factor", 2.5),
         ("norm_topk_prob", True), ("first_k_dense_replace", 3))),
+    # transformers 5.24's GptOssConfig: its defaults where prefill's differ (a config.json the release wrote says
+    # each), its RoPE YaRN where rope_parameters is absent or null
+    "gpt_oss": Family(layer_types=alternate, reads_layer_types=True, attention_bias=True, head_dim=64, sinks=True,
+                      norm_float32=True, rms_norm_eps=1e-5, rope_theta=150000.0, experts=gpt_oss_fields,
+                      moe_defaults=(("num_local_experts", 128), ("num_experts_per_tok", 4)), defaults={
+                          "num_key_value_heads": 8, "sliding_window": 128, "attention_bias": True,
+                          "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                              "truncate": False, "original_max_position_embeddings": 4096}}),
 }
 # keys that mark a config.json as a mixture of experts (Mixtral, GPT-OSS: num_local_experts; Qwen2-MoE, OLMoE:
 # num_experts; DeepSeek: n_routed_experts): of those, prefill runs the families whose row has experts
@@ -644,26 +688,8 @@ def compressed_tensors(quantized):
         f", weights scaled per {' and per '.join(scaled)}" if scaled else "")
 
 
-def fp8_fields(quantized, path):
-    """ModelConfig's FP8 fields from a quantization_config (None: none, unquantized weights): block-wise FP8's scale
-    format and modules_to_not_convert. Everything else is refused with one line naming what it is."""
-    if quantized is None:
-        return {}
-    method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
-    if method == "compressed-tensors" and isinstance(quantized, dict):
-        raise UserError(f"{path}: quantization_config is {compressed_tensors(quantized)}: llm-compressor's layout, "
-                        "which prefill does not read; it reads BF16, F16 or F32 weights, or block-wise FP8 "
-                        "(quant_method fp8, weight_scale_inv per 128x128 block)")
-    if method != "fp8":
-        raise UserError(f"{path}: quantized weights (quantization_config {shown(method)}); prefill reads BF16, F16 "
-                        "or F32 weights, or block-wise FP8 (quant_method fp8)")
-    for key, want in FP8_CONFIG.items():
-        if quantized.get(key, want) != want:
-            raise UserError(f"{path}: quantization_config {key} is {json.dumps(quantized[key])[:40]}; prefill reads "
-                            f"block-wise FP8 with {key} {json.dumps(want)} only")
-    scales = quantized.get("scale_fmt", "float")
-    if scales not in FP8_SCALE_FORMATS:
-        raise UserError(f"{path}: quantization_config scale_fmt is {shown(scales)}; expected float or ue8m0")
+def module_patterns(quantized, path):
+    # a quantization_config's modules_to_not_convert, checked: patterns naming the modules kept bf16 (not_converted)
     kept = quantized.get("modules_to_not_convert") or []
     if not (isinstance(kept, list) and all(isinstance(pattern, str) for pattern in kept)):
         raise UserError(f"{path}: quantization_config modules_to_not_convert is {shown(kept)}; expected a list of "
@@ -674,7 +700,43 @@ def fp8_fields(quantized, path):
         except re.error as e:
             raise UserError(f"{path}: quantization_config modules_to_not_convert holds {shown(pattern)}, which "
                             f"transformers reads as a regular expression, and it is not one ({e})") from None
-    return dict(fp8_scales=scales, fp8_not_converted=tuple(kept))
+    return tuple(kept)
+
+
+def fp8_fields(quantized, path):
+    """ModelConfig's quantization fields from a quantization_config (None: none, unquantized weights): block-wise
+    FP8's scale format and modules_to_not_convert, or MXFP4's (gpt-oss as released: transformers' Mxfp4Config, which
+    writes quant_method and modules_to_not_convert alone). Everything else is refused with one line naming what it
+    is."""
+    if quantized is None:
+        return {}
+    method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+    if method == "compressed-tensors" and isinstance(quantized, dict):
+        raise UserError(f"{path}: quantization_config is {compressed_tensors(quantized)}: llm-compressor's layout, "
+                        "which prefill does not read; it reads BF16, F16 or F32 weights, or block-wise FP8 "
+                        "(quant_method fp8, weight_scale_inv per 128x128 block)")
+    if method == "mxfp4" and isinstance(quantized, dict):
+        return dict(mxfp4=True, mxfp4_not_converted=module_patterns(quantized, path))
+    if method != "fp8":
+        raise UserError(f"{path}: quantized weights (quantization_config {shown(method)}); prefill reads BF16, F16 "
+                        "or F32 weights, block-wise FP8 (quant_method fp8) or gpt-oss's MXFP4 experts (quant_method "
+                        "mxfp4)")
+    for key, want in FP8_CONFIG.items():
+        if quantized.get(key, want) != want:
+            raise UserError(f"{path}: quantization_config {key} is {json.dumps(quantized[key])[:40]}; prefill reads "
+                            f"block-wise FP8 with {key} {json.dumps(want)} only")
+    scales = quantized.get("scale_fmt", "float")
+    if scales not in FP8_SCALE_FORMATS:
+        raise UserError(f"{path}: quantization_config scale_fmt is {shown(scales)}; expected float or ue8m0")
+    return dict(fp8_scales=scales, fp8_not_converted=module_patterns(quantized, path))
+
+
+# MXFP4 (gpt-oss's experts as released; transformers' integrations/mxfp4.py): a weight [experts, in, out] (transformers'
+# layout, prefill's bf16 one) is held as X_blocks uint8 [experts, out, in / 32, 16], two e2m1 codes a byte (the even
+# element in the low nibble), and X_scales uint8 [experts, out, in / 32], an e8m0 exponent (bias 127) for each 32
+MXFP4_GROUP = 32
+MXFP4_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # transformers'
 
 
 def is_fp8_weight(name):
@@ -713,13 +775,14 @@ def misread_side(n):
     return n > FP8_BLOCK and n % FP8_BLOCK and n % scale_grid((n,))[0] == 0
 
 
-def held_layout(layout, numel, fp8, dtypes):
+def held_layout(layout, numel, fp8, dtypes, mxfp4=frozenset()):
     """How a layer is held (resident, in host memory, in a slot): [(name, byte offset, shape, dtype)], and its bytes.
     layout: its bf16 layout, {name: (offset in bf16 elements, shape)}, numel bf16 elements long, each tensor bf16 but
     those dtypes names ({name: dtype}: the V3 router's float32 ones); fp8: the names of its weights held as FP8, each
-    one's float8 bytes then its scales (float32, one per FP8_BLOCK x FP8_BLOCK block), dequantized into the bf16 layout
-    just before the layer runs. With none, the bf16 layout itself."""
-    if not fp8:
+    one's float8 bytes then its scales (float32, one per FP8_BLOCK x FP8_BLOCK block); mxfp4: those held as MXFP4,
+    each one's blocks then its scales (uint8, 4.25 bits a weight). Either kind is dequantized into the bf16 layout just
+    before the layer runs. With none, the bf16 layout itself."""
+    if not fp8 and not mxfp4:
         return [(name, offset * DTYPE.itemsize, shape, dtypes.get(name, DTYPE)) for name, (offset, shape)
                 in layout.items()], numel * DTYPE.itemsize
     held, offset = [], 0
@@ -731,11 +794,25 @@ def held_layout(layout, numel, fp8, dtypes):
                 raise UserError(f"an FP8 weight's shape {list(shape)} ({name}) is not a multiple of the "
                                 f"{FP8_BLOCK}x{FP8_BLOCK} blocks, and transformers' two loads read its scales "
                                 "differently (on the CPU in blocks of its side over its scale grid)")
+        elif name in mxfp4:  # [experts, in, out] in the bf16 layout, its blocks and scales by output row
+            E, K, N = shape
+            if K % MXFP4_GROUP:
+                raise UserError(f"an MXFP4 weight's input width {K} ({name}, shape {list(shape)}) is not a multiple "
+                                f"of its {MXFP4_GROUP}-weight blocks")
+            parts = [(name + "_blocks", (E, N, K // MXFP4_GROUP, MXFP4_GROUP // 2), torch.uint8),
+                     (name + "_scales", (E, N, K // MXFP4_GROUP), torch.uint8)]
         for part, part_shape, dtype in parts:
             offset = -(-offset // 128) * 128
             held.append((part, offset, part_shape, dtype))
             offset += math.prod(part_shape) * dtype.itemsize
     return held, -(-offset // 128) * 128
+
+
+# How an RMSNorm scales its normalised x̂ (rms_norm's style): Llama and Qwen cast x̂ to bf16, then multiply by the
+# weight in bf16; Gemma multiplies by (1 + w) in float32 and casts last; gpt-oss multiplies by w in float32 and casts
+# last (GptOssRMSNorm: `(self.weight * hidden_states).to(input_dtype)`, the bf16 weight promoted by the float32 x̂;
+# its _keep_in_fp32_modules keep the weight itself float32 only in a float16 load, modeling_utils' dtype plan)
+NORM_CAST, NORM_OFFSET, NORM_FLOAT32 = 0, 1, 2
 
 
 @dataclass
@@ -786,6 +863,13 @@ class ModelConfig:
     kv_lora_rank: int = 0           # DeepSeek's multi-head latent attention (0: none; latent_fields, latent_qkv):
     q_lora_rank: int = 0            # the keys' and values' latent, q's (0: q_proj, no LoRA), each head's q/k
     qk_nope_head_dim: int = 0       # channels without RoPE, then rope_dim with it
+    norm_float32: bool = False      # gpt-oss's norms (NORM_FLOAT32)
+    fused_experts: bool = False     # gpt-oss's experts (gpt_oss_fields): mlp.router with its bias, mlp.experts'
+    #                                 gate_up_proj [experts, hidden, 2 moe_intermediate] (gate and up interleaved in its
+    #                                 columns) and down_proj [experts, moe_intermediate, hidden], each with a bias
+    expert_activation: object = "silu"  # the experts': "silu", or ClampedSwiGLU (gpt-oss)
+    mxfp4: bool = False             # MXFP4 experts (gpt-oss as released; fp8_fields)
+    mxfp4_not_converted: tuple = ()  # its modules_to_not_convert
 
     def __post_init__(self):
         D = self.head_dim
@@ -833,13 +917,18 @@ class ModelConfig:
         # which stay bf16 in their own layers alone (a checkpoint may keep its first layers in bf16); each is
         # dequantized into the bf16 layout just before the layer runs (the plan counts that scratch:
         # dequantized_bytes).
+        # MXFP4 (gpt-oss): the experts' two weights, but in the layers whose experts modules_to_not_convert names
+        # (transformers converts a GptOssMLP's experts or not, should_convert_module).
         held, alike, kept = [], {}, not_converted(self.fp8_not_converted, self.tensor_prefixes)
+        kept_mxfp4 = not_converted(self.mxfp4_not_converted, self.tensor_prefixes)
         for layer, kind in enumerate(self.layer_kinds):
             fp8 = frozenset(name for name in self.layouts[kind] if self.fp8_scales and is_fp8_weight(name)
                             and not kept(f"model.layers.{layer}.{name[:-len('.weight')]}"))
-            if (kind, fp8) not in alike:
-                alike[kind, fp8] = held_layout(self.layouts[kind], numels[kind], fp8, self.tensor_dtypes)
-            held.append(alike[kind, fp8])
+            mxfp4 = frozenset(name for name in self.layouts[kind] if self.mxfp4 and name in MXFP4_WEIGHTS
+                              and not kept_mxfp4(f"model.layers.{layer}.mlp.experts"))
+            if (kind, fp8, mxfp4) not in alike:
+                alike[kind, fp8, mxfp4] = held_layout(self.layouts[kind], numels[kind], fp8, self.tensor_dtypes, mxfp4)
+            held.append(alike[kind, fp8, mxfp4])
         self.held = tuple(parts for parts, _ in held)
         self.layer_nbytes = tuple(nbytes for _, nbytes in held)
         # the largest layer's: what a streaming slot and a storage ring's buffer hold (a model of one kind: every
@@ -849,7 +938,9 @@ class ModelConfig:
         self.layer_bytes = self.layer_nbytes[largest]
         self.layer_layout = self.layouts[self.largest_kind]  # its bf16 layout (an FP8 layer's once dequantized)
         self.layer_numel = self.layer_bytes // DTYPE.itemsize
-        self.dequantized_bytes = max(numels.values()) * DTYPE.itemsize if self.fp8_scales else 0
+        self.quantized = bool(self.fp8_scales or self.mxfp4)  # layers held FP8 or MXFP4, dequantized before they run
+        self.dequantized_bytes = max(numels.values()) * DTYPE.itemsize if self.quantized else 0
+        self.norm_style = NORM_OFFSET if self.norm_offset else NORM_FLOAT32 if self.norm_float32 else NORM_CAST
 
     def attention_tensors(self):
         # (name inside model.layers.N, shape, whether it continues the fused view before it): the attention half
@@ -864,6 +955,8 @@ class ModelConfig:
         out.append(("self_attn.o_proj.weight", (H, Q), False))
         if self.o_bias:
             out.append(("self_attn.o_proj.bias", (H,), False))
+        if any(how.sinks for how in self.attention):  # gpt-oss: a logit a query head
+            out.append(("self_attn.sinks", (self.num_attention_heads,), False))
         if self.qk_norm:
             out += [("self_attn.q_norm.weight", (D,), False), ("self_attn.k_norm.weight", (D,), False)]
         if self.sandwich_norms:  # Gemma's post_attention_layernorm norms the attention's output
@@ -896,6 +989,13 @@ class ModelConfig:
         # the feed-forward half: its input norm, the gated MLP ("mlp") or the mixture of experts ("moe")
         H, I = self.hidden_size, self.intermediate_size
         norm = "pre_feedforward_layernorm" if self.sandwich_norms else "post_attention_layernorm"
+        if kind == "moe" and self.fused_experts:  # gpt-oss: the router and its bias; each weight [experts, in, out]
+            # as transformers holds it (and saves it in bf16), viewed by layer_views as the experts' [experts, out, in]
+            E, J = self.num_experts, self.moe_intermediate_size
+            return [(f"{norm}.weight", (H,), False), ("mlp.router.weight", (E, H), False),
+                    ("mlp.router.bias", (E,), False), ("mlp.experts.gate_up_proj", (E, H, 2 * J), False),
+                    ("mlp.experts.gate_up_proj_bias", (E, 2 * J), False), ("mlp.experts.down_proj", (E, J, H), False),
+                    ("mlp.experts.down_proj_bias", (E, H), False)]
         if kind == "moe":  # the router (and the V3 router's correction bias); each expert's gate rows then its up
             # rows, expert after expert (one [experts, 2 moe_intermediate, hidden] view, expert e's fused gate_up at
             # [e]); each expert's down; the shared experts' gate and up rows, their down, Qwen2-MoE's gate
@@ -960,6 +1060,12 @@ class ModelConfig:
         if raw.get("use_bidirectional_attention") not in (None, False):  # (True == 1 in Python: compared by type too)
             raise UserError(f"{path}: use_bidirectional_attention is {shown(raw['use_bidirectional_attention'])}; "
                             "prefill computes causal language-model losses")
+        if family.defaults:  # what the family's config class takes where config.json is silent; a null is read as
+            # each key's own null (a window's: none), but for a null RoPE, which GptOssConfig makes its default too
+            raw = {**family.defaults, **raw}
+            if raw.get("rope_parameters") is None and raw.get("rope_scaling") is None:
+                raw["rope_parameters"] = family.defaults["rope_parameters"]
+            fields = ConfigFields(raw, path)
 
         hidden, heads, layers = fields.count("hidden_size"), fields.count("num_attention_heads"), \
             fields.count("num_hidden_layers")
@@ -987,7 +1093,7 @@ class ModelConfig:
         if latent:  # DeepSeek's own, from the RoPE's raw parameters
             params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
             scale = latent_scale(head_dim, ropes[None], params, path)
-        settings = {t: AttentionSettings(scale, window if t == "sliding_attention" else None, softcap)
+        settings = {t: AttentionSettings(scale, window if t == "sliding_attention" else None, softcap, family.sinks)
                     for t in LAYER_TYPES}
         attention_bias = family.attention_bias and fields.flag("attention_bias")
         qkv_bias = family.qkv_bias or attention_bias or bool(family.qkv_bias_key and fields.flag(*family.qkv_bias_key))
@@ -1000,7 +1106,8 @@ class ModelConfig:
             ropes=tuple(ropes[t if family.two_ropes else None] for t in types),
             attention=tuple(settings[t] for t in types), activation=ACTIVATIONS[activation],
             qk_norm=family.qk_norm or bool(family.qk_norm_key and fields.flag(family.qk_norm_key)),
-            norm_offset=family.norm_offset, sandwich_norms=family.sandwich_norms, qkv_bias=qkv_bias, o_bias=attention_bias,
+            norm_offset=family.norm_offset, norm_float32=family.norm_float32, sandwich_norms=family.sandwich_norms,
+            qkv_bias=qkv_bias, o_bias=attention_bias,
             mlp_bias=family.mlp_bias and fields.flag("mlp_bias"), embed_scale=family.embed_scale,
             final_softcap=fields.off_or(fields.positive, "final_logit_softcapping", family.softcaps[1])
             if family.softcaps else None,
@@ -1009,6 +1116,11 @@ class ModelConfig:
             max_position_embeddings=fields.get("max_position_embeddings", 0, lambda v: type(v) is int and v >= 0,
                                                "a non-negative integer"),
         )
+        if fp8.get("mxfp4") and not config.get("fused_experts"):
+            raise UserError(f"{path}: quant_method mxfp4 quantizes gpt_oss's experts (transformers' Mxfp4Config); "
+                            f"not a {model_type}'s")
+        if fp8.get("fp8_scales") and config.get("fused_experts"):
+            raise UserError(f"{path}: a {model_type} in block-wise FP8 is not built (its releases are MXFP4)")
         if prefixes and config["final_softcap"] is not None:
             raise UserError(f"{path}: final_logit_softcapping in a multimodal Gemma 3, which transformers' "
                             "Gemma3ForConditionalGeneration does not apply; not supported")
@@ -1400,21 +1512,23 @@ def layer_tensors(cfg, layer):
 def check_tensors(ckpt, cfg, fixed):
     """Every missing, misshapen or mistyped tensor, before heavy work: each layer's as cfg.held holds them (an FP8
     weight's scale grid included), and fixed, [(name, shape)]: the embedding, final norm and head."""
-    fp8 = "block-wise FP8" if cfg.fp8_scales else "unquantized (no quantization_config)"
+    fp8 = "block-wise FP8" if cfg.fp8_scales else "MXFP4" if cfg.mxfp4 else "unquantized (no quantization_config)"
     for layer, parts in enumerate(cfg.held):
         for name, _, shape, held in parts:
-            kept = cfg.fp8_scales and held == DTYPE and is_fp8_weight(name)  # by modules_to_not_convert
+            kept = held == DTYPE and (cfg.fp8_scales and is_fp8_weight(name)  # by modules_to_not_convert
+                                      or cfg.mxfp4 and name in MXFP4_WEIGHTS)
             name = f"model.layers.{layer}.{name}"
             ckpt.get(name, shape)
             dtype = ckpt.tensors[name][1]
             scales = (torch.float32, torch.bfloat16, torch.float8_e8m0fnu) + (
                 (torch.uint8,) if cfg.fp8_scales == "ue8m0" else ())
-            wanted = (FP8,) if held == FP8 else scales if name.endswith("_scale_inv") else FLOATS
+            wanted = (FP8,) if held == FP8 else scales if name.endswith("_scale_inv") else (
+                (torch.uint8,) if held == torch.uint8 else FLOATS)  # uint8: MXFP4's blocks and scales
             if dtype not in wanted:
                 raise UserError(f"checkpoint tensor {name} is {str(dtype)[6:]}; the model is {fp8}" + (
                     ", its modules_to_not_convert naming this one" if kept else "") + ", which makes it "
                     f"{' or '.join(str(d)[6:] for d in wanted)}" + (
-                    " (or modules_to_not_convert would name it)" if held == FP8 else ""))
+                    " (or modules_to_not_convert would name it)" if held in (FP8, torch.uint8) else ""))
     for name, shape in fixed:
         ckpt.get(name, shape)
         if ckpt.tensors[name][1] not in FLOATS:
@@ -1436,14 +1550,18 @@ class LayerWeights:  # None: the family has no such tensor
     k_norm: object = None            # [head_dim]
     o_proj: torch.Tensor = None      # [hidden, heads v_head_dim]
     o_bias: object = None            # [hidden]
+    sinks: object = None             # [heads]: gpt-oss's attention sinks
     attn_out_norm: object = None     # [hidden]: Gemma's norm of the attention's output
     mlp_norm: torch.Tensor = None    # [hidden]: the norm before the MLP
     router: object = None            # [experts, hidden] (float32: Router.kind sigmoid), where gate_up and down are
-    router_bias: object = None       # the experts'; [experts] float32: the sigmoid router's e_score_correction_bias
-    gate_up: torch.Tensor = None     # [2 intermediate, hidden]; MoE: [experts, 2 moe_intermediate, hidden]
-    gate_up_bias: object = None      # [2 intermediate]
-    down: torch.Tensor = None        # [hidden, intermediate]; MoE: [experts, hidden, moe_intermediate]
-    down_bias: object = None         # [hidden]
+    router_bias: object = None       # the experts'; [experts]: the sigmoid router's e_score_correction_bias (float32,
+    #                                  the choice's), gpt-oss's router's bias (bf16, its logits')
+    gate_up: torch.Tensor = None     # [2 intermediate, hidden]; MoE: [experts, 2 moe_intermediate, hidden] (gpt-oss: a
+    #                                  view of [experts, hidden, 2 moe_intermediate], gate and up interleaved)
+    gate_up_bias: object = None      # [2 intermediate]; gpt-oss: [experts, 2 moe_intermediate]
+    down: torch.Tensor = None        # [hidden, intermediate]; MoE: [experts, hidden, moe_intermediate] (gpt-oss: a
+    #                                  view)
+    down_bias: object = None         # [hidden]; gpt-oss: [experts, hidden]
     mlp_out_norm: object = None      # [hidden]: Gemma's norm of the MLP's output
     shared_gate_up: object = None    # [2 shared_intermediate, hidden]: the shared experts' (V3, GLM, Qwen2-MoE)
     shared_down: object = None       # [hidden, shared_intermediate]
@@ -1472,8 +1590,14 @@ def layer_views(flat, cfg, kind=None):
                        shared_gate_up=view(f"{cfg.shared_expert}.gate_proj.weight", 2 * cfg.shared_intermediate_size),
                        shared_down=view(f"{cfg.shared_expert}.down_proj.weight"),
                        shared_gate=view("mlp.shared_expert_gate.weight"))
+    elif "mlp.router.weight" in layout:  # gpt-oss: its experts' [experts, out, in], out-contiguous (read by strides)
+        experts = dict(router=view("mlp.router.weight"), router_bias=view("mlp.router.bias"),
+                       gate_up=view("mlp.experts.gate_up_proj").transpose(1, 2),
+                       gate_up_bias=view("mlp.experts.gate_up_proj_bias"),
+                       down=view("mlp.experts.down_proj").transpose(1, 2), down_bias=view("mlp.experts.down_proj_bias"))
     else:
-        experts = dict(gate_up=view("mlp.gate_proj.weight", gate_up), down=view("mlp.down_proj.weight"))
+        experts = dict(gate_up=view("mlp.gate_proj.weight", gate_up), down=view("mlp.down_proj.weight"),
+                       gate_up_bias=view("mlp.gate_proj.bias", gate_up), down_bias=view("mlp.down_proj.bias"))
     return LayerWeights(
         input_norm=view("input_layernorm.weight"), qkv=view(f"{first}.weight", qkv),
         qkv_bias=view(f"{first}.bias", qkv), q_norm=view("self_attn.q_norm.weight"),
@@ -1481,10 +1605,9 @@ def layer_views(flat, cfg, kind=None):
         q_a_norm=view("self_attn.q_a_layernorm.weight"), q_b=view("self_attn.q_b_proj.weight"),
         kv_a_norm=view("self_attn.kv_a_layernorm.weight"), kv_b=view("self_attn.kv_b_proj.weight"),
         k_norm=view("self_attn.k_norm.weight"), o_proj=view("self_attn.o_proj.weight"),
-        o_bias=view("self_attn.o_proj.bias"),
+        o_bias=view("self_attn.o_proj.bias"), sinks=view("self_attn.sinks"),
         attn_out_norm=view("post_attention_layernorm.weight") if cfg.sandwich_norms else None,
-        mlp_norm=view(f"{mlp_norm}.weight"), gate_up_bias=view("mlp.gate_proj.bias", gate_up),
-        down_bias=view("mlp.down_proj.bias"), mlp_out_norm=view("post_feedforward_layernorm.weight"), **experts,
+        mlp_norm=view(f"{mlp_norm}.weight"), mlp_out_norm=view("post_feedforward_layernorm.weight"), **experts,
     )
 
 
@@ -1602,14 +1725,16 @@ def moe_scratch_per_token(cfg):
     # float32 probabilities, or the sigmoid one's float32 input, scores, biased and masked scores and group mask; the
     # int64 routing indices, k rows of input, gate_up, activation and output (bf16), the output rows gathered per
     # token (bf16) and their weighted sum; with shared experts the routed sum's own buffer and their gate_up,
-    # activation and output (bf16). The fused experts hold less: k rows of activation and of output, and up to
-    # experts x BLOCK_M rows of padded activation (DeepSeek-V3's 256 experts in 128-row blocks: 134 MB), which the
-    # gate_up and gathered rows they do without cover from ~460 tokens a slice (16,384 by default).
+    # activation and output (bf16); gpt-oss's biases gathered by row (bf16). The fused experts hold less: k rows of
+    # activation and of output, and up to experts x BLOCK_M rows of padded activation (DeepSeek-V3's 256 experts in
+    # 128-row blocks: 134 MB), which the gate_up and gathered rows they do without cover from ~460 tokens a slice
+    # (16,384 by default).
     H, J, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
     S = cfg.shared_intermediate_size
     router = 4 * H + 17 * E if cfg.router_kind == "sigmoid" else 6 * E
     shared = 2 * H + 2 * (3 * S + H) + 2 if S else 0
-    return 2 * H + 12 * H + router + 8 * 8 * k + 2 * k * (2 * H + 3 * J) + 2 * k * H + 2 * H + shared
+    biases = 2 * k * (2 * J + H) if cfg.fused_experts else 0
+    return 2 * H + 12 * H + router + 8 * 8 * k + 2 * k * (2 * H + 3 * J) + 2 * k * H + 2 * H + shared + biases
 
 
 def attention_scratch_per_token(cfg):
@@ -1961,61 +2086,102 @@ def dequantize_fp8(q, scales, out):
         out[rows].copy_(q[rows].float() * s)
 
 
+def dequantize_mxfp4(blocks, scales, out):
+    """out [experts, in, out] bf16 <- blocks uint8 [experts, out, in / 32, 16] and scales uint8 [experts, out, in / 32],
+    as transformers' convert_moe_packed_tensors computes them: each byte's low nibble (the even element) and high
+    nibble through FP4_VALUES, ldexp by the scale less 127, transposed to [experts, in, out]; an expert at a time. In
+    float32 here, where transformers computes in the model's dtype: ldexp multiplies by 2^e in float32 either way, and
+    every product is a bf16 value (at most two significant bits, exponents from -128 on), or inf or NaN where
+    transformers' too overflows (2^128 at a scale byte of 255)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    E, N, G, B = blocks.shape
+    for e in range(E):
+        b = blocks[e].reshape(N * G, B)
+        values = torch.empty(N * G, 2 * B, dtype=torch.float32, device=blocks.device)
+        values[:, 0::2] = lut[(b & 0x0F).int()]
+        values[:, 1::2] = lut[(b >> 4).int()]
+        torch.ldexp(values, scales[e].reshape(N * G, 1).int() - 127, out=values)
+        out[e].copy_(values.view(N, G * 2 * B).T)
+
+
 @dataclass
 class FP8Layer:
-    """One held layout of FP8 layers as its dequantization reads it (fp8_layer builds it once, before `ready`): its
-    tensors as held (parts: cfg.held[layer], shared by the layers held alike) and once dequantized (layout: its
-    kind's cfg.layouts), and the same as two device tables for the one launch that dequantizes the whole layer
-    (dequantize_layer_triton). Tensor by tensor, a Qwen3-30B-A3B layer took 393 launches (388 FP8 weights, 5 bf16
-    copies), 18.9k a wave, issued from Python: its FP8 run took T 1.23 s (a repeat 1.78 s) where bf16 took 0.91 s
-    with twice the bytes to stream (H200, 22fbe37)."""
-    parts: list       # (name, byte offset, shape, dtype) as held: each FP8 weight followed by its scales
+    """One held layout of quantized layers (FP8, or MXFP4) as its dequantization reads it (fp8_layer builds it once,
+    before `ready`): its tensors as held (parts: cfg.held[layer], shared by the layers held alike) and once
+    dequantized (layout: its kind's cfg.layouts), and the same as two device tables for the one launch that
+    dequantizes the whole layer (dequantize_layer_triton). Tensor by tensor, a Qwen3-30B-A3B layer took 393 launches
+    (388 FP8 weights, 5 bf16 copies), 18.9k a wave, issued from Python: its FP8 run took T 1.23 s (a repeat 1.78 s)
+    where bf16 took 0.91 s with twice the bytes to stream (H200, 22fbe37)."""
+    parts: list       # (name, byte offset, shape, dtype) as held: each FP8 weight followed by its scales, each MXFP4
+    #                   weight's blocks by theirs
     layout: dict      # name -> (offset, shape) in the bf16 layer
-    tensors: object   # int64 [tensors, FP8_COLUMNS]: one row per tensor of the bf16 layer, FP8 or copied
-    programs: object  # int32 [programs]: each program's tensor, one program per FP8_BLOCK x FP8_BLOCK block
+    tensors: object   # int64 [tensors, FP8_COLUMNS]: one row per tensor of the bf16 layer, quantized or copied
+    programs: object  # int32 [programs]: each program's tensor, one program per FP8_BLOCK x FP8_BLOCK block (MXFP4:
+    #                   per DEQUANTIZE_ROWS x FP8_BLOCK)
+    mxfp4: bool = False  # whether its quantized tensors are MXFP4 (the launch's variant), not FP8
 
 
-# A row of FP8Layer.tensors: where the tensor starts in the held buffer (bytes for FP8, bf16-sized elements for a
-# tensor copied as it is, two of them a value of a float32 one, the V3 router's, whose columns count double), its
-# scales (float32 elements; -1: a tensor copied), where it starts in the bf16 layer, its rows and columns (a vector:
-# one row), its blocks per row of blocks, and its first program. int64: a big MoE layer's held bytes pass 2^31 (Qwen3-235B-A22B's: 2.5 GB in FP8).
-FP8_COLUMNS = 7
+# A row of FP8Layer.tensors: where the tensor starts in the held buffer (bytes for FP8 and MXFP4's blocks,
+# bf16-sized elements for a tensor copied as it is, two of them a value of a float32 one, the V3 router's, whose
+# columns count double), its scales (FP8: float32 elements, MXFP4: bytes; -1: a tensor copied), where it starts in
+# the bf16 layer, its rows and columns (a vector: one row; more dimensions: all but the last as rows; MXFP4: its
+# blocks' experts x out rows, in columns), its blocks per row of blocks, its first program, and the rows of one of its
+# matrices (MXFP4: out, the transposed writes' stride). int64: a big MoE layer's held bytes pass 2^31
+# (Qwen3-235B-A22B's: 2.5 GB in FP8).
+FP8_COLUMNS = 8
+DEQUANTIZE_ROWS = 32  # the dequantization's rows a step (FP8, copies), and an MXFP4 program's rows
+
+def held_into(name, dtype):
+    # the bf16 layout's name of a held tensor: itself, or an MXFP4 weight's for its blocks (scales: none of its own)
+    return name[:-len("_blocks")] if dtype == torch.uint8 and name.endswith("_blocks") else name
 
 
-def fp8_layer(parts, layout, device):
+def fp8_layer(parts, layout, device, mxfp4=False):
     """The FP8Layer of a held layout's tensors (parts) and its bf16 layout, its tables on device. One program per block:
     Qwen3-235B-A22B's layer has 152k, far below both CUDA's limit on grid axis 0 (2^31 - 1 programs) and HIP's
-    (gridDim.x times blockDim.x below 2^32 threads, hipModuleLaunchKernel's documentation: 2^24 programs of 256)."""
+    (gridDim.x times blockDim.x below 2^32 threads, hipModuleLaunchKernel's documentation: 2^24 programs of 256);
+    gpt-oss-120b's MXFP4 layer 778k. mxfp4: an MXFP4 model's layer (launched as such even where modules_to_not_convert
+    leaves it bf16: one kernel variant a model, the one its start-up check ran)."""
     rows, programs = [], []
     for i, (name, offset, shape, dtype) in enumerate(parts):
-        if name not in layout:
+        into = held_into(name, dtype)
+        if into not in layout:
             continue  # scales, read with their weight
-        R, C = shape if len(shape) == 2 else (1, shape[0])
-        unit = 1 if dtype == FP8 else DTYPE.itemsize
-        C = C * dtype.itemsize // unit
-        grid = scale_grid((R, C))
-        scales = parts[i + 1][1] // 4 if dtype == FP8 else -1
-        rows.append([offset // unit, scales, layout[name][0], R, C, grid[1], len(programs)])
+        if into != name:  # MXFP4 blocks [experts, out, in / 32, 16]: programs of DEQUANTIZE_ROWS rows of one expert
+            E, N, G, _ = shape
+            assert N % DEQUANTIZE_ROWS == 0, "MXFP4 rows of another expert in a program"
+            R, C = E * N, G * MXFP4_GROUP
+            grid = (R // DEQUANTIZE_ROWS, -(-C // FP8_BLOCK))
+            rows.append([offset, parts[i + 1][1], layout[into][0], R, C, grid[1], len(programs), N])
+        else:
+            R, C = (math.prod(shape[:-1]), shape[-1]) if len(shape) > 1 else (1, shape[0])
+            unit = 1 if dtype == FP8 else DTYPE.itemsize
+            C = C * dtype.itemsize // unit
+            grid = scale_grid((R, C))
+            scales = parts[i + 1][1] // 4 if dtype == FP8 else -1
+            rows.append([offset // unit, scales, layout[into][0], R, C, grid[1], len(programs), R])
         programs += [len(rows) - 1] * math.prod(grid)
     assert len(programs) < 2**24, "more programs than HIP launches on one grid axis"
     return FP8Layer(parts, layout, torch.tensor(rows, dtype=torch.int64).to(device),
-                    torch.tensor(programs, dtype=torch.int32).to(device))
+                    torch.tensor(programs, dtype=torch.int32).to(device), mxfp4)
 
 
 def dequantize_layer(held, out, layer):
-    # a layer held with FP8 weights (held: its flat buffer, as layer.parts places it) -> out: the bf16 layer, as
-    # layer.layout places it (each FP8 weight's scales follow it in layer.parts), tensor by tensor
+    # a layer held with FP8 or MXFP4 weights (held: its flat buffer, as layer.parts places it) -> out: the bf16 layer,
+    # as layer.layout places it (each quantized weight's scales follow it in layer.parts), tensor by tensor
     for i, (name, offset, shape, dtype) in enumerate(layer.parts):
-        if name not in layer.layout:
+        into = held_into(name, dtype)
+        if into not in layer.layout:
             continue  # scales, read with their weight
-        start, n = layer.layout[name][0], math.prod(shape)
-        src = typed(held, offset, n, dtype).view(shape)
-        if dtype == FP8:
-            _, scale_offset, grid, _ = layer.parts[i + 1]
-            dequantize_fp8(src, typed(held, scale_offset, math.prod(grid), torch.float32).view(grid),
-                           out[start:start + n].view(shape))
+        start, bf16_shape = layer.layout[into]
+        src = typed(held, offset, math.prod(shape), dtype).view(shape)
+        if dtype in (FP8, torch.uint8):
+            _, scale_offset, grid, scale_dtype = layer.parts[i + 1]
+            scales = typed(held, scale_offset, math.prod(grid), scale_dtype).view(grid)
+            (dequantize_fp8 if dtype == FP8 else dequantize_mxfp4)(
+                src, scales, out[start:start + math.prod(bf16_shape)].view(bf16_shape))
         else:  # copied as it is held: bf16, or a float32 router
-            typed(out, start * DTYPE.itemsize, n, dtype).copy_(src.view(-1))
+            typed(out, start * DTYPE.itemsize, src.numel(), dtype).copy_(src.view(-1))
 
 
 class WeightStreamer:
@@ -2027,31 +2193,31 @@ class WeightStreamer:
     StorageRing). Where it may have to wait for storage, the copies are issued from a thread of their own, so that
     only the compute that needs the layer waits, not the issuing of the layers before it. On the CPU the same code
     does plain copies. A slot holds the largest layer; a smaller one (a Qwen3-MoE's dense layer) fills its start,
-    viewed by its own kind's layout. FP8 layers (cfg.fp8_scales), resident and streamed alike, stay FP8 on the device
-    and are dequantized (dequantize: Kernels.dequantize_layer, by each layer's FP8Layer) into one bf16 scratch when
-    acquired: the layer before has run by then, in stream order, as it has read the scratch."""
+    viewed by its own kind's layout. FP8 and MXFP4 layers (cfg.quantized), resident and streamed alike, stay so on the
+    device and are dequantized (dequantize: Kernels.dequantize_layer, by each layer's FP8Layer) into one bf16 scratch
+    when acquired: the layer before has run by then, in stream order, as it has read the scratch."""
 
     def __init__(self, cfg, resident, host, order, device, dequantize=None, scratch=None):
         self.buffers = resident  # layer -> its flat device buffer
         self.cfg, self.dequantize = cfg, dequantize
         # the layers used as they are held: on the device, bf16
-        self.resident = {} if cfg.fp8_scales else {i: layer_views(buf, cfg, cfg.layer_kinds[i])
+        self.resident = {} if cfg.quantized else {i: layer_views(buf, cfg, cfg.layer_kinds[i])
                                                    for i, buf in resident.items()}
         self.host, self.order, self.kinds = host, list(order), cfg.layer_kinds  # order: the streamed layers
         self.slots = [torch.empty(cfg.layer_numel, dtype=DTYPE, device=device) for _ in range(min(2, len(order)))]
         self.slot_views = [{kind: layer_views(s, cfg, kind) for kind in cfg.layouts} for s in self.slots] \
-            if not cfg.fp8_scales else None
+            if not cfg.quantized else None
         # the bf16 layer an FP8 layer is dequantized into (scratch: another streamer's, which the warm-up's shares)
         self.scratch = torch.empty(cfg.dequantized_bytes // DTYPE.itemsize, dtype=DTYPE, device=device) \
             if scratch is None else scratch
         self.scratch_views = {kind: layer_views(self.scratch, cfg, kind) for kind in cfg.layouts} \
-            if cfg.fp8_scales else None
+            if cfg.quantized else None
         self.fp8_layers = None  # layer -> its FP8Layer, one per distinct held layout (cfg.held shares them)
-        if cfg.fp8_scales:
+        if cfg.quantized:
             tables = {}
             for parts, kind in zip(cfg.held, cfg.layer_kinds):
                 if id(parts) not in tables:
-                    tables[id(parts)] = fp8_layer(parts, cfg.layouts[kind], device)
+                    tables[id(parts)] = fp8_layer(parts, cfg.layouts[kind], device, cfg.mxfp4)
             self.fp8_layers = [tables[id(parts)] for parts in cfg.held]
         self.slot_bytes = [s.view(torch.uint8) for s in self.slots]
         self.cuda = device.type == "cuda"
@@ -2107,7 +2273,7 @@ class WeightStreamer:
             self.copying[slot].result()  # issued (and, on the CPU, done); raises what the reads raised
         if self.cuda:
             torch.cuda.current_stream().wait_event(self.slot_ready[slot])
-        if self.cfg.fp8_scales:
+        if self.cfg.quantized:
             return self.dequantized(self.slots[slot], layer)
         return self.slot_views[slot][self.kinds[layer]]
 
@@ -2130,13 +2296,16 @@ class WeightStreamer:
 # One decoder for every family: each difference from Qwen3 is a flag of the config or a tensor of the layer (None
 # where the family has none), read once where it applies.
 
-def rms_norm(x, weight, eps, offset=False):
-    # as transformers: normalize in float32; Llama and Qwen cast back, then scale in the model dtype; Gemma (offset)
-    # scales by 1 + w in float32 and casts last
+def rms_norm(x, weight, eps, style=NORM_CAST):
+    # as transformers: normalize in float32; Llama and Qwen cast back, then scale in the model dtype; Gemma
+    # (NORM_OFFSET) scales by 1 + w in float32 and casts last, gpt-oss (NORM_FLOAT32) by w. style: a bool is the
+    # offset's (False: NORM_CAST, True: NORM_OFFSET)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if offset:
+    if style == NORM_OFFSET:
         return (xf * (1.0 + weight.float())).to(x.dtype)
+    if style == NORM_FLOAT32:
+        return (xf * weight.float()).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
@@ -2157,7 +2326,9 @@ def wave_rope_tables(positions, cfg):
 
 def apply_rope(x, cos, sin):
     # x: [tokens, heads, head_dim]; half-split (rotate_half) convention over the first cos.shape[-1] channels: all of
-    # them, or for partial RoPE (GLM-4.5) the first ones, the rest passed through, as transformers' apply_rotary_pos_emb
+    # them, or for partial RoPE (GLM-4.5) the first ones, the rest passed through, as transformers' apply_rotary_pos_emb.
+    # gpt-oss writes it with half-width tables, x1·cos - x2·sin and x2·cos + x1·sin (_apply_rotary_emb): the same
+    # products and sums, so the same bf16 roundings
     rotary = cos.shape[-1]
     if rotary < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
@@ -2173,15 +2344,20 @@ def deinterleaved(x):
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
-def head_norm_rope(x, weight, cos, sin, eps, offset, interleave=False):
+def head_norm_rope(x, weight, cos, sin, eps, style, interleave=False):
     # x: [tokens, heads, head_dim] (a view into qkv); the per-head q/k RMSNorm (Qwen3, Gemma 3), then RoPE; weight
     # None (no q/k norm): RoPE alone; interleave: on the head's channels deinterleaved
-    x = x if weight is None else rms_norm(x, weight, eps, offset)
+    x = x if weight is None else rms_norm(x, weight, eps, style)
     return apply_rope(deinterleaved(x) if interleave else x, cos, sin)
 
 
 def gated_act(gate_up, activation):
-    # gate_up: [tokens, 2 intermediate] -> act(gate) * up: [tokens, intermediate]; SiLU, or Gemma's tanh GELU
+    # gate_up: [tokens, 2 intermediate] -> act(gate) * up: [tokens, intermediate]; SiLU, or Gemma's tanh GELU; or
+    # gpt-oss's ClampedSwiGLU over gate and up interleaved, in transformers' own bf16 steps (GptOssExperts._apply_gate)
+    if isinstance(activation, ClampedSwiGLU):
+        gate, up = gate_up[:, ::2].clamp(max=activation.limit), gate_up[:, 1::2].clamp(-activation.limit,
+                                                                                        activation.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * activation.alpha))
     gate, up = gate_up.chunk(2, dim=-1)
     return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
 
@@ -2223,7 +2399,7 @@ def lm_logits(h, lm_head, final_norm, cfg, kernels, dtype="float32", out=None):
     # h: [tokens, hidden] -> [tokens, vocab] float32 (or bf16): the final norm (bf16), lm_head, and Gemma 2's final
     # softcap in the logits' dtype, in transformers' steps (divide, tanh, multiply), in place. out: float32 room for
     # at least h's rows of logits, reused from chunk to chunk (None: a new tensor)
-    x = kernels.rms_norm(h, final_norm, cfg.rms_norm_eps, cfg.norm_offset)
+    x = kernels.rms_norm(h, final_norm, cfg.rms_norm_eps, cfg.norm_style)
     logits = kernels.head(x, lm_head, None if out is None else out[:x.shape[0]]) if dtype == "float32" else \
         F.linear(x, lm_head)
     if cfg.final_softcap is not None:
@@ -2265,8 +2441,8 @@ def head_upcast(x, w, out=None):
 class Kernels:
     """The per-token elementwise work: plain PyTorch, or the fused Triton kernels below (same roundings)."""
     name: str
-    rms_norm: object        # (x [tokens, n], weight [n], eps, offset) -> [tokens, n]
-    head_norm_rope: object  # (x [tokens, heads, D], weight or None, cos, sin, eps, offset, interleave) -> x's shape
+    rms_norm: object        # (x [tokens, n], weight [n], eps, style) -> [tokens, n]
+    head_norm_rope: object  # (x [tokens, heads, D], weight or None, cos, sin, eps, style, interleave) -> x's shape
     gated_act: object       # (gate_up [tokens, 2 intermediate], activation) -> [tokens, intermediate]
     token_nll: object       # (logits [tokens, vocab], targets [tokens]) -> [tokens] float32
     combine: object         # (x [tokens, hidden] += each token's k expert rows of out, weighted: see combine)
@@ -2310,10 +2486,10 @@ def chunk_keys(chunk, i, k):
 def grouped_qkv(h, w, cos, sin, cfg, kernels):
     # h: [tokens, hidden], the normed x -> q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim]: GQA
     T, Q, KV, D = h.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
-    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+    eps, style = cfg.rms_norm_eps, cfg.norm_style
     qkv = F.linear(h, w.qkv, w.qkv_bias)  # [tokens, q_size + 2 kv_size]
-    q = kernels.head_norm_rope(qkv[:, :Q].view(T, -1, D), w.q_norm, cos, sin, eps, offset)  # q/k norm before RoPE
-    k = kernels.head_norm_rope(qkv[:, Q:Q + KV].view(T, -1, D), w.k_norm, cos, sin, eps, offset)
+    q = kernels.head_norm_rope(qkv[:, :Q].view(T, -1, D), w.q_norm, cos, sin, eps, style)  # q/k norm before RoPE
+    k = kernels.head_norm_rope(qkv[:, Q:Q + KV].view(T, -1, D), w.k_norm, cos, sin, eps, style)
     return q, k, qkv[:, Q + KV:].reshape(T, -1, D).contiguous()
 
 
@@ -2340,8 +2516,9 @@ def latent_qkv(h, w, cos, sin, cfg, kernels):
         q = F.linear(kernels.rms_norm(q, w.q_a_norm, LATENT_EPS), w.q_b)  # [tokens, heads (N + P)]
     q = q.view(T, heads, N + P)
     kv = F.linear(kernels.rms_norm(kv_a[:, :R], w.kv_a_norm, LATENT_EPS), w.kv_b).view(T, heads, -1)  # [.., N + V]
-    q_rope = kernels.head_norm_rope(q[..., N:], None, cos, sin, eps, False, cfg.rope_interleave)  # [tokens, heads, P]
-    k_rope = kernels.head_norm_rope(kv_a[:, R:].view(T, 1, P), None, cos, sin, eps, False, cfg.rope_interleave)
+    q_rope = kernels.head_norm_rope(q[..., N:], None, cos, sin, eps, NORM_CAST,
+                                    cfg.rope_interleave)  # [tokens, heads, P]
+    k_rope = kernels.head_norm_rope(kv_a[:, R:].view(T, 1, P), None, cos, sin, eps, NORM_CAST, cfg.rope_interleave)
     return (torch.cat((q[..., :N], q_rope), dim=-1), torch.cat((kv[..., :N], k_rope.expand(T, heads, P)), dim=-1),
             kv[..., N:].contiguous())
 
@@ -2350,15 +2527,16 @@ def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels, how, wave_kv=No
     # x: [tokens, hidden] — a chunk of whole sequences, updated in place; how: the layer's AttentionSettings. wave_kv:
     # a prefix tree's wave, whose keys and values stay for the chunks after this one (a node's descendants):
     # [wave tokens, kv_heads, head_dim] and [wave tokens, kv_heads, v_head_dim]
-    T, eps, offset = x.shape[0], cfg.rms_norm_eps, cfg.norm_offset
-    h = kernels.rms_norm(x, w.input_norm, eps, offset)
+    T, eps, style = x.shape[0], cfg.rms_norm_eps, cfg.norm_style
+    h = kernels.rms_norm(x, w.input_norm, eps, style)
     q, k, v = (latent_qkv if cfg.kv_lora_rank else grouped_qkv)(h, w, cos, sin, cfg, kernels)
     if wave_kv is not None:
         wave_kv[0][chunk.start:chunk.end], wave_kv[1][chunk.start:chunk.end] = k, v
         if chunk.ancestors is not None:
             k, v = wave_kv
-    o = F.linear(attend(q, k, v, chunk, how).reshape(T, -1), w.o_proj, w.o_bias)  # [tokens, hidden]
-    x += o if w.attn_out_norm is None else kernels.rms_norm(o, w.attn_out_norm, eps, offset)
+    sinks = {} if w.sinks is None else {"sinks": w.sinks}  # gpt-oss's; only backends with sinks take them
+    o = F.linear(attend(q, k, v, chunk, how, **sinks).reshape(T, -1), w.o_proj, w.o_bias)  # [tokens, hidden]
+    x += o if w.attn_out_norm is None else kernels.rms_norm(o, w.attn_out_norm, eps, style)
 
 
 def gated_mlp(h, gate_up, down, activation, kernels, gate_up_bias=None, down_bias=None):
@@ -2368,12 +2546,12 @@ def gated_mlp(h, gate_up, down, activation, kernels, gate_up_bias=None, down_bia
 
 def mlp_block(x, w, cfg, max_tokens, kernels):
     # x: [tokens, hidden], updated in place, in slices of max_tokens rows
-    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+    eps, style = cfg.rms_norm_eps, cfg.norm_style
     for s in range(0, x.shape[0], max_tokens):
         xs = x[s:s + max_tokens]
-        out = gated_mlp(kernels.rms_norm(xs, w.mlp_norm, eps, offset), w.gate_up, w.down, cfg.activation, kernels,
+        out = gated_mlp(kernels.rms_norm(xs, w.mlp_norm, eps, style), w.gate_up, w.down, cfg.activation, kernels,
                         w.gate_up_bias, w.down_bias)
-        xs += out if w.mlp_out_norm is None else kernels.rms_norm(out, w.mlp_out_norm, eps, offset)
+        xs += out if w.mlp_out_norm is None else kernels.rms_norm(out, w.mlp_out_norm, eps, style)
 
 
 # ----------------------------------------------------------------------------- fused kernels (Triton, optional)
@@ -2396,15 +2574,18 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr, OFFSET: tl.constexpr):
-        # OFFSET: Gemma's x̂·(1 + w) in float32, rounded once; else w·bf16(x̂), as rms_norm
+        # OFFSET (rms_norm's style): NORM_OFFSET, Gemma's x̂·(1 + w) in float32, rounded once; NORM_FLOAT32, gpt-oss's
+        # x̂·w in float32, rounded once; else w·bf16(x̂), as rms_norm
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if OFFSET:
+        if OFFSET == 1:
             y = x * rstd * (1.0 + w)
+        elif OFFSET == 2:
+            y = x * rstd * w
         else:
             y = (x * rstd).to(tl.bfloat16).to(tl.float32) * w
         tl.store(out_ptr + row * n + cols, y.to(tl.bfloat16), mask=mask)
@@ -2474,18 +2655,33 @@ if triton is not None:
             tl.store(dst + ROT + r, o2, mask=mask)
 
     @triton.jit
-    def _gated_act_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, GELU: tl.constexpr):
-        # act(gate) rounded to bf16, times up: SiLU, or (GELU) the tanh GELU, 0.5 g (1 + tanh(√(2/π) (g + 0.044715 g³)))
+    def _bf16(x):  # x rounded to bf16, as PyTorch rounds each step of a bf16 op, back in float32
+        return x.to(tl.bfloat16).to(tl.float32)
+
+    @triton.jit
+    def _gated_act_kernel(gu_ptr, out_ptr, inter, alpha, limit, BLOCK: tl.constexpr, GELU: tl.constexpr,
+                          CLAMPED: tl.constexpr):
+        # act(gate) rounded to bf16, times up: SiLU, or (GELU) the tanh GELU, 0.5 g (1 + tanh(√(2/π) (g + 0.044715
+        # g³))). CLAMPED: gpt-oss's ClampedSwiGLU over gate and up interleaved, each of gated_act's bf16 steps rounded
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
-        gate = tl.load(gu_ptr + t * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gu_ptr + t * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
-        if GELU:
-            act = 0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
+        if CLAMPED:
+            gate = tl.load(gu_ptr + t * 2 * inter + 2 * cols, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(gu_ptr + t * 2 * inter + 2 * cols + 1, mask=mask, other=0.0).to(tl.float32)
+            gate = _bf16(tl.minimum(gate, limit))
+            up = _bf16(tl.minimum(tl.maximum(up, -limit), limit))
+            glu = _bf16(gate * _bf16(1.0 / (1.0 + tl.exp(-_bf16(gate * alpha)))))
+            tl.store(out_ptr + t * inter + cols, (_bf16(up + 1.0) * glu).to(tl.bfloat16), mask=mask)
         else:
-            act = gate / (1.0 + tl.exp(-gate))
-        tl.store(out_ptr + t * inter + cols, (act.to(tl.bfloat16).to(tl.float32) * up).to(tl.bfloat16), mask=mask)
+            gate = tl.load(gu_ptr + t * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(gu_ptr + t * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+            if GELU:
+                act = 0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
+            else:
+                act = gate / (1.0 + tl.exp(-gate))
+            tl.store(out_ptr + t * inter + cols, (act.to(tl.bfloat16).to(tl.float32) * up).to(tl.bfloat16),
+                     mask=mask)
 
     @triton.jit
     def _combine_kernel(x_ptr, x_stride, out_ptr, row_of_ptr, weights_ptr, hidden, K: tl.constexpr,
@@ -2584,14 +2780,16 @@ if triton is not None:
         return acc, m_i, l_i
 
     @triton.jit
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, scale_log2, window, cap_log2, HEADS: tl.constexpr,
-                          KV_HEADS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr,
-                          DVP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-                          SOFTCAP: tl.constexpr):
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, sinks_ptr, scale_log2, window, cap_log2,
+                          HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                          DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
         # one program: BLOCK_M query rows of one head of one sequence; q: [tokens, HEADS, D], k: [tokens, KV_HEADS,
         # D], v: [tokens, KV_HEADS, DV], out: [tokens, HEADS, DV] (DP, DVP: those head dims' powers of two, the lanes
         # a tile has); query head h reads kv head h // (HEADS // KV_HEADS). Every row sees its own key, so no row
-        # divides by 0. WINDOW: the key tiles left of every row's window are skipped, not masked.
+        # divides by 0. WINDOW: the key tiles left of every row's window are skipped, not masked. SINKS: the head's
+        # sink (sinks_ptr [HEADS], natural units) is a column every row has seen before its first key: the running max
+        # starts at it and the sum at its exp(0), and its value is 0
         block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(cu_ptr + seq)
         length = tl.load(cu_ptr + seq + 1) - start
@@ -2607,8 +2805,12 @@ if triton is not None:
             k_at = k_ptr + (start.to(tl.int64) * KV_HEADS * D + kv_head * D)
             v_at = v_ptr + (start.to(tl.int64) * KV_HEADS * DV + kv_head * DV)
             acc = tl.zeros((BLOCK_M, DVP), tl.float32)
-            m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
-            l_i = tl.zeros((BLOCK_M,), tl.float32)
+            if SINKS:
+                m_i = tl.zeros((BLOCK_M,), tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+                l_i = tl.full((BLOCK_M,), 1.0, tl.float32)
+            else:
+                m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+                l_i = tl.zeros((BLOCK_M,), tl.float32)
             inside = 0  # key tiles from here to the diagonal lie inside every row's window
             if WINDOW:
                 first = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N  # the first tile the top row sees
@@ -2629,10 +2831,10 @@ if triton is not None:
 
     @triton.jit
     def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, kv_start, anc_cu_ptr, anc_ptr, depth_ptr,
-                               scale_log2, window, cap_log2, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                               sinks_ptr, scale_log2, window, cap_log2, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                                D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-                               SOFTCAP: tl.constexpr):
+                               SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
         # _attention_kernel for a prefix tree's chunk: one program, BLOCK_M query rows of one KV head's group of
         # query heads in one node, row r the node's token r // GROUP in head r % GROUP of the group, so that a key tile
         # serves GROUP heads at once: a tree's nodes are short (a question's 80 tokens under a 700-token few-shot
@@ -2645,7 +2847,8 @@ if triton is not None:
         # the node, so no row's running max stays -inf. WINDOW is by depth (depth_ptr: the wave's): a range of an
         # ancestor covers consecutive depths, so a row compares as row + (node's depth - range's depth) against the
         # range's columns, which puts every column before it (causal: all seen) and the window's edge where it lies;
-        # the tiles left of the top row's window are skipped, the rest masked.
+        # the tiles left of the top row's window are skipped, the rest masked. SINKS: as _attention_kernel's, each row
+        # its own head's.
         GROUP: tl.constexpr = HEADS // KV_HEADS
         block, node, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(cu_ptr + node)
@@ -2659,8 +2862,12 @@ if triton is not None:
             q = _tile(q_ptr + (token_head * D + tl.arange(0, DP)[None, :]), valid[:, None],
                       tl.arange(0, DP)[None, :] < D, True, DP != D)  # [BLOCK_M, DP]
             acc = tl.zeros((BLOCK_M, DVP), tl.float32)
-            m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
-            l_i = tl.zeros((BLOCK_M,), tl.float32)
+            if SINKS:
+                m_i = tl.load(sinks_ptr + kv_head * GROUP + packed % GROUP).to(tl.float32) * 1.4426950408889634
+                l_i = tl.full((BLOCK_M,), 1.0, tl.float32)
+            else:
+                m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+                l_i = tl.zeros((BLOCK_M,), tl.float32)
             if WINDOW:
                 depth = tl.load(depth_ptr + kv_start + start)  # the node's first token's
             for a in range(tl.load(anc_cu_ptr + node), tl.load(anc_cu_ptr + node + 1)):
@@ -2706,13 +2913,14 @@ if triton is not None:
 if triton is not None:
     @triton.jit
     def _dequantize_layer_kernel(q_ptr, copy_ptr, s_ptr, out_ptr, tensors_ptr, programs_ptr, COLUMNS: tl.constexpr,
-                                 BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                                 BLOCK: tl.constexpr, ROWS: tl.constexpr, MXFP4: tl.constexpr):
         # One program: one BLOCK x BLOCK block of one tensor of a layer (FP8Layer's tables: the tensor's row, the
         # block's index within it), ROWS rows at a time; a side below BLOCK is one block, whole. An FP8 weight's
         # block: float8_e4m3fn bytes decoded by integer arithmetic (exact, and on GPUs without FP8 conversions:
         # gfx1100), times the block's one float32 scale, rounded to bf16 to nearest even by integer arithmetic too, so
         # that the interpreter (which truncates) gives the same bits as a GPU. A bf16 tensor's (a norm, a bias, the
-        # router): copied as it is. q_ptr, copy_ptr, s_ptr: the held layer as bytes, int16 and float32.
+        # router): copied as it is. q_ptr, copy_ptr, s_ptr: the held layer as bytes, int16 and float32. MXFP4 (a model
+        # whose quantized tensors are MXFP4, not FP8): a quantized tensor's program is ROWS rows by BLOCK columns.
         p = tl.program_id(0)
         row = tensors_ptr + tl.load(programs_ptr + p).to(tl.int64) * COLUMNS
         src, scale, dst = tl.load(row), tl.load(row + 1), tl.load(row + 2)
@@ -2726,6 +2934,28 @@ if triton is not None:
                 at = rs[:, None] * cols + c[None, :]  # [ROWS, BLOCK]
                 mask = (rs[:, None] < row_end) & (c[None, :] < cols)
                 tl.store(out_ptr + dst + at, tl.load(copy_ptr + src + at, mask=mask), mask=mask)
+        elif MXFP4:
+            # ROWS rows of the blocks' [experts x out] by BLOCK of their in columns: each e2m1 code (a byte's low
+            # nibble the even column's) times 2^(scale - 127), made as bf16 bits by integer arithmetic, exact as
+            # dequantize_mxfp4's float32 is (at most two significant bits; subnormal below exponent 1; inf past 254,
+            # where the float32 product overflows; at a scale of 255 transformers' 2^128 is inf already: inf, or NaN
+            # for a zero), written transposed into the bf16 layout's [experts, in, out] (group: out, an expert's rows)
+            group = tl.load(row + 7)
+            rs = block // grid_cols * ROWS + tl.arange(0, ROWS)
+            mask = c[None, :] < cols
+            byte = tl.load(q_ptr + src + rs[:, None] * (cols // 2) + c[None, :] // 2, mask=mask, other=0).to(tl.int32)
+            code = (byte >> ((c[None, :] & 1) * 4)) & 15
+            s = tl.load(q_ptr + scale + rs[:, None] * (cols // 32) + c[None, :] // 32, mask=mask, other=0)
+            s = s.to(tl.int32)
+            mag = code & 7  # 0, 0.5, 1, 1.5, 2, 3, 4, 6: 2^e or 1.5 · 2^e
+            half = tl.where(mag >= 2, mag & 1, 0)
+            exponent = s + tl.where(mag >= 2, (mag >> 1) - 1, -1)  # the product's biased exponent, -1 at least
+            # normal: the exponent and the 0.5 of 1.5; subnormal (exponent 0, -1): the mantissa 2^(exponent + 6)
+            bits = tl.where(exponent >= 1, (exponent << 7) | (half << 6), (2 + half) << tl.minimum(exponent + 5, 6))
+            bits = tl.where((exponent >= 255) | (s == 255), 0x7F80, bits)
+            bits = tl.where(mag == 0, tl.where(s == 255, 0x7FC0, 0), bits) | ((code & 8) << 12)
+            out_at = rs[:, None] // group * (cols * group) + c[None, :] * group + rs[:, None] % group
+            tl.store(out_ptr + dst + out_at, bits.to(tl.int16), mask=mask)
         else:
             s = tl.load(s_ptr + scale + block)  # the scale grid is row-major, as the blocks are numbered
             for r in range(r0, row_end, ROWS):
@@ -2744,22 +2974,24 @@ if triton is not None:
                 tl.store(out_ptr + dst + at, rounded.to(tl.int16), mask=mask)
 
 
-def rms_norm_triton(x, weight, eps, offset=False):
+def rms_norm_triton(x, weight, eps, style=NORM_CAST):
     assert x.stride(-1) == 1
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n = x.shape[-1]
     block = triton.next_power_of_2(n)
+    # the style as it was compiled before gpt-oss's came (False, True): the same constexprs, the same kernels
+    offset = bool(style) if style in (NORM_CAST, NORM_OFFSET) else style
     _rms_norm_kernel[(x.shape[0],)](x, x.stride(0), weight, out, n, eps, BLOCK=block, OFFSET=offset,
                                     num_warps=min(16, max(1, block // 512)))
     return out
 
 
-def head_norm_rope_triton(x, weight, cos, sin, eps, offset, interleave=False):
+def head_norm_rope_triton(x, weight, cos, sin, eps, style, interleave=False):
     # cos, sin: [tokens, rotary_dim], the whole head_dim but for partial RoPE
     T, heads, D = x.shape
     assert x.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
     out = torch.empty((T, heads, D), dtype=x.dtype, device=x.device)
-    norm = 0 if weight is None else 2 if offset else 1
+    norm = 0 if weight is None else {NORM_CAST: 1, NORM_OFFSET: 2}[style]  # no family has gpt-oss's norms on q/k
     _head_norm_rope_kernel[(T,)](x, x.stride(0), x if weight is None else weight, cos, sin, out, heads, eps,
                                  HEADS=triton.next_power_of_2(heads), HALF=D // 2, ROT=cos.shape[1] // 2, NORM=norm,
                                  HEAD_STRIDE=x.stride(1), INTERLEAVE=interleave, num_warps=4)
@@ -2771,8 +3003,10 @@ def gated_act_triton(gate_up, activation):
     assert gate_up.is_contiguous()
     out = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _gated_act_kernel[(T, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block,
-                                                      GELU=activation == "gelu_tanh", num_warps=4)
+    clamped = isinstance(activation, ClampedSwiGLU)
+    _gated_act_kernel[(T, triton.cdiv(inter, block))](
+        gate_up, out, inter, activation.alpha if clamped else 1.0, activation.limit if clamped else 0.0, BLOCK=block,
+        GELU=activation == "gelu_tanh", CLAMPED=clamped, num_warps=4)
     return out
 
 
@@ -2787,10 +3021,11 @@ def combine_triton(x, out, row_of, weights):
 
 def dequantize_layer_triton(held, out, layer):
     # dequantize_layer in one launch (layer: an FP8Layer): its tables on the device, nothing read on the host.
-    # [32, 128] tiles on 8 warps: 16 elements a thread, a 128-row block in 4 steps
+    # [32, 128] tiles on 8 warps: 16 elements a thread, a 128-row block in 4 steps (an MXFP4 program: one)
     _dequantize_layer_kernel[(layer.programs.numel(),)](
         held.view(torch.uint8), held.view(torch.int16), held.view(torch.float32), out.view(torch.int16),
-        layer.tensors, layer.programs, COLUMNS=FP8_COLUMNS, BLOCK=FP8_BLOCK, ROWS=32, num_warps=8)
+        layer.tensors, layer.programs, COLUMNS=FP8_COLUMNS, BLOCK=FP8_BLOCK, ROWS=DEQUANTIZE_ROWS, MXFP4=layer.mxfp4,
+        num_warps=8)
 
 
 def token_nll_triton(logits, targets):
@@ -2835,38 +3070,48 @@ def seen_keys(chunk, i, r, rows, keys, ancestors, window, device):
     return seen & (chunk.depths[keys].to(device)[None, :] > query_depth[:, None] - window)
 
 
-def softcapped_attention(q, k, v, seen, how):
+def softcapped_attention(q, k, v, seen, how, sinks=None):
     # q: [heads, rows, D], k/v: [heads, n, D] float32 -> [heads, rows, D] float32: the math written out, SDPA having
-    # no softcap
-    scores = (q.float() @ k.transpose(1, 2)).mul_(how.scale / how.softcap).tanh_().mul_(how.softcap)  # [heads, rows, n]
-    return scores.masked_fill_(~seen, -math.inf).softmax(-1) @ v
+    # no softcap and no sinks. sinks [heads] (gpt-oss): a column joined to each row's scores, its probability dropped
+    # after the softmax, as transformers' eager_attention_forward
+    scores = q.float() @ k.transpose(1, 2)  # [heads, rows, n]
+    if how.softcap is not None:
+        scores.mul_(how.scale / how.softcap).tanh_().mul_(how.softcap)
+    else:
+        scores.mul_(how.scale)
+    scores.masked_fill_(~seen, -math.inf)
+    if sinks is None:
+        return scores.softmax(-1) @ v
+    joined = torch.cat((scores, sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)), dim=-1)
+    return joined.softmax(-1)[..., :-1] @ v
 
 
-def attention_sdpa(q, k, v, chunk, how):
+def attention_sdpa(q, k, v, chunk, how, sinks=None):
     # q: [tokens, heads, D], k/v: [tokens, kv_heads, D]; causal SDPA per sequence, in blocks of query rows once a
     # sequence's scores would pass SDPA_SCORES. Unblocked, the start-up check and timing of this candidate peaked at
     # 5.6 GiB (texts up to 3000 tokens) and 38.8 GiB (8292) on the H200, the size of float32 scores: SDPA fell back
-    # to its math backend there. They run while the weights fill the GPU. A window is an explicit mask; a softcap
-    # goes through softcapped_attention, the last resort of a model with one. In a prefix tree's chunk (k/v: the
-    # wave's) a sequence's ancestors' keys come first, seen by every query row (within its window, by depth).
+    # to its math backend there. They run while the weights fill the GPU. A window is an explicit mask; a softcap or
+    # sinks ([heads]) go through softcapped_attention, the last resort of a model with either. In a prefix tree's chunk
+    # (k/v: the wave's) a sequence's ancestors' keys come first, seen by every query row (within its window, by
+    # depth).
     out = q.new_empty(*q.shape[:2], v.shape[2])
     heads, group = q.shape[1], q.shape[1] // k.shape[1]
-    scale = own_scale(how, q.shape[2])
+    scale, written = own_scale(how, q.shape[2]), how.softcap is not None or sinks is not None
     for i, (s, e) in enumerate(zip(chunk.seq_bounds[:-1], chunk.seq_bounds[1:])):
         n, (keys, a) = e - s, chunk_keys(chunk, i, k)
         ks = k[keys].transpose(0, 1).repeat_interleave(group, dim=0)  # query head h reads kv head h // group
         vs = v[keys].transpose(0, 1).repeat_interleave(group, dim=0)
-        if how.softcap is not None:
+        if written:
             ks, vs = ks.float(), vs.float()
         rows = max(1, SDPA_SCORES // (heads * (a + n)))
         for r in range(0, n, rows):
             stop = min(r + rows, n)
             qs = q[s + r:s + stop].transpose(0, 1)  # [heads, rows, D]
-            if stop - r == n and not a and how.window is None and how.softcap is None:
+            if stop - r == n and not a and how.window is None and not written:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
             else:  # query r + i sees keys 0 .. a + r + i; blocks of one shape, so the allocator reuses its blocks
                 seen = seen_keys(chunk, i, r, stop - r, keys, a, how.window, q.device)
-                o = (softcapped_attention(qs, ks, vs, seen, how) if how.softcap is not None else
+                o = (softcapped_attention(qs, ks, vs, seen, how, sinks) if written else
                      F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen, scale=scale))
             out[s + r:s + stop] = o.transpose(0, 1)
     return out
@@ -2886,15 +3131,19 @@ ATTENTION_KINDS = ["triton", "flash", "torch-flash", "cudnn", "sdpa"]
 # torch cannot run it.
 ATTENTION_FAMILIES = {"cudnn": ("nvidia",)}
 # What each kind computes besides causal GQA at the model's scale: a sliding window, a softcap of the scores (Gemma 2),
-# a value head dim other than the query's and key's (DeepSeek's MLA: 128 to 192). flash-attn has a window and a softcap
-# (window_size, softcap); torch's flash kernel a window (window_size_left/right) but no softcap; cuDNN's SDPA neither;
-# SDPA a window as a mask and a softcap through float32 math written out. Values of their own head dim: prefill's
+# a value head dim other than the query's and key's (DeepSeek's MLA: 128 to 192), sinks (gpt-oss: a logit a head in
+# each row's softmax denominator). flash-attn has a window and a softcap (window_size, softcap); torch's flash kernel a
+# window (window_size_left/right) but no softcap; cuDNN's SDPA neither; none of the three takes sinks
+# (flash_attn_varlen_func 2.8.3, aten's _flash_attention_forward, SDPA: no such argument; their log-sum-exp could
+# rescale each row, unbuilt). prefill's Triton kernels have window, softcap and sinks (constexpr variants); SDPA a
+# window as a mask, a softcap and sinks through float32 math written out. Values of their own head dim: prefill's
 # Triton kernels and SDPA read them as they are; flash-attn, torch's flash kernel and cuDNN take one head dim for q, k
 # and v, so they get v zero-padded to it and their output cut back (v_padded: exact, the zero columns add nothing to
 # any output column; 1.5x the value bytes and p·v FLOPs at 192 to 128). A kind a model needs more of is not offered.
-ATTENTION_FEATURES = {"triton": {"window", "softcap", "v_head_dim"}, "flash": {"window", "softcap", "v_head_dim"},
-                      "torch-flash": {"window", "v_head_dim"}, "cudnn": {"v_head_dim"},
-                      "sdpa": {"window", "softcap", "v_head_dim"}}
+ATTENTION_FEATURES = {"triton": {"window", "softcap", "sinks", "v_head_dim"},
+                      "flash": {"window", "softcap", "v_head_dim"}, "torch-flash": {"window", "v_head_dim"},
+                      "cudnn": {"v_head_dim"},
+                      "sdpa": {"window", "softcap", "sinks", "v_head_dim"}}
 # On AMD GPUs flash-attn is its Triton backend (the CK one builds for CDNA only), whose varlen_fwd of 2.8.3 takes
 # window_size_left/right and softcap and never reads them (flash_attn/flash_attn_triton_amd/interface_fa.py at
 # v2.8.3): plain causal attention where a window or softcap was asked for. Not offered for such a model there, rather
@@ -2912,6 +3161,7 @@ def attention_needs(cfg):
     # the features beyond causal GQA that some layer of the model needs
     return ({"window"} if any(how.window for how in cfg.attention) else set()) | \
         ({"softcap"} if any(how.softcap for how in cfg.attention) else set()) | \
+        ({"sinks"} if any(how.sinks for how in cfg.attention) else set()) | \
         ({"v_head_dim"} if cfg.v_head_dim != cfg.head_dim else set())
 
 
@@ -2924,13 +3174,15 @@ def unoffered_attention(family, cfg):
             and not needs <= attention_features(kind, family)}
 
 
-def attention_triton(q, k, v, chunk, how, tile):
+def attention_triton(q, k, v, chunk, how, tile, sinks=None):
     # q: [tokens, heads, D], k: [tokens, kv_heads, D], v: [tokens, kv_heads, DV] -> [tokens, heads, DV]; one launch
     # per chunk, no per-sequence Python loop. The grid covers the longest sequence; shorter ones' surplus programs
-    # exit at once. No recompilation per max_len. A window and a softcap are compile-time variants, and head dims
-    # that are not powers of two (DeepSeek's 192) padded ones: a model without them runs the kernel it ran before.
+    # exit at once. No recompilation per max_len. A window, a softcap and sinks ([heads]) are compile-time variants,
+    # and head dims that are not powers of two (DeepSeek's 192) padded ones: a model without them runs the kernel it
+    # ran before.
     (T, heads, D), DV = q.shape, v.shape[2]
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    assert (sinks is not None) == how.sinks, "a layer's sinks are its attention settings'"
     block_m, block_n, warps, stages = tile
     assert block_m % block_n == 0  # the unmasked tiles must end exactly where the diagonal ones start
     out = q.new_empty(T, heads, DV)
@@ -2938,14 +3190,15 @@ def attention_triton(q, k, v, chunk, how, tile):
     scale_log2, cap_log2 = math.log2(math.e) * how.scale, math.log2(math.e) * (how.softcap or 1.0)
     variant = dict(HEADS=heads, KV_HEADS=k.shape[1], D=D, DP=triton.next_power_of_2(D), DV=DV,
                    DVP=triton.next_power_of_2(DV), BLOCK_M=block_m, BLOCK_N=block_n, WINDOW=how.window is not None,
-                   SOFTCAP=how.softcap is not None, num_warps=warps, num_stages=stages)
+                   SOFTCAP=how.softcap is not None, SINKS=how.sinks, num_warps=warps, num_stages=stages)
+    sinks = q if sinks is None else sinks  # unread without SINKS
     if chunk.ancestors is not None:  # a prefix tree's chunk: k/v are the wave's; a program per KV head's group
         grid = (triton.cdiv(chunk.max_len * (heads // k.shape[1]), block_m), len(chunk.seq_bounds) - 1, k.shape[1])
         _tree_attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, chunk.start, chunk.ancestor_bounds,
-                                     chunk.ancestor_ranges, chunk.depths, scale_log2, how.window or 0, cap_log2,
-                                     **variant)
+                                     chunk.ancestor_ranges, chunk.depths, sinks, scale_log2, how.window or 0,
+                                     cap_log2, **variant)
         return out
-    _attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, scale_log2, how.window or 0, cap_log2, **variant)
+    _attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, sinks, scale_log2, how.window or 0, cap_log2, **variant)
     return out
 
 
@@ -2978,7 +3231,7 @@ def make_attention(kind, tile=None):
     if kind == "triton":
         if triton is None:
             raise RuntimeError("triton is not installed")
-        return lambda q, k, v, chunk, how: attention_triton(q, k, v, chunk, how, tile)
+        return lambda q, k, v, chunk, how, sinks=None: attention_triton(q, k, v, chunk, how, tile, sinks)
     if kind == "cudnn":
         # torch's cuDNN SDPA, one call per text, GQA without repeating the KV heads (enable_gqa). On the H200 it ran
         # 589-637 TFLOP/s on single 8k-32k texts against Triton's 456-476, but is launch-bound on short texts (48 on
@@ -3128,6 +3381,12 @@ def attention_candidates(requested, family, cfg=None, tiles=None):
 # (integrations/moe.py: a float32 sum over the slots in top-k order, each weighted output first rounded to bf16); its
 # "eager" experts add in expert order into a bf16 tensor with index_add_, one rounding per expert. Every output row
 # here is written by one program and every sum has an order fixed by its shape: no atomics, the same bits every run.
+#
+# gpt-oss (models/gpt_oss) differs in three places, each chosen by a config field: its router (mlp.router) has a bias
+# and keeps each token's top-k logits, then softmaxes those (router "topk_softmax"); its experts are fused as
+# transformers holds them, [experts, in, out] (fused_experts: read through strides, see layer_views), gate and up
+# interleaved in gate_up's columns, with a bias on each projection, added to each row in bf16 as transformers'
+# grouped_mm experts add it (out.add_(bias)); the activation between them is a ClampedSwiGLU.
 
 def route_softmax(h, w, router):
     # Qwen3-MoE's, Qwen2-MoE's, Mixtral's: h [tokens, hidden] -> (weights [tokens, k] float32, experts [tokens, k])
@@ -3156,10 +3415,23 @@ def route_sigmoid(h, w, router):
     return top * router.scale, chosen
 
 
+def route_topk_softmax(h, w, router):
+    # gpt-oss's (GptOssTopKRouter): h [tokens, hidden] -> (weights [tokens, k] float32, experts [tokens, k]). The top-k
+    # of the bf16 logits (the router's bias added), then their softmax, computed in float32 and rounded to bf16 once
+    # (by route): transformers' F.softmax(top, dtype=bf16) upcasts inside the kernel the same way (one rounding of
+    # float32 math); the float32 oracle differs only in that last rounding
+    top, chosen = torch.topk(F.linear(h, w.router, w.router_bias), router.top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=torch.float32), chosen
+
+
+ROUTES = {"softmax": route_softmax, "sigmoid": route_sigmoid, "topk_softmax": route_topk_softmax}
+
+
 def route(h, w, router):
     # h: [tokens, hidden] -> (weights [tokens, k] in h's dtype, experts [tokens, k] int64, each row's experts ascending),
-    # by the model's Router (w: the layer's LayerWeights: its router and, for the sigmoid one, its correction bias)
-    top, chosen = (route_sigmoid if router.kind == "sigmoid" else route_softmax)(h, w, router)
+    # by the model's Router (w: the layer's LayerWeights: its router and its router_bias, the sigmoid one's correction
+    # bias or gpt-oss's bias)
+    top, chosen = ROUTES[router.kind](h, w, router)
     chosen, slot = chosen.sort(dim=-1)  # the order the outputs are summed in
     return top.gather(1, slot).to(h.dtype), chosen
 
@@ -3181,6 +3453,14 @@ def pair_rows(pairs):
     # pairs: [tokens * k], a permutation -> its inverse: the row each (token, slot) pair's output went to. A scatter
     # of unique indices: no sort, and no two writes to one place
     return torch.empty_like(pairs).scatter_(0, pairs, torch.arange(pairs.numel(), device=pairs.device))
+
+
+def biased(rows, bias, experts):
+    # rows [rows, n] += each row's expert's bias [experts, n] (experts: [rows]), in bf16 as transformers' grouped_mm
+    # experts add it (out.add_(bias[expert_ids])); no bias: rows as they are
+    if bias is not None:
+        rows += bias[experts]
+    return rows
 
 
 def moe_ffn(x, h, w, router, experts, kernels):
@@ -3206,7 +3486,7 @@ def moe_block(x, w, cfg, max_tokens, kernels, experts):
     # buffers hold max_tokens * num_experts_per_tok rows (moe_scratch_per_token), whatever the wave
     for s in range(0, x.shape[0], max_tokens):
         xs = x[s:s + max_tokens]
-        h = kernels.rms_norm(xs, w.mlp_norm, cfg.rms_norm_eps)
+        h = kernels.rms_norm(xs, w.mlp_norm, cfg.rms_norm_eps, cfg.norm_style)
         if w.shared_gate_up is None:
             moe_ffn(xs, h, w, cfg.router, experts, kernels)
         else:  # transformers adds the shared experts to the routed ones' bf16 sum, that to the residual
@@ -3215,14 +3495,18 @@ def moe_block(x, w, cfg, max_tokens, kernels, experts):
             xs += out
 
 
-def grouped_experts(grouped):
+def grouped_experts(grouped, activation="silu"):
     """moe_ffn's experts over a grouped GEMM grouped(a [rows, K] grouped by expert, w [experts, N, K], bounds) ->
-    [rows, N]: the (token, slot) rows sorted by expert and gathered, gate_up, the activation, down, and each token's k
-    rows weighted and summed into x (Kernels.combine). Each buffer is dropped as soon as the next step has read it."""
+    [rows, N]: the (token, slot) rows sorted by expert and gathered, gate_up (plus each row's expert's bias, where the
+    experts have biases: gpt-oss), the activation (the model's expert_activation), down (and its bias), and each
+    token's k rows weighted and summed into x (Kernels.combine). Each buffer is dropped as soon as the next step has
+    read it."""
     def experts(x, h, weights, chosen, w, kernels):
         pairs, bounds = expert_rows(chosen, w.gate_up.shape[0])
-        act = kernels.gated_act(grouped(h[pairs // chosen.shape[1]], w.gate_up, bounds), "silu")  # [rows, inter]
-        kernels.combine(x, grouped(act, w.down, bounds), pair_rows(pairs), weights)
+        rows = None if w.gate_up_bias is None else chosen.flatten()[pairs]  # gpt-oss: each row's expert, for its biases
+        act = kernels.gated_act(biased(grouped(h[pairs // chosen.shape[1]], w.gate_up, bounds), w.gate_up_bias, rows),
+                                activation)  # [rows, inter]
+        kernels.combine(x, biased(grouped(act, w.down, bounds), w.down_bias, rows), pair_rows(pairs), weights)
     return experts
 
 
@@ -3241,11 +3525,11 @@ def grouped_loop(a, w, bounds):
 if triton is not None:
     @triton.jit
     def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, bounds_ptr, N, K, w_stride,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             EVEN_K: tl.constexpr):
+                             w_stride_n, w_stride_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         # one program: BLOCK_M rows of one expert (tile_expert, -1 past the last tile) times BLOCK_N columns of its
-        # weights; a: [rows, K], w: [experts, N, K] (expert stride w_stride), out: [rows, N]. Rows past the expert's
-        # end belong to the next expert: masked.
+        # weights; a: [rows, K], w: [experts, N, K] (strides w_stride, w_stride_n, w_stride_k: K-contiguous, or
+        # gpt-oss's N-contiguous view), out: [rows, N]. Rows past the expert's end belong to the next expert: masked.
         tile, n_block = tl.program_id(0), tl.program_id(1)
         expert = tl.load(tile_expert_ptr + tile)
         if expert >= 0:
@@ -3255,8 +3539,8 @@ if triton is not None:
             row_ok = rows[:, None] < tl.load(bounds_ptr + expert + 1)
             col_ok = cols[None, :] < N
             a_at = a_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]  # [BLOCK_M, BLOCK_K]
-            w_at = (w_ptr + expert.to(tl.int64) * w_stride + cols[None, :].to(tl.int64) * K
-                    + ks[:, None])  # [BLOCK_K, BLOCK_N]
+            w_at = (w_ptr + expert.to(tl.int64) * w_stride + cols[None, :].to(tl.int64) * w_stride_n
+                    + ks[:, None] * w_stride_k)  # [BLOCK_K, BLOCK_N]
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 if EVEN_K:
@@ -3267,7 +3551,7 @@ if triton is not None:
                     b = tl.load(w_at, mask=col_ok & (k0 + ks[:, None] < K), other=0.0)
                 acc = tl.dot(a, b, acc)
                 a_at += BLOCK_K
-                w_at += BLOCK_K
+                w_at += BLOCK_K * w_stride_k
             tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=row_ok & col_ok)
 
@@ -3289,12 +3573,12 @@ def expert_tiles(bounds, block_m, rows):
 def grouped_triton(a, w, bounds, tile):
     block_m, block_n, block_k, warps, stages = tile
     (R, K), N = a.shape, w.shape[1]
-    assert a.is_contiguous() and w.stride(2) == 1 and w.stride(1) == K
+    assert a.is_contiguous() and (w.stride(2) == 1 and w.stride(1) == K or w.stride(1) == 1 and w.stride(2) == N)
     out = torch.empty((R, N), dtype=a.dtype, device=a.device)
     tile_expert, tile_row = expert_tiles(bounds, block_m, R)
     _grouped_gemm_kernel[(tile_expert.shape[0], triton.cdiv(N, block_n))](
-        a, w, out, tile_expert, tile_row, bounds, N, K, w.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages)
+        a, w, out, tile_expert, tile_row, bounds, N, K, w.stride(0), w.stride(1), w.stride(2), BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -3709,10 +3993,11 @@ def make_grouped(kind, tile=None):
     raise UserError(f"unknown expert kernel {kind!r}")
 
 
-def make_experts(kind, tile=None):
-    """moe_ffn's experts (x, h, weights, chosen, w, kernels) -> None, x += each token's weighted experts."""
+def make_experts(kind, tile=None, activation="silu"):
+    """moe_ffn's experts (x, h, weights, chosen, w, kernels) -> None, x += each token's weighted experts, with the
+    model's expert_activation between their GEMMs (the fused experts: SiLU alone, expert_candidates)."""
     if kind != "fused":
-        return grouped_experts(make_grouped(kind, tile))
+        return grouped_experts(make_grouped(kind, tile), activation)
     if triton is None:
         raise RuntimeError("triton is not installed")
     return lambda x, h, weights, chosen, w, kernels: fused_experts(x, h, weights, chosen, w, tile)
@@ -3720,9 +4005,16 @@ def make_experts(kind, tile=None):
 
 def expert_candidates(requested, device, cfg, slice_tokens):
     # (name, kind, tile) of each expert kernel that `requested` names: "auto", a kind, or a name pick_experts returned;
-    # the fused experts' tiles are those of the shape nearest to cfg's at slices of slice_tokens
+    # the fused experts' tiles are those of the shape nearest to cfg's at slices of slice_tokens. Not offered where the
+    # experts are gpt-oss's (fused_experts: biases, a clamped SwiGLU over interleaved gate and up, [experts, in, out]
+    # weights), which the fused kernels do not compute: the grouped GEMMs add the biases and apply the activation
     family, native = gpu_family(device), grouped_mm_native(device)
     kinds = EXPERT_KINDS if native else ["fused", "triton", "grouped_mm", "loop"]
+    if cfg.fused_experts:
+        if requested == "fused" or requested.startswith("fused "):
+            raise UserError("expert kernel 'fused' does not compute gpt-oss's experts (their biases, clamped SwiGLU "
+                            "and [experts, in, out] weights); --experts triton, grouped_mm or loop does")
+        kinds = [kind for kind in kinds if kind != "fused"]
     tiles = {"triton": EXPERT_TILES[family], "fused": fused_tiles(family, cfg, slice_tokens)}
     named = [(tile_name(kind, tile), kind, tile) for kind in kinds
              if not (kind in tiles and requested == "auto" and device.type != "cuda")
@@ -3762,9 +4054,18 @@ def check_error(got, want):
     return (err / scale).max().item()
 
 
-def attention_reference(q, k, v, chunk, how):
+def with_sinks(scores, sinks):
+    # [heads, rows, keys] float32 -> their softmax over the keys with each head's sink ([heads] or None) joined as one
+    # more column, whose probability is dropped (transformers' eager_attention_forward)
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+    return torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+
+
+def attention_reference(q, k, v, chunk, how, sinks=None):
     # float32 causal attention written out: softmax(softcap(q k^T · scale)) v per text and KV head ([group, n, n]
-    # scores), over the keys each row sees (its window's)
+    # scores), over the keys each row sees (its window's), with each query head's sink where given ([heads])
     out = torch.empty(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device)
     kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
@@ -3779,15 +4080,15 @@ def attention_reference(q, k, v, chunk, how):
                 scores = q[rows, heads].float().transpose(0, 1) @ k[s:rows.stop, h].float().T * how.scale
                 if how.softcap is not None:
                     scores = how.softcap * torch.tanh(scores / how.softcap)
-                probs = scores.masked_fill(hidden, -math.inf).softmax(-1)
+                probs = with_sinks(scores.masked_fill(hidden, -math.inf), None if sinks is None else sinks[heads])
                 out[rows, heads] = (probs @ v[s:rows.stop, h].float()).transpose(0, 1)
     return out
 
 
-def tree_attention_reference(q, k, v, seen, how):
+def tree_attention_reference(q, k, v, seen, how, sinks=None):
     # float32 attention written out over an explicit visibility mask: q [rows, heads, D], k/v [keys, kv_heads, D],
     # seen [rows, keys] bool (a prefix tree's: each row's own path within its window, from tree_visibility); the
-    # scale and softcap of how
+    # scale and softcap of how, and its sinks where given ([heads])
     out = torch.empty(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device)
     group = q.shape[1] // k.shape[1]
     for h in range(k.shape[1]):
@@ -3795,7 +4096,8 @@ def tree_attention_reference(q, k, v, seen, how):
         scores = q[:, heads].float().transpose(0, 1) @ k[:, h].float().T * how.scale  # [group, rows, keys]
         if how.softcap is not None:
             scores = how.softcap * torch.tanh(scores / how.softcap)
-        out[:, heads] = (scores.masked_fill(~seen, -math.inf).softmax(-1) @ v[:, h].float()).transpose(0, 1)
+        probs = with_sinks(scores.masked_fill(~seen, -math.inf), None if sinks is None else sinks[heads])
+        out[:, heads] = (probs @ v[:, h].float()).transpose(0, 1)
     return out
 
 
@@ -3842,8 +4144,8 @@ def attention_bucket(max_len):
 
 def bucketed_attention(attends):
     # {bucket label: attention function} -> one attention function routing each chunk by its longest text
-    def attend(q, k, v, chunk, how):
-        return attends[attention_bucket(chunk.max_len)](q, k, v, chunk, how)
+    def attend(q, k, v, chunk, how, **sinks):
+        return attends[attention_bucket(chunk.max_len)](q, k, v, chunk, how, **sinks)
     return attend
 
 
@@ -3898,6 +4200,13 @@ def check_inputs(device, cfg, lens, seed, how, sharp):
     return (sharpened(q, cfg, how) if sharp else q), k, v, chunk
 
 
+def check_sinks(how, heads, device):
+    # the sinks the checks give attention with them ({"sinks": [heads] bf16}; without: {}): from -2 to 10 over the
+    # heads, so that an N(0, 1) row over 37-3000 keys (a log-sum-exp of about 4-9) finds in its sink anything from a
+    # trifle to most of its weight: a sink dropped, another head's, or in log2 units moves rows by O(1)
+    return {"sinks": torch.linspace(-2.0, 10.0, heads, device=device).to(DTYPE)} if how.sinks else {}
+
+
 def attention_settings(cfg):
     # the model's distinct AttentionSettings and how many layers use each, in layer order
     return collections.Counter(cfg.attention)
@@ -3918,12 +4227,14 @@ def text_check_cases(device, cfg):
     # (settings, sharp, (q, k, v, chunk), float32 reference) of each of check_cases, made one at a time on the device
     for how, sharp, lengths in check_cases(cfg):
         q, k, v, chunk = check_inputs(device, cfg, lengths, 0, how, sharp)
-        yield how, sharp, (q, k, v, chunk), attention_reference(q, k, v, chunk, how)
+        yield how, sharp, (q, k, v, chunk), attention_reference(q, k, v, chunk, how,
+                                                                **check_sinks(how, q.shape[1], device))
 
 
 def describe_attention(how):
     return ", ".join(([f"window {how.window}"] if how.window else []) + ([f"softcap {how.softcap:g}"] if how.softcap
-                                                                          else [])) or "full attention"
+                                                                          else []) + (["sinks"] if how.sinks else [])) \
+        or "full attention"
 
 
 def check_attention(candidates, device, cfg, cases=None):
@@ -3938,13 +4249,14 @@ def check_attention(candidates, device, cfg, cases=None):
         except Exception as e:
             entry.update(error=None, reason=failure(e))
     for how, sharp, (q, k, v, chunk), reference in text_check_cases(device, cfg) if cases is None else cases:
-        detail = f" with {describe_attention(how)}" if how.window or how.softcap or sharp else ""
+        detail = f" with {describe_attention(how)}" if how.window or how.softcap or how.sinks or sharp else ""
+        sinks = check_sinks(how, q.shape[1], device)
         for entry in report:
             attend = entry["attend"]
             if attend is None:
                 continue
             try:
-                error, reason = verdict(lambda: attend(q, k, v, chunk, how), reference, "attention", detail)
+                error, reason = verdict(lambda: attend(q, k, v, chunk, how, **sinks), reference, "attention", detail)
                 entry["error"] = max(entry["error"], error)
                 if reason is not None:
                     entry["reason"] = reason
@@ -3962,8 +4274,9 @@ def passes_bucket(entry, label, device, cfg):
     error = 0.0
     for how in attention_settings(cfg):
         q, k, v, chunk = check_inputs(device, cfg, lengths, 2, how, bool(how.window or how.softcap))
-        got = bucketed_attention({label: entry["attend"]})(q, k, v, chunk, how)
-        error = max(error, check_error(got, attention_reference(q, k, v, chunk, how)))
+        sinks = check_sinks(how, q.shape[1], device)
+        got = bucketed_attention({label: entry["attend"]})(q, k, v, chunk, how, **sinks)
+        error = max(error, check_error(got, attention_reference(q, k, v, chunk, how, **sinks)))
     entry.setdefault("bucket_error", {})[label] = error
     return error <= CHECK_TOLERANCE
 
@@ -3973,12 +4286,13 @@ def attention_ms(attend, inputs, how):
     # copied on others while this runs. The first call of a new shape includes whatever the kernel plans per shape
     # (cuDNN's graph).
     q, k, v, chunk = inputs
+    sinks = check_sinks(how, q.shape[1], q.device)
     stream = torch.cuda.Stream(q.device)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 2)]
     with torch.cuda.stream(stream):
         for event in events[:-1]:
             event.record()
-            attend(q, k, v, chunk, how)
+            attend(q, k, v, chunk, how, **sinks)
         events[-1].record()
     events[-1].synchronize()
     return events[0].elapsed_time(events[1]), median_ms(events[1:])
@@ -4068,11 +4382,12 @@ def pick_attention(requested, device, cfg, picks):
 
 # --- the experts' kernels: checked against float32 experts, then timed
 
-def moe_reference(h, logits, gate_up, down, k, renormalize):
-    # float32 math written out: softmax, top-k, renormalisation, each expert's SwiGLU on its tokens, weighted sum.
-    # logits are the router's own bf16 output, and the k are torch.topk's, as transformers': bf16 logits tie often (in
-    # the check's 600 tokens a few ties sit between the k-th and the (k+1)-th expert), and which of two equal
-    # probabilities topk keeps is its own rule (not the lower index); a logit rounded otherwise would swap experts too.
+def moe_reference(h, logits, gate_up, down, k, renormalize, activation="silu", gate_up_bias=None, down_bias=None):
+    # float32 math written out: softmax, top-k, renormalisation, each expert's gated activation on its tokens (gpt-oss:
+    # with its biases and ClampedSwiGLU), weighted sum. logits are the router's own bf16 output, and the k are
+    # torch.topk's, as transformers': bf16 logits tie often (in the check's 600 tokens a few ties sit between the k-th
+    # and the (k+1)-th expert), and which of two equal probabilities topk keeps is its own rule (not the lower index);
+    # a logit rounded otherwise would swap experts too.
     top, chosen = logits.float().softmax(-1).topk(k, dim=-1)
     if renormalize:
         top = top / top.sum(-1, keepdim=True)
@@ -4080,8 +4395,12 @@ def moe_reference(h, logits, gate_up, down, k, renormalize):
     for e in range(gate_up.shape[0]):
         tokens, slots = (chosen == e).nonzero(as_tuple=True)
         if len(tokens):
-            gate, up = (h[tokens].float() @ gate_up[e].float().T).chunk(2, dim=-1)
-            y = (F.silu(gate) * up) @ down[e].float().T
+            gate_up_e = h[tokens].float() @ gate_up[e].float().T
+            if gate_up_bias is not None:
+                gate_up_e += gate_up_bias[e].float()
+            y = gated_act(gate_up_e, activation) @ down[e].float().T  # gated_act's ops, here in float32
+            if down_bias is not None:
+                y += down_bias[e].float()
             out[tokens] += top[tokens, slots, None] * y  # a token meets expert e at most once
     return out
 
@@ -4104,6 +4423,10 @@ def expert_inputs(device, cfg, seed, tokens, experts):
     h[:tokens // 2] += 6 * router[0] / router[0].norm()  # expert 0's logit +6 for half the tokens
     w = LayerWeights(mlp_norm=torch.ones(H, device=device, dtype=DTYPE), router=router.to(DTYPE),
                      gate_up=randn(experts, 2 * I, H, std=H ** -0.5), down=randn(experts, H, I, std=I ** -0.5))
+    if cfg.fused_experts:  # gpt-oss: its layout, [experts, in, out] read through strides, biases, a clamp that bites
+        w.gate_up = randn(experts, H, 2 * I, std=4 * H ** -0.5).transpose(1, 2)
+        w.down = randn(experts, I, H, std=I ** -0.5).transpose(1, 2)
+        w.gate_up_bias, w.down_bias = randn(experts, 2 * I), randn(experts, H)
     return h.to(DTYPE), w
 
 
@@ -4112,9 +4435,11 @@ def check_experts(candidates, device, cfg):
     experts (its experts function; None where refused), error and, where refused, reason."""
     k = min(cfg.num_experts_per_tok, 2)
     h, w = expert_inputs(device, cfg, seed=0, tokens=600, experts=min(cfg.num_experts, 8))
-    want = moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, cfg.norm_topk_prob)
+    want = moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, cfg.norm_topk_prob, cfg.expert_activation,
+                         w.gate_up_bias, w.down_bias)
     router = Router("softmax", k, cfg.norm_topk_prob)  # the expert kernels are under check, not the model's router
-    return [checked({"name": name, "experts": None, "error": None}, "experts", lambda: make_experts(kind, tile),
+    return [checked({"name": name, "experts": None, "error": None}, "experts",
+                    lambda: make_experts(kind, tile, cfg.expert_activation),
                     lambda experts: moe_ffn(torch.zeros_like(h), h, w, router, experts, TORCH_KERNELS), want,
                     "experts")
             for name, kind, tile in candidates]
@@ -4170,9 +4495,9 @@ def pick_experts(requested, device, cfg, picks, chunk_tokens=4096, kernels=TORCH
     return passed[0]["name"], passed[0]["experts"], report
 
 
-def rms_norm_f32(x, weight, eps, offset):
+def rms_norm_f32(x, weight, eps, style):
     xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + offset)
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + (style == NORM_OFFSET))
 
 
 # The layer-level dequantization's check (kernel_checks) dequantizes the layer of this tiny FP8 Qwen3-MoE, held as a
@@ -4186,13 +4511,25 @@ FP8_CHECK_MODEL = dict(model_type="qwen3_moe", hidden_size=320, intermediate_siz
                        quantization_config={"quant_method": "fp8", **FP8_CONFIG})
 
 
-def fp8_check_layer():
-    """FP8_CHECK_MODEL's config, its layer's held parts and bf16 layout, and the layer's held bytes (on the CPU):
-    each byte random (but FP8's NaN), the scales from 2^-24 to 2^4 (products over bf16's whole range of exponents)."""
-    gen, tiny = torch.Generator().manual_seed(3), ModelConfig.from_json(FP8_CHECK_MODEL)
+# MXFP4's (gpt-oss's experts): a tiny gpt-oss layer, its experts' sides 64 and 96 (in: below a 128-column block and
+# past one; out: rows of whole 32-row programs), the attention, norms, router and biases copied as bf16
+MXFP4_CHECK_MODEL = dict(model_type="gpt_oss", hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=64,
+                         num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"],
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                         quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": None})
+
+
+def fp8_check_layer(mxfp4=False):
+    """FP8_CHECK_MODEL's config (MXFP4_CHECK_MODEL's with mxfp4), its layer's held parts and bf16 layout, and the
+    layer's held bytes (on the CPU): each byte random (but FP8's NaN), the FP8 scales from 2^-24 to 2^4 (products over
+    bf16's whole range of exponents); MXFP4's every code, and scale bytes from 2 to 254 (products over bf16's normal
+    range and past it, to inf: subnormal products are CPU-tested against transformers, not checked here, since a GPU's
+    torch may flush them where the kernel's integer arithmetic does not; 255, transformers' NaN, none)."""
+    gen, tiny = torch.Generator().manual_seed(3), ModelConfig.from_json(MXFP4_CHECK_MODEL if mxfp4 else FP8_CHECK_MODEL)
     parts, layout = tiny.held[tiny.layer_kinds.index(tiny.largest_kind)], tiny.layer_layout
     held = torch.randint(256, (tiny.layer_bytes,), generator=gen, dtype=torch.uint8)
-    for _, offset, shape, dtype in parts:
+    for name, offset, shape, dtype in parts:
         n = math.prod(shape)
         if dtype == FP8:
             q = held[offset:offset + n]
@@ -4200,20 +4537,22 @@ def fp8_check_layer():
         elif dtype == torch.float32:
             scales = torch.rand(n, generator=gen) * 2.0 ** torch.randint(-24, 4, (n,), generator=gen)
             typed(held, offset, n, dtype).copy_(scales)
+        elif name.endswith("_scales"):
+            held[offset:offset + n] = torch.randint(2, 255, (n,), generator=gen, dtype=torch.uint8)
     return tiny, parts, layout, held
 
 
-def dequantize_checks(device):
+def dequantize_checks(device, mxfp4=False):
     """kernel_checks' [(kernel, launch, error)] of dequantize_layer_triton: fp8_check_layer's layer in one launch
     against dequantize_layer, bit for bit (0 or inf); every element of the bf16 layer compared, the gaps between its
     tensors included (both start zeroed: nothing may be written there)."""
-    tiny, parts, layout, held = fp8_check_layer()
-    layer, held = fp8_layer(parts, layout, device), held.to(device)
+    tiny, parts, layout, held = fp8_check_layer(mxfp4)
+    layer, held = fp8_layer(parts, layout, device, mxfp4), held.to(device)
     got, want = (torch.zeros(tiny.dequantized_bytes // 2, dtype=torch.int16, device=device) for _ in range(2))
     dequantize_layer_triton(held, got.view(DTYPE), layer)
     dequantize_layer(held, want.view(DTYPE), layer)
-    return [("dequantize", f"a layer of {len(layer.tensors)} tensors in one launch, bit for bit",
-             0.0 if torch.equal(got, want) else math.inf)]
+    return [("dequantize", f"a layer of {len(layer.tensors)} tensors in one launch" + (", MXFP4" if mxfp4 else "")
+             + ", bit for bit", 0.0 if torch.equal(got, want) else math.inf)]
 
 
 def kernel_checks(device, cfg):
@@ -4222,15 +4561,15 @@ def kernel_checks(device, cfg):
     constexprs and its integer arguments' specialisations (divisible by 16, equal to 1). head_norm_rope runs twice a
     layer, on the query heads and on the key heads: another head count, so another lane layout (HEADS) and another
     base pointer into the same qkv rows, each checked (the RoPE tables as wide as the model's: partial RoPE is a
-    variant); gated_act at the dense MLP's width, the experts' and the shared experts';
-    rms_norm with the model's norm offset and, for the experts' input, without. Every input is laid out as in a run
-    (q and k views of one qkv tensor, its row stride) so that each launch matches a run's but for the token count,
-    which only the grid sees. Latent attention (latent_qkv): RoPE on q's last channels of each head and on the key
-    all heads share, both views of their projections' outputs, interleaved where the model's RoPE is; rms_norm on
-    the latents, views of the first projection's output. An FP8 model's layer-level dequantization:
+    variant); gated_act at the dense MLP's width, the experts' and the shared experts' (with each's activation;
+    gpt-oss's clamp biting: inputs spread to ±limit); rms_norm in the model's norm style. Every input is laid out as in
+    a run (q and k views of one qkv tensor, its row stride) so that each launch matches a run's but for the token
+    count, which only the grid sees. Latent attention (latent_qkv): RoPE on q's last channels of each head and on the
+    key all heads share, both views of their projections' outputs, interleaved where the model's RoPE is; rms_norm on
+    the latents, views of the first projection's output. An FP8 or MXFP4 model's layer-level dequantization:
     dequantize_checks."""
     gen = torch.Generator().manual_seed(1)
-    T, H, D, eps, offset = 67, cfg.hidden_size, cfg.head_dim, 1e-6, cfg.norm_offset
+    T, H, D, eps, style = 67, cfg.hidden_size, cfg.head_dim, 1e-6, cfg.norm_style
     Q, KV, heads, interleave = cfg.q_size, cfg.kv_size, cfg.num_attention_heads, cfg.rope_interleave
     first = torch.randn(T, cfg.qkv_rows, generator=gen).to(device, DTYPE)  # the first projection's output
     x = torch.randn(T, H, generator=gen).to(device, DTYPE)
@@ -4251,26 +4590,25 @@ def kernel_checks(device, cfg):
 
     def check(kernel, launch, got, want):
         results.append((kernel, launch, check_error(got, want)))
-    for norm_offset in dict.fromkeys([offset] + ([False] if cfg.num_experts else [])):
-        check("rms_norm", f"{H} wide" + (", offset" if norm_offset else ""), rms_norm_triton(x, w_h, eps, norm_offset),
-              rms_norm_f32(x, w_h, eps, norm_offset))
+    check("rms_norm", f"{H} wide" + {NORM_CAST: "", NORM_OFFSET: ", offset", NORM_FLOAT32: ", float32 weight"}[style],
+          rms_norm_triton(x, w_h, eps, style), rms_norm_f32(x, w_h, eps, style))
     for latent in latents:
         w_latent = torch.rand(latent.shape[1], generator=gen).add(0.5).to(device, DTYPE)
         check("rms_norm", f"{latent.shape[1]} wide, a latent", rms_norm_triton(latent, w_latent, LATENT_EPS),
-              rms_norm_f32(latent, w_latent, LATENT_EPS, False))
+              rms_norm_f32(latent, w_latent, LATENT_EPS, NORM_CAST))
     for what, x_heads in ropes:
-        normed = rms_norm_f32(x_heads, w_d, eps, offset) if cfg.qk_norm else x_heads.float()
+        normed = rms_norm_f32(x_heads, w_d, eps, style) if cfg.qk_norm else x_heads.float()
         want = apply_rope(deinterleaved(normed) if interleave else normed, cos.float(), sin.float())
         check("head_norm_rope", f"{x_heads.shape[1]} {what} heads" + (", interleaved" if interleave else ""),
-              head_norm_rope_triton(x_heads, w_qk, cos, sin, eps, offset, interleave), want)
+              head_norm_rope_triton(x_heads, w_qk, cos, sin, eps, style, interleave), want)
     widths = ([(cfg.intermediate_size, cfg.activation)] if "mlp" in cfg.layouts else []) + (
-        [(cfg.moe_intermediate_size, "silu")] if cfg.num_experts else []) + (
+        [(cfg.moe_intermediate_size, cfg.expert_activation)] if cfg.num_experts else []) + (
         [(cfg.shared_intermediate_size, "silu")] if cfg.shared_intermediate_size else [])
     for width, activation in dict.fromkeys(widths):
-        gate_up = torch.randn(T, 2 * width, generator=gen).to(device, DTYPE)
-        gate, up = gate_up.float().chunk(2, dim=-1)
+        spread = activation.limit / 2 if isinstance(activation, ClampedSwiGLU) else 1.0
+        gate_up = (torch.randn(T, 2 * width, generator=gen) * spread).to(device, DTYPE)
         check("gated_act", f"{width} wide, {activation}", gated_act_triton(gate_up, activation),
-              (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up)
+              gated_act(gate_up.float(), activation))
     check("token_nll", f"vocabulary {cfg.vocab_size}", token_nll_triton(logits, targets),
           F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none"))
     if cfg.num_experts:  # each token's k rows of a shuffled out, weighted, onto x of the same scale as their sum
@@ -4283,8 +4621,8 @@ def kernel_checks(device, cfg):
         combine_triton(got, out, row_of, weights)
         check("combine", f"{k} experts a token", got,
               x_moe.float() + (weights.float()[..., None] * out.float()[row_of].view(T, k, H)).sum(1))
-    if cfg.fp8_scales:
-        results += dequantize_checks(device)
+    if cfg.quantized:
+        results += dequantize_checks(device, cfg.mxfp4)
     if "bf16" in LOGITS.values():  # the same kernel reading bf16 logits, where a switch asks for them
         rounded = logits.to(DTYPE)
         check("token_nll", f"vocabulary {cfg.vocab_size}, bf16 logits", token_nll_triton(rounded, targets),
@@ -4477,7 +4815,8 @@ def machine_key(device, cfg):
     geometry = [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim]
     geometry += [cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size] if cfg.num_experts else []
     geometry += [cfg.v_head_dim] if cfg.v_head_dim != cfg.head_dim else []
-    geometry += [cfg.model_type] + [[how.scale, how.window, how.softcap] for how in attention_settings(cfg)]
+    geometry += [cfg.model_type] + [[how.scale, how.window, how.softcap] + ([how.sinks] if how.sinks else [])
+                                    for how in attention_settings(cfg)]
     return json.dumps([device.type, *gpu, *versions, *geometry, source])
 
 
@@ -4840,14 +5179,14 @@ def tree_check_cases(device, cfg):
             for c in wave.chunks:
                 if c.ancestors is not None:
                     seen = tree_visibility(wave.parents, torch.arange(c.start, c.end), how.window).to(device)
-                    yield how, sharp, (qs[c.start:c.end], k, v, c), tree_attention_reference(qs[c.start:c.end], k, v,
-                                                                                             seen, how)
+                    yield how, sharp, (qs[c.start:c.end], k, v, c), tree_attention_reference(
+                        qs[c.start:c.end], k, v, seen, how, **check_sinks(how, q.shape[1], device))
 
 
 def pick_tree_attention(requested, device, cfg):
     """(name, attend, report) for a prefix tree's chunks: the first of the TREE_KINDS candidates (prefill's Triton
     kernel in this GPU family's and model's tiles, then SDPA) that matches float32 attention on TREE_CHECK's chunks
-    with each of the model's attention settings (scale, window by depth, softcap), twice alike.
+    with each of the model's attention settings (scale, window by depth, softcap, sinks), twice alike.
     Nothing is timed: where Triton runs it is the one. --attention triton or sdpa (or one's name) asks for that one;
     a backend without a tree variant asks for none in particular."""
     named = requested if isinstance(requested, str) and requested.split()[0] in TREE_KINDS else "auto"
@@ -5508,7 +5847,8 @@ class Runner:
         if self.tree_attend is None:
             name, tree, _ = pick_tree_attention(self.requested_attention, self.device, self.cfg)
             self.tree_attention_name = name
-            self.tree_attend = lambda q, k, v, c, how: (self.attend if c.ancestors is None else tree)(q, k, v, c, how)
+            self.tree_attend = lambda q, k, v, c, how, **sinks: (self.attend if c.ancestors is None else tree)(
+                q, k, v, c, how, **sinks)
             log(f"prefix trees: attention {name} where a node has ancestors")
         return self.tree_attend
 

@@ -106,9 +106,9 @@ def doctor(runner):
         # a layer's weights on the device (a resident one's, else a slot's); a dense one where the model has any,
         # whose MLP's GEMMs are timed too
         kind = "mlp" if "mlp" in cfg.layouts else cfg.largest_kind
-        w = runner.streamer.scratch_views[kind] if cfg.fp8_scales else \
+        w = runner.streamer.scratch_views[kind] if cfg.quantized else \
             next((w for i, w in runner.streamer.resident.items() if cfg.layer_kinds[i] == kind), None) \
-            or runner.streamer.slot_views[0][kind]  # an FP8 model's: the bf16 scratch its layers are dequantized into
+            or runner.streamer.slot_views[0][kind]  # an FP8 or MXFP4 model's: the bf16 scratch its layers become
         shapes = gemm_shapes(cfg, plan.chunk_tokens)[:-1] + [("lm_head", plan.loss_chunk_tokens, cfg.vocab_size,
                                                               cfg.hidden_size)]
         own = {name: getattr(w, name) for name, _, _, _ in shapes[:-1]} | {"lm_head": runner.lm_head}
@@ -151,6 +151,7 @@ def doctor(runner):
              f"{runner.lock_s:.1f} s" + (f"; 1 GiB locks in {fig['lock_s_per_gb']['register']:.2f} s/GB by "
                                          f"register, {fig['lock_s_per_gb']['alloc']:.2f} s/GB by alloc; "
                                          f"host->device {fig['h2d_gbps']:.1f} GB/s" if cuda else "")]
+    sinks = any(how.sinks for how in cfg.attention)
     if cfg.kv_lora_rank:  # DeepSeek's: what the kernels below run on
         lines.append(f"attention  multi-head latent (MLA): {cfg.num_attention_heads} heads, q/k head dim "
                      f"{cfg.head_dim} ({cfg.qk_nope_head_dim} + RoPE {cfg.rope_dim}"
@@ -159,8 +160,10 @@ def doctor(runner):
                      + f"kv {cfg.kv_lora_rank}, expanded per token; softmax scale {cfg.attention[0].scale:.4g}"
                      + (f", {cfg.ropes[0].kind} RoPE" if cfg.ropes[0].kind != "default" else ""))
     lines.append(f"attention  by the longest text in a chunk: {attention_summary(runner.attention)} (each checked "
-                 f"against float32 attention on texts of {CHECK_LENGTHS}, then each bucket's own; rel. error: the "
-                 "worst row's largest difference over that row's largest value)")
+                 f"against float32 attention on texts of {CHECK_LENGTHS}, then each bucket's own"
+                 + (", with sinks: a logit a head in each row's softmax denominator, from -2 to 10 across the heads"
+                    if sinks else "") + "; rel. error: the worst row's largest difference over that row's largest "
+                 "value)")
     if cuda:
         lines.append("  ms a chunk (first call) per bucket, * picked: " + ", ".join(
             f"{label} timed on {len(timed)} texts of {sum(timed)} tokens" for label, _, timed, _ in ATTENTION_BUCKETS))
@@ -179,10 +182,11 @@ def doctor(runner):
                                                         f" (fused Triton kernels: {fused_here})" if fused_here else "")
                  + f"; float32 logits by {runner.kernels.head.__name__} (rel. error against float64 math: "
                    f"{runner.kernel_errors['lm_head']:.1e})")
-    if cfg.fp8_scales:
-        lines.append(f"weights    block-wise FP8 ({cfg.fp8_scales} scales): held and streamed as FP8 (a layer "
-                     f"{cfg.layer_bytes / 1e9:.2f} GB), dequantized on {dev} into a bf16 scratch before each layer "
-                     f"runs, by the {runner.kernels.name} kernel "
+    if cfg.quantized:
+        held = (f"block-wise FP8 ({cfg.fp8_scales} scales): held and streamed as FP8" if cfg.fp8_scales else
+                "MXFP4 experts (e2m1 codes, an e8m0 scale a 32: 4.25 bits a weight): held and streamed as MXFP4")
+        lines.append(f"weights    {held} (a layer {cfg.layer_bytes / 1e9:.2f} GB), dequantized on {dev} into a bf16 "
+                     f"scratch before each layer runs, by the {runner.kernels.name} kernel "
                      + ("in one launch a layer" if runner.kernels.name == "triton" else "tensor by tensor")
                      + " (checked bit for bit against transformers' math)")
     if cfg.num_experts:

@@ -1,17 +1,30 @@
 """Write a random bf16 checkpoint with a real model's geometry (Qwen3-32B by default; Gemma-3-27B, Qwen2.5-32B,
-Llama-3.1-70B's layers, Qwen3-30B-A3B; or a shallower / tiny one) for benchmarks, or with --fp8 its block-wise FP8
-version (the official Qwen3-*-FP8 layout: the same weights, each layer projection quantized per 128x128 block).
+Llama-3.1-70B's layers, Qwen3-30B-A3B, gpt-oss-20b and -120b; or a shallower / tiny one) for benchmarks, or with --fp8
+its block-wise FP8 version (the official Qwen3-*-FP8 layout: the same weights, each layer projection quantized per
+128x128 block), or with --mxfp4 a gpt-oss's MXFP4 version (as released: the same weights, the experts quantized to
+e2m1 codes with an e8m0 scale a 32).
 
     python bench/make_checkpoint.py --out /dev/shm/qwen3-32b-random --device cuda --tokenizer DIR
     python bench/make_checkpoint.py --out /tmp/q4 --layers 4 --device cuda --tokenizer DIR
     python bench/make_checkpoint.py --out /dev/shm/gemma3 --geometry gemma3-27b --device cuda
     python bench/make_checkpoint.py --out /dev/shm/qwen3-30b-a3b-random --geometry qwen3-30b-a3b --device cuda
     python bench/make_checkpoint.py --out /dev/shm/qwen3-32b-random-fp8 --fp8 --device cuda
+    python bench/make_checkpoint.py --out /dev/shm/gpt-oss-120b-20l --geometry gpt-oss-120b --layers 20 --mxfp4 \
+        --device cuda
 
 The weights come from interact.write_random_checkpoint (seeded; the same config, seed and device give the same
 weights).  A marker file, written last, records what was built: `--reuse` skips the build when the folder already
-holds a complete checkpoint of the same config, seed and format (bf16 or FP8), so that a half-written folder (a run
-killed mid-write) is never taken for a finished one, nor a bf16 folder for an FP8 one.
+holds a complete checkpoint of the same config, seed and format (bf16, FP8 or MXFP4), so that a half-written folder (a
+run killed mid-write) is never taken for a finished one, nor a bf16 folder for an FP8 one.
+
+gpt-oss on the H200 machine (128 GiB RAM, 64 GiB disk, 141 GB GPU; prefill.plan_memory's figures, 2026-12-04):
+  gpt-oss-20b whole: 13.8 GB in MXFP4 (all 24 layers resident at a 24 GiB cap; caps of 12 and 8 GiB stream 22 and
+    24), 41.8 GB in bf16 (48 GiB: all resident; 24 GiB: 16 streamed). transformers' bf16 reference fits the GPU.
+  gpt-oss-120b: 65.2 GB (60.8 GiB) in MXFP4 whole, 233.7 GB dequantized: transformers' reference, which dequantizes to
+    bf16 (6.43 GB a layer), cannot hold it in the GPU and what RAM the /dev/shm copy leaves. --layers 20: 37 GB in
+    MXFP4 (in /dev/shm), a 131 GB bf16 reference on the GPU (transformers' dequantization adds ~4 GB of temporaries a
+    tensor while it loads); prefill keeps all 20 resident at 48 GiB and streams 17 at 24 GiB. The whole 36 layers
+    (in /dev/shm) stream 18 at 48 GiB and 33 at 24 GiB, but have no reference on this machine.
 """
 
 from __future__ import annotations
@@ -160,6 +173,21 @@ MOONLIGHT_16B_A3B = {
     "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "rope_scaling": None, "num_nextn_predict_layers": 0,
 }
 
+# gpt-oss's config.json (openai/gpt-oss-20b's and -120b's, as released: transformers 4 spelt its RoPE rope_scaling):
+# 24 layers of 32 experts or 36 of 128, every one a mixture of experts, 4 a token, 2880 wide; a window of 128 on
+# alternate layers (layer_types left to its default, so that --layers keeps it whole); its RoPE YaRN (x32 over 4096
+# positions, untruncated); the experts MXFP4 (--mxfp4).
+GPT_OSS_20B = {
+    "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128, "rms_norm_eps": 1e-5,
+    "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "truncate": False, "original_max_position_embeddings": 4096},
+    "swiglu_limit": 7.0, "attention_bias": True, "hidden_act": "silu", "tie_word_embeddings": False,
+    "max_position_embeddings": 131072, "output_router_logits": False,
+}
+GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128}
+
 GEOMETRIES = {"qwen3-32b": QWEN3_32B, "gemma3-27b": GEMMA3_27B, "qwen2.5-32b": QWEN2_5_32B,
               "llama-3.1-70b": LLAMA_3_1_70B, "tiny": tiny(QWEN3_32B),
               # 6 layers, a window of 16: both kinds of layer and both RoPEs, windows that bite on short texts
@@ -183,7 +211,10 @@ GEOMETRIES = {"qwen3-32b": QWEN3_32B, "gemma3-27b": GEMMA3_27B, "qwen2.5-32b": Q
                                        topk_group=2, first_k_dense_replace=1),
               "tiny-moonlight": tiny(MOONLIGHT_16B_A3B, num_key_value_heads=4, head_dim=32, kv_lora_rank=64,
                                      qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=8,
-                                     num_experts_per_tok=2, moe_intermediate_size=128)}
+                                     num_experts_per_tok=2, moe_intermediate_size=128),
+              "gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B,
+              "tiny-gpt-oss": tiny(GPT_OSS_20B, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                                   sliding_window=16)}
 
 
 def model_config(cfg: dict):
@@ -246,15 +277,18 @@ def attention_flops(cfg: dict, lengths: list[int]) -> float:
     return float(sum(per_pair * pairs(n, w) for n in lengths if n >= 2 for w in windows))
 
 
-def checkpoint_bytes(cfg: dict, fp8: bool = False) -> int:
+def checkpoint_bytes(cfg: dict, fp8: bool = False, mxfp4: bool = False) -> int:
     """Bytes of every tensor the checkpoint holds (norms and biases included): bf16 (the sigmoid router's float32), or
     with fp8 each layer projection at a byte an element plus a float32 scale a 128x128 block
-    (interact.write_random_checkpoint's FP8)."""
+    (interact.write_random_checkpoint's FP8), or with mxfp4 each expert weight at half a byte an element plus a byte a
+    32 (its MXFP4)."""
     import prefill
     model = model_config(cfg)
 
     def nbytes(name, shape):
         n = math.prod(shape)
+        if mxfp4 and name in prefill.MXFP4_WEIGHTS:
+            return n // 2 + n // prefill.MXFP4_GROUP
         return n + 4 * math.prod(prefill.scale_grid(shape)) if fp8 and prefill.is_fp8_weight(name) else \
             n * model.tensor_dtypes.get(name, prefill.DTYPE).itemsize
     layers = sum(nbytes(name, shape) for kind in model.layer_kinds for name, (_, shape) in model.layouts[kind].items())
@@ -270,26 +304,28 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
-def existing_matches(out: Path, cfg: dict, seed: int, fp8: bool = False) -> bool:
-    """True when out holds a finished checkpoint built from this geometry and seed, FP8 or bf16 as asked (a marker
-    without "fp8", written before FP8 checkpoints were, is a bf16 one)."""
+def existing_matches(out: Path, cfg: dict, seed: int, fp8: bool = False, mxfp4: bool = False) -> bool:
+    """True when out holds a finished checkpoint built from this geometry and seed, FP8, MXFP4 or bf16 as asked (a
+    marker without "fp8" or "mxfp4", written before such checkpoints were, is a bf16 one)."""
     try:
         marker = json.loads((out / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("config") == cfg and marker.get("seed") == seed and marker.get("fp8", False) == fp8
+    return (marker.get("config") == cfg and marker.get("seed") == seed and marker.get("fp8", False) == fp8
+            and marker.get("mxfp4", False) == mxfp4)
 
 
 def build(out: Path, cfg: dict, *, seed: int, device: str, tokenizer: str | None, reuse: bool,
-          fp8: bool = False) -> dict:
+          fp8: bool = False, mxfp4: bool = False) -> dict:
     """Write (or reuse) the checkpoint; returns {path, bytes, seconds, reused}."""
-    if reuse and existing_matches(out, cfg, seed, fp8):
+    if reuse and existing_matches(out, cfg, seed, fp8, mxfp4):
         return {"path": str(out), "bytes": _dir_bytes(out), "seconds": 0.0, "reused": True}
     (out / MARKER).unlink(missing_ok=True)  # from here on the folder is unfinished until the marker is back
     t0 = time.perf_counter()
-    interact.write_random_checkpoint(out, cfg, seed=seed, device=device, tokenizer_dir=tokenizer, fp8=fp8)
+    interact.write_random_checkpoint(out, cfg, seed=seed, device=device, tokenizer_dir=tokenizer, fp8=fp8,
+                                     mxfp4=mxfp4)
     seconds = time.perf_counter() - t0
-    marker = {"config": cfg, "seed": seed, "fp8": fp8, "device": device}
+    marker = {"config": cfg, "seed": seed, "fp8": fp8, "mxfp4": mxfp4, "device": device}
     (out / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     return {"path": str(out), "bytes": _dir_bytes(out), "seconds": seconds, "reused": False}
 
@@ -305,21 +341,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8", action="store_true",
                     help="block-wise FP8 (the official Qwen3-*-FP8 layout): every layer projection quantized per "
                          "128x128 block on --device, float32 scales; embeddings, norms, lm_head and a router stay bf16")
+    ap.add_argument("--mxfp4", action="store_true",
+                    help="a gpt-oss geometry's experts in MXFP4, as gpt-oss is released (quant_method mxfp4): "
+                         "quantized on --device from the same random bf16 weights; the rest bf16")
     ap.add_argument("--reuse", action="store_true",
                     help="skip the build if OUT already holds a finished checkpoint of this config, seed and format")
     args = ap.parse_args(argv)
 
     cfg = geometry(args.geometry, args.layers)
+    if args.fp8 and args.mxfp4:
+        ap.error("--fp8 and --mxfp4: one format at a time")
     try:
         info = build(Path(args.out), cfg, seed=args.seed, device=args.device, tokenizer=args.tokenizer,
-                     reuse=args.reuse, fp8=args.fp8)
+                     reuse=args.reuse, fp8=args.fp8, mxfp4=args.mxfp4)
     except interact.UserError as e:
         print(f"make_checkpoint.py: error: {e}", file=sys.stderr)
         return 1
     verb = "reused" if info["reused"] else f"wrote in {info['seconds']:.1f} s"
     rate = f" ({info['bytes'] / info['seconds'] / 1e9:.2f} GB/s)" if info["seconds"] else ""
     print(f"{args.out}: {info['bytes'] / 1e9:.2f} GB {verb}{rate}; "
-          f"{cfg['num_hidden_layers']} layers{', FP8' if args.fp8 else ''}, "
+          f"{cfg['num_hidden_layers']} layers{', FP8' if args.fp8 else ', MXFP4' if args.mxfp4 else ''}, "
           f"{flops_per_token(cfg) / 1e9:.2f} GFLOP/token")
     print(json.dumps(info))
     return 0

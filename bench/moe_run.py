@@ -8,10 +8,13 @@ GPU memory caps, against both floors measured in the same run, in one device com
         --ckpt /dev/shm/prefill-bench/deepseek-v3-6-fp8 --out ...     # block-wise FP8 weights (NOTES.md: why these)
     python bench/moe_run.py --device cpu --geometry tiny-moe --ckpt /tmp/tiny-moe --texts 12 --corpus-tokens 20000 \
         --caps 0.04,0.02 --reference-texts 6 --out /tmp/moe-run.json            # the same steps, tried on the CPU
+    python bench/moe_run.py --geometry gpt-oss-120b --layers 20 --mxfp4 --ckpt /dev/shm/prefill-bench/gpt-oss-120b-20l \
+        --out bench/results/…-h200-gpt-oss-120b-mxfp4.json     # gpt-oss (make_checkpoint.py's docstring: which cut)
 
 Steps, in order:
   1. checkpoint  bench/make_checkpoint.py's random weights (--reuse: kept across runs of this script); with --fp8
-                 their block-wise FP8 quantization (the official layout, each layer projection per 128x128 block)
+                 their block-wise FP8 quantization (the official layout, each layer projection per 128x128 block),
+                 with --mxfp4 a gpt-oss's experts in MXFP4 (as released)
   2. texts       the contest-like workload (bench/workload.py: 100 chat-rendered math texts, ~45k tokens), and a
                  corpus of >= --corpus-tokens tokens of the same kind whose first texts are the workload's
   3. rates       measured here, on the device, before any runner holds it: the pinned host->device rate on one
@@ -27,9 +30,9 @@ Steps, in order:
                  on the first --reference-texts texts: each run's max_rel_err over those. An FP8 checkpoint's is its
                  dequantized model (FineGrainedFP8Config(dequantize=True)), each weight q x scale rounded to bf16;
                  a side its load cannot read (partial_blocks_dequantized: DeepSeek-V3's kv_a_proj_with_mqa) is
-                 dequantized by transformers' own _dequantize_fp8_weight, as its FP8Linear reads it. With
-                 --float32-reference, transformers' float32 model too: how far bf16 rounding alone moves this model
-                 (its bf16 model's error beside each run's)
+                 dequantized by transformers' own _dequantize_fp8_weight, as its FP8Linear reads it; an MXFP4
+                 one's is Mxfp4Config(dequantize=True)'s load. With --float32-reference, transformers' float32 model
+                 too: how far bf16 rounding alone moves this model (its bf16 model's error beside each run's)
 
 Per run the record holds model_type, cap_gib, t_seconds, tokens, the wave and the plan's bound line, streamed bytes,
 compute_floor_s (each token's FLOPs at the rates of step 3, as prefill.layer_flops counts them: attention
@@ -239,6 +242,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, help="the geometry's first N layers (a model the machine cannot hold whole)")
     ap.add_argument("--fp8", action="store_true", help="the checkpoint in block-wise FP8 (make_checkpoint.py --fp8: "
                     "the same random weights quantized; the reference is its dequantized bf16 model)")
+    ap.add_argument("--mxfp4", action="store_true", help="a gpt-oss geometry's experts in MXFP4, as released (the "
+                    "reference: transformers' dequantized load of them)")
     ap.add_argument("--ckpt", default="/dev/shm/prefill-bench/qwen3-30b-a3b-s0", help="checkpoint folder")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--caps", default="48,24", help="GPU memory caps in GiB, comma-separated")
@@ -259,12 +264,12 @@ def main(argv=None):
                     "of one batch (--wave-tokens 65536): the same numbers, whatever the planned wave")
     args = ap.parse_args(argv)
     t0, device = time.perf_counter(), torch.device(args.device)
+    if args.fp8 and args.mxfp4:
+        ap.error("--fp8 and --mxfp4: one format at a time")
     geometry = make_checkpoint.geometry(args.geometry, args.layers)
-    cfg = prefill.ModelConfig.from_json(interact.config_json(geometry) | (
-        {"quantization_config": interact.FP8_QUANTIZATION} if args.fp8 else {}))
-
     built = make_checkpoint.build(Path(args.ckpt), geometry, seed=0, device=args.device, tokenizer=args.tokenizer,
-                                  reuse=True, fp8=args.fp8)
+                                  reuse=True, fp8=args.fp8, mxfp4=args.mxfp4)
+    cfg = prefill.ModelConfig.from_dir(args.ckpt)  # as the runs read it (a quantized model's layer bytes)
     log(f"checkpoint {built['path']}: {built['bytes'] / 1e9:.1f} GB, {built['seconds']:.0f} s"
         + (" (reused)" if built["reused"] else ""))
     tok = workload.load_tokenizer(args.ckpt)
@@ -295,7 +300,7 @@ def main(argv=None):
     truth = reference_losses(args, args.ckpt, contest[:args.reference_texts], float32=True)[0] \
         if args.float32_reference else None
     res = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "model_type": cfg.model_type, "fp8": args.fp8,
-           "device": args.device,
+           "mxfp4": args.mxfp4, "device": args.device,
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "commit": args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                    text=True, cwd=HERE.parent).stdout.strip(),

@@ -322,8 +322,8 @@ def planted_tree_bug(bug, monkeypatch):
         "window_by_wave_index": ("seen_keys", lambda chunk, i, r, rows, keys, a, window, device: seen(  # not depth
             prefill.dataclasses.replace(chunk, depths=torch.arange(chunk.depths.numel())), i, r, rows, keys, a,
             window, device)),
-        "softcap_dropped": ("softcapped_attention", lambda q, k, v, seen, how: capped(
-            q, k, v, seen, prefill.dataclasses.replace(how, softcap=1e9))),
+        "softcap_dropped": ("softcapped_attention", lambda q, k, v, seen, how, sinks=None: capped(
+            q, k, v, seen, prefill.dataclasses.replace(how, softcap=1e9), sinks)),
     }
     monkeypatch.setattr(prefill, *replaced[bug])
 

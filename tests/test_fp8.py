@@ -224,12 +224,43 @@ def test_checkpoint_faults(fp8_checkpoint, tmp_path, fault):
         runner(tmp_path)
 
 
+# The end of an interpreted script (test_prefill.interpreted) of the one-launch dequantization: the start-up check
+# passes it and refuses each bug planted in its tables (PLANTED, {name: (column, change)}), and a Runner whose
+# dequantization alone is the interpreted kernel (the rest PyTorch; its attention check on short texts) scores the
+# bits of the PyTorch one, every layer streamed, in one launch a layer. The script defines cpu, report, MXFP4 and
+# PLANTED; its arguments are the checkpoint first and the texts last. test_gpt_oss's MXFP4 one ends with it too.
+LAYER_KERNEL_CHECKED_AND_RUN = """
+good = prefill.dequantize_layer_triton
+report["check"] = [e for _, _, e in prefill.dequantize_checks(cpu, MXFP4)]
+for name, (column, change) in PLANTED.items():
+    def planted(held, out, layer, column=column, change=change):  # the tables with one column changed
+        tensors = layer.tensors.clone()
+        tensors[:, column] = change(tensors[:, column])
+        good(held, out, dataclasses.replace(layer, tensors=tensors))
+    prefill.dequantize_layer_triton = planted
+    report[name] = [e for _, _, e in prefill.dequantize_checks(cpu, MXFP4)]
+prefill.dequantize_layer_triton = good
+
+launches, kernel = [], prefill._dequantize_layer_kernel
+class Counted:
+    def __getitem__(self, grid):
+        launches.append(grid)
+        return kernel[grid]
+prefill._dequantize_layer_kernel = Counted()
+prefill.CHECK_LENGTHS = [37, 100]
+prefill.TORCH_KERNELS.dequantize_layer = prefill.dequantize_layer_triton
+r = prefill.Runner(sys.argv[1], device="cpu", attention="sdpa", kernels="torch", gpu_memory_gib=0)
+ids, before = r.tokenize(json.loads(sys.argv[-1])), len(launches)
+report["triton"] = r.losses(ids)
+report["launches"], report["layers"] = len(launches) - before, len(r.plan.streamed_layers)
+r.streamer.dequantize = prefill.dequantize_layer  # the same Runner with PyTorch's dequantization
+report["torch"] = r.losses(ids)
+print(json.dumps(report))
+"""
 # The one-launch dequantization in Triton's interpreter (a child process: test_prefill.interpreted). On a layer of
 # its own, held bytes random: 16 experts whose sides (24, 96) are all below a block, each tensor against
-# dequantize_fp8 (or the bf16 copy) as transformers computes it, every element of the layer compared. Then the
-# start-up check passes it and refuses two bugs planted in its tables, and a Runner whose dequantization alone is the
-# interpreted kernel (the rest PyTorch) scores the bits of the PyTorch one, every layer streamed, in one launch a
-# layer.
+# dequantize_fp8 (or the bf16 copy) as transformers computes it, every element of the layer compared; then
+# LAYER_KERNEL_CHECKED_AND_RUN.
 FP8_LAYER_KERNEL = """
 import dataclasses, json, math, sys, torch, prefill
 cpu = torch.device("cpu")
@@ -257,37 +288,9 @@ got = torch.zeros_like(want)
 prefill.dequantize_layer_triton(held, got.view(torch.bfloat16), layer)
 report = {"tensors": len(layer.tensors), "fp8": sum(d == prefill.FP8 for *_, d in parts),
           "equal": torch.equal(got, want)}
-
-good = prefill.dequantize_layer_triton
-def changed(column, change):  # the tables with one column changed
-    def planted(held, out, layer):
-        tensors = layer.tensors.clone()
-        tensors[:, column] = change(tensors[:, column])
-        good(held, out, dataclasses.replace(layer, tensors=tensors))
-    return planted
-planted = {"the next block's scale": changed(1, lambda s: torch.where(s >= 0, s + 1, s)),
-           "sides below a block dropped": changed(3, lambda rows: rows // 128 * 128)}
-report["check"] = [e for _, _, e in prefill.dequantize_checks(cpu)]
-for name, bug in planted.items():
-    prefill.dequantize_layer_triton = bug
-    report[name] = [e for _, _, e in prefill.dequantize_checks(cpu)]
-prefill.dequantize_layer_triton = good
-
-launches, kernel = [], prefill._dequantize_layer_kernel
-class Counted:
-    def __getitem__(self, grid):
-        launches.append(grid)
-        return kernel[grid]
-prefill._dequantize_layer_kernel = Counted()
-prefill.TORCH_KERNELS.dequantize_layer = prefill.dequantize_layer_triton
-r = prefill.Runner(sys.argv[1], device="cpu", attention="sdpa", kernels="torch", gpu_memory_gib=0)
-ids, before = r.tokenize(json.loads(sys.argv[3])), len(launches)
-report["triton"] = r.losses(ids)
-report["launches"], report["layers"] = len(launches) - before, len(r.plan.streamed_layers)
-r.streamer.dequantize = prefill.dequantize_layer  # the same Runner with PyTorch's dequantization
-report["torch"] = r.losses(ids)
-print(json.dumps(report))
-"""
+MXFP4, PLANTED = False, {"the next block's scale": (1, lambda s: torch.where(s >= 0, s + 1, s)),
+                         "sides below a block dropped": (3, lambda rows: rows // 128 * 128)}
+""" + LAYER_KERNEL_CHECKED_AND_RUN
 MANY_EXPERTS = {"model_type": "qwen3_moe", "hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 1,
                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 64,
                 "num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
@@ -321,17 +324,23 @@ def test_the_doctor_says_what_it_dequantizes_and_where(fp8_checkpoint, tmp_path,
     assert "dequantized on cpu into a bf16 scratch before each layer runs, by the torch kernel" in weights[0], lines
 
 
-def test_the_protocol_serves_an_fp8_checkpoint(fp8_checkpoint, monkeypatch, capsys):
-    # the whole path a user takes (warm-up included), in-process: ready, then the losses Runner.score gives
+def protocol_losses(path, texts, monkeypatch, capsys):
+    """The losses the protocol prints for texts, in-process: the whole path a user takes (warm-up included, every
+    layer streamed), `ready` first."""
     import io
-    path, reference = fp8_checkpoint
     protocol = io.StringIO()
     monkeypatch.setattr(prefill, "take_stdout", lambda: protocol)
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO((json.dumps(TEXTS) + "\n").encode())))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO((json.dumps(texts) + "\n").encode())))
     rc = prefill.main(["--model", str(path), "--device", "cpu", "--attention", "sdpa", "--gpu-memory", "0"])
     lines = protocol.getvalue().splitlines()
     assert rc == 0 and lines[0] == "ready", capsys.readouterr().err
-    assert max_rel_err([float(x) for x in lines[1:]], reference) < TOLERANCE
+    return [float(x) for x in lines[1:]]
+
+
+def test_the_protocol_serves_an_fp8_checkpoint(fp8_checkpoint, monkeypatch, capsys):
+    # ready, then the losses Runner.score gives
+    path, reference = fp8_checkpoint
+    assert max_rel_err(protocol_losses(path, TEXTS, monkeypatch, capsys), reference) < TOLERANCE
 
 
 # ----------------------------------------------------------------------------- the bench's FP8 checkpoints

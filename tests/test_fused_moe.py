@@ -36,8 +36,8 @@ cpu, report = torch.device("cpu"), {}
 # (hidden 80, moe_intermediate 48: partial K and column tiles in both GEMMs), and weights stored [experts, K, N] (as
 # gpt-oss stores them) read through strides; each twice, for the bits
 def case(hidden, inter, tokens, k, renormalize, tile, transposed=False):
-    h, w = prefill.expert_inputs(cpu, types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter), seed=k,
-                                 tokens=tokens, experts=8)
+    geometry = types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, fused_experts=False)
+    h, w = prefill.expert_inputs(cpu, geometry, seed=k, tokens=tokens, experts=8)
     want = prefill.moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, renormalize)
     if transposed:
         w.gate_up, w.down = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (w.gate_up, w.down))
@@ -96,8 +96,8 @@ def next_expert(chosen, experts, block_m):  # each block's rows through the next
 for name, bug in {"weights of the two slots swapped": lambda weights: weights.flip(-1).contiguous(),
                   "a slot skipped": last_slot_dropped, "the next expert's weights": None}.items():
     prefill.align_experts = next_expert if bug is None else align
-    prefill.make_experts = lambda kind, tile, bug=bug: (lambda x, h, weights, chosen, w, kernels: make(kind, tile)(
-        x, h, weights if bug is None else bug(weights), chosen, w, kernels))
+    prefill.make_experts = lambda kind, tile, activation, bug=bug: (lambda x, h, weights, chosen, w, kernels: make(
+        kind, tile, activation)(x, h, weights if bug is None else bug(weights), chosen, w, kernels))
     [entry] = prefill.check_experts([candidate], cpu, cfg)
     report[name] = [entry["error"], entry.get("reason")]
 prefill.align_experts, prefill.make_experts = align, make

@@ -42,8 +42,8 @@ import torch
 
 import interact
 import prefill
-from bench.make_checkpoint import (DEEPSEEK_V3, GEMMA3_27B, GLM4_5_AIR, LLAMA_3_1_70B, MIXTRAL_8X7B, MOONLIGHT_16B_A3B,
-                                   QWEN1_5_MOE_A2_7B, QWEN2_5_32B, QWEN3_30B_A3B, QWEN3_32B)
+from bench.make_checkpoint import (DEEPSEEK_V3, GEMMA3_27B, GLM4_5_AIR, GPT_OSS_120B, LLAMA_3_1_70B, MIXTRAL_8X7B,
+                                   MOONLIGHT_16B_A3B, QWEN1_5_MOE_A2_7B, QWEN2_5_32B, QWEN3_30B_A3B, QWEN3_32B)
 
 # Every geometry docs/models.md claims a family by, with its head counts (the query and the key launches of
 # head_norm_rope, the attention kernels' HEADS and KV_HEADS) and head_dim: Qwen3-0.6B's (its config.json) block sizes
@@ -61,7 +61,8 @@ from bench.make_checkpoint import (DEEPSEEK_V3, GEMMA3_27B, GLM4_5_AIR, LLAMA_3_
 # 128), its 3 dense layers of 18432 and the V3 router's top-8 of 256 experts of 2048 over 7168; Moonlight the same
 # without q's LoRA (q_proj's rows beside the latent's), here with rope_interleave false (as a copy whose RoPE rows were
 # de-interleaved would say) so that both RoPE variants compile at MLA's strides, and its top-6 of 64 experts of 1408
-# with 2 shared.
+# with 2 shared. gpt-oss (20b's kernels are 120b's): sinks with and without a window, its norms' float32 product, the
+# clamped SwiGLU, its experts' out-contiguous weights and their biases, and MXFP4 (its YaRN's tables are no kernel's).
 MODELS = {"Qwen3-32B": QWEN3_32B,
           "Qwen3-0.6B": {**QWEN3_32B, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                          "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True},
@@ -93,10 +94,11 @@ MODELS = {"Qwen3-32B": QWEN3_32B,
                       "n_routed_experts": 160, "moe_intermediate_size": 1536, "first_k_dense_replace": 3,
                       "routed_scaling_factor": 2.5, "use_qk_norm": True},
           "Mixtral-8x7B": MIXTRAL_8X7B, "Qwen1.5-MoE-A2.7B": QWEN1_5_MOE_A2_7B,
-          "DeepSeek-V3": DEEPSEEK_V3, "Moonlight-16B-A3B": {**MOONLIGHT_16B_A3B, "rope_interleave": False}}
-# the grouped GEMM's N, K and expert stride differ; the others' shared experts and routers
+          "DeepSeek-V3": DEEPSEEK_V3, "Moonlight-16B-A3B": {**MOONLIGHT_16B_A3B, "rope_interleave": False},
+          "gpt-oss-120b": GPT_OSS_120B}
+# the grouped GEMM's N, K and expert stride differ; the others' shared experts and routers; gpt-oss's strides
 MOE_MODELS = ("Qwen3-30B-A3B", "Qwen3-235B-A22B", "GLM-4.5-Air", "GLM-4.5", "Mixtral-8x7B", "Qwen1.5-MoE-A2.7B",
-              "DeepSeek-V3", "Moonlight-16B-A3B")
+              "DeepSeek-V3", "Moonlight-16B-A3B", "gpt-oss-120b")
 KNOWN_SPILLING_TILE = (64, 64, 4, 2)  # spills 205 VGPRs under Triton 3.9, 16 under 3.6 (and 137 with 2 stages in an earlier review of Triton 3.6)
 LDS_BYTES = 65536  # per workgroup on RDNA3
 TOKENS = 3  # no launch parameter depends on the token count
@@ -164,7 +166,10 @@ def model_config(geometry):
 
 
 def fp8_config(cfg):
-    # the model as a block-wise FP8 checkpoint, or None where its shapes are not in whole blocks (SmolLM2's 576)
+    # the model as its quantized releases hold it: gpt-oss in MXFP4; the others as a block-wise FP8 checkpoint, or
+    # None where its shapes are not in whole blocks (SmolLM2's 576)
+    if cfg.fused_experts:
+        return dataclasses.replace(cfg, mxfp4=True)
     try:
         return dataclasses.replace(cfg, fp8_scales="float")
     except prefill.UserError:
@@ -219,7 +224,7 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
             attend = prefill.make_attention("triton", tile)
             prefill.attention_block(x, w, cos, sin, chunk, cfg, attend, prefill.TRITON_KERNELS, how)
         if not tiles:  # no Triton attention here (DeepSeek's 192 on RDNA3): another backend's, around the same kernels
-            prefill.attention_block(x, w, cos, sin, chunk, cfg, lambda q, k, v, chunk, how: q.new_empty(
+            prefill.attention_block(x, w, cos, sin, chunk, cfg, lambda q, k, v, chunk, how, sinks=None: q.new_empty(
                 *q.shape[:2], v.shape[2]), prefill.TRITON_KERNELS, prefill.attention_settings(cfg).most_common()[0][0])
         for tile, how in itertools.product(tree_tiles, prefill.attention_settings(cfg)):
             attend = prefill.make_attention("triton", tile)
@@ -232,13 +237,13 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
         head = lambda x, w, out: out  # float32 logits, by shape only (the loss's room for them), as F.linear's
         prefill.sequence_nll(x, lm_head, final_norm, targets, torch.zeros(TOKENS, dtype=torch.int64), 1,
                              cfg, TOKENS, prefill.dataclasses.replace(prefill.TRITON_KERNELS, head=head))
-        # the model as a block-wise FP8 checkpoint would hold it (where its shapes allow one): each kind of layer
-        # dequantized in one launch, its tables built as the streamer builds them
+        # the model as a block-wise FP8 (gpt-oss: MXFP4) checkpoint would hold it (where its shapes allow one): each
+        # kind of layer dequantized in one launch, its tables built as the streamer builds them
         fp8 = fp8_config(cfg)
         for kind, layer in {kind: layer for layer, kind in enumerate(fp8.layer_kinds)}.items() if fp8 else ():
             prefill.dequantize_layer_triton(torch.empty(fp8.layer_numel, dtype=prefill.DTYPE),
                                             torch.empty(fp8.dequantized_bytes // 2, dtype=prefill.DTYPE),
-                                            prefill.fp8_layer(fp8.held[layer], fp8.layouts[kind], "cpu"))
+                                            prefill.fp8_layer(fp8.held[layer], fp8.layouts[kind], "cpu", fp8.mxfp4))
     return list(dict.fromkeys(launches)), kernels
 
 
@@ -256,11 +261,18 @@ def moe_launches(target, kind, tiles, model):
                              shared_gate_up=torch.empty(2 * S, H, dtype=prefill.DTYPE) if S else None,
                              shared_down=torch.empty(H, S, dtype=prefill.DTYPE) if S else None,
                              shared_gate=torch.empty(1, H, dtype=prefill.DTYPE) if cfg.shared_expert_gate else None)
+    if cfg.fused_experts:  # gpt-oss: its experts' [experts, in, out] read through strides, and their biases
+        w = dataclasses.replace(w, router_bias=torch.zeros(E, dtype=prefill.DTYPE),
+                                gate_up=torch.empty(E, H, 2 * I, dtype=prefill.DTYPE).transpose(1, 2),
+                                down=torch.empty(E, I, H, dtype=prefill.DTYPE).transpose(1, 2),
+                                gate_up_bias=torch.zeros(E, 2 * I, dtype=prefill.DTYPE),
+                                down_bias=torch.zeros(E, H, dtype=prefill.DTYPE))
     x = torch.zeros(TOKENS, H, dtype=prefill.DTYPE)
     launches = []
     with launches_recorded(target, model, launches):
         for tile in tiles:
-            prefill.moe_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS, prefill.make_experts(kind, tile))
+            experts = prefill.make_experts(kind, tile, cfg.expert_activation)
+            prefill.moe_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS, experts)
     return list(dict.fromkeys(launches))
 
 
@@ -349,8 +361,10 @@ def offered_launches(target):
     for model in MODELS:
         found, kernels = prefill_launches(target, model, offered_tiles(model), offered_tree_tiles(model))
         launches += found
+    # the fused experts are not offered for gpt-oss's (expert_candidates)
     return launches + [launch for model in MOE_MODELS for kind, tiles in (("triton", prefill.EXPERT_TILES["rdna3"]),
                                                                           ("fused", RDNA3_FUSED_TILES))
+                       if not (kind == "fused" and model_config(MODELS[model]).fused_experts)
                        for launch in moe_launches(target, kind, tiles, model)], kernels
 
 
@@ -380,9 +394,10 @@ def test_every_kernel_prefill_launches_is_recorded_in_every_offered_variant(offe
     for kernel, offers in (("_attention_kernel", offered_tiles), ("_tree_attention_kernel", offered_tree_tiles)):
         tiles = {(launch.model, attention_tile(launch)) for launch in launches if launch.kernel == kernel}
         assert tiles == {(model, tile) for model in MODELS for tile in offers(model)}, kernel
-        variants = {tuple(launch.named_constexprs()[k] for k in ("WINDOW", "SOFTCAP")) for launch in launches
+        variants = {tuple(launch.named_constexprs()[k] for k in ("WINDOW", "SOFTCAP", "SINKS")) for launch in launches
                     if launch.kernel == kernel}
-        assert variants == {(False, False), (True, False), (False, True), (True, True)}, kernel  # every one launched
+        assert variants == {(False, False, False), (True, False, False), (False, True, False), (True, True, False),
+                            (False, False, True), (True, False, True)}, kernel  # every one launched
     assert not offered_tiles("Gemma-3-4B") and offered_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
     assert not offered_tree_tiles("Gemma-3-4B") and offered_tree_tiles("Gemma-2-27B") == prefill.RDNA3_VARIANT_TILES
     ropes = {(c["NORM"], c["INTERLEAVE"]) for launch in launches if launch.kernel == "_head_norm_rope_kernel"
@@ -416,15 +431,16 @@ def test_every_kernel_prefill_launches_compiles_for_gfx1100_without_spills(fresh
 
 
 def test_the_fp8_layer_dequantization_compiles_for_gfx1100_without_spills(fresh_triton_cache):
-    # the test above compiles it with the rest; here alone (-k fp8), for every model an FP8 checkpoint can hold.
-    # The shapes are in its tables, so its configurations are its pointers' alone: within 2 GiB, over, and as in
-    # Qwen3-235B-A22B's run (the held layer and its scratch over, the tables within)
+    # the test above compiles it with the rest; here alone (-k fp8), for every model an FP8 (gpt-oss: MXFP4)
+    # checkpoint can hold. The shapes are in its tables, so its configurations are its pointers' alone: within 2 GiB,
+    # over, and as in Qwen3-235B-A22B's run (the held layer and its scratch over, the tables within); MXFP4's as
+    # gpt-oss-120b's run (the held layer within, its scratch over) and within
     triton, target = amd_backend()
     launches = [launch for model in MODELS for launch in prefill_launches(target, model, ())[0]
                 if launch.kernel == "_dequantize_layer_kernel"]
     assert {launch.model for launch in launches} == {m for m in MODELS if fp8_config(model_config(MODELS[m]))}
     compiles = distinct_compiles(launches)
-    assert len(compiles) == 3
+    assert sorted(launch.named_constexprs()["MXFP4"] for launch in compiles) == [False] * 3 + [True] * 2
     failures = [p for launch in compiles for p in problems(launch, gfx1100_registers(launch))]
     assert not failures, f"gfx1100, Triton {triton.__version__}:\n" + "\n".join(failures)
 

@@ -156,7 +156,7 @@ def test_what_is_not_built_is_refused_in_one_line(moe_checkpoint):
                          ({"model_type": "minimax", "num_local_experts": 8}, "'minimax', a mixture of experts"),
                          ({"model_type": "qwen3_next"}, "'qwen3_next', a mixture of experts"),
                          ({"model_type": "olmoe"}, "'olmoe', a mixture of experts (of those prefill runs qwen3_moe, "
-                          "qwen2_moe, mixtral, glm4_moe, deepseek_v3 only)")]:
+                          "qwen2_moe, mixtral, glm4_moe, deepseek_v3, gpt_oss only)")]:
         with pytest.raises(prefill.UserError) as e:
             prefill.ModelConfig.from_json(hub_config(saved, **bad), "hub.json")
         assert message in str(e.value) and str(e.value).startswith("hub.json") and "\n" not in str(e.value)
@@ -545,8 +545,8 @@ def experts_of_kind(monkeypatch):
     # make_experts's functions, each with its kind attached (experts.kind), for stand-in timings that tell them apart
     make = prefill.make_experts
 
-    def tagged(kind, tile=None):
-        experts = functools.partial(make(kind, tile))
+    def tagged(kind, tile=None, activation="silu"):
+        experts = functools.partial(make(kind, tile, activation))
         experts.kind = kind
         return experts
     monkeypatch.setattr(prefill, "make_experts", tagged)

@@ -367,7 +367,7 @@ REFUSED = [
                layer_types=["sliding_attention"] * 3), "use_sliding_window is off"),
     (config_of("qwen2_moe", num_local_experts=8, **EXPERTS, shared_expert_intermediate_size=48), "lacks num_experts"),
     (config_of("qwen3_next", num_experts=8), "'qwen3_next', a mixture of experts (of those prefill runs qwen3_moe, "
-                                             "qwen2_moe, mixtral, glm4_moe, deepseek_v3 only)"),
+                                             "qwen2_moe, mixtral, glm4_moe, deepseek_v3, gpt_oss only)"),
     (config_of("minimax", num_local_experts=8), "model_type is 'minimax', a mixture of experts"),
     (config_of("llama4", text_config={}), "model_type is 'llama4'"),
 ]
