@@ -70,16 +70,20 @@ def commit_order(repo: Path) -> dict[str, int]:
     return {h[:7]: i for i, h in enumerate(log.split())}
 
 
-def load_reports(folder: Path) -> list[dict]:
-    reports = []
+def read_records(folder: Path) -> list[tuple[Path, dict]]:
+    """Every JSON record in folder, (path, record) in the files' order (dated names), read once for both tables."""
+    records = []
     for path in sorted(folder.glob("*.json")):
         try:
-            report = json.loads(path.read_text())
+            records.append((path, json.loads(path.read_text())))
         except (OSError, ValueError) as e:
             print(f"table.py: skipping {path}: {e}", file=sys.stderr)
-            continue
-        if "workload" in report:  # not the doctor's reports (<date>-<machine>-doctor.json): no timed run
-            reports.append(report)
+    return records
+
+
+def load_reports(records: list[tuple[Path, dict]], folder: Path) -> list[dict]:
+    # bench/run.py's reports, not the doctor's (<date>-<machine>-doctor.json: no timed run) nor moe_run's records
+    reports = [report for _, report in records if isinstance(report, dict) and "workload" in report]
     # runs of one day in the order of their commits (commits not in this history last, by hash)
     order = commit_order(folder)
     return sorted(reports, key=lambda r: (r.get("date", ""), r.get("machine", ""), r.get("workload", ""),
@@ -87,24 +91,19 @@ def load_reports(folder: Path) -> list[dict]:
                                           str(r.get("commit", ""))))
 
 
-def markdown(reports: list[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    lines += ["| " + " | ".join(row(r)) + " |" for r in reports]
-    return "\n".join(lines) + "\n"
+def markdown(columns, rows) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
 
 
 MOE_COLUMNS = ("date", "commit", "model (random weights)", "run", "cap (GiB)", "tokens", "T (s)", "compute floor (s)",
                "transfer floor (s)", "T / larger floor", "max rel err (bf16)", "experts picked", "record")
 
 
-def moe_rows(folder: Path) -> list[list[str]]:
+def moe_rows(records: list[tuple[Path, dict]]) -> list[list[str]]:
     """A row per run of each moe_run record (those with runs and a geometry), in the files' order (dated names)."""
     rows = []
-    for path in sorted(folder.glob("*.json")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # load_reports has said so
+    for path, record in records:
         if not isinstance(record, dict) or "geometry" not in record or "runs" not in record:
             continue
         cut = re.search(r"-L(\d+)\b", path.name)  # the records of a geometry's first N layers say so in their names
@@ -117,11 +116,6 @@ def moe_rows(folder: Path) -> list[list[str]]:
                          _num(r.get("max_rel_err"), "{:.1e}"), str(r.get("experts") or "–").split(" ")[0],
                          path.name])
     return rows
-
-
-def moe_markdown(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(MOE_COLUMNS) + " |", "|" + "|".join("---" for _ in MOE_COLUMNS) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
 
 
 def replace_section(text: str, table: str, start_marker: str = START, end_marker: str = END) -> str:
@@ -139,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="rewrite FILE's table section instead of printing (FILE default: %(const)s)")
     args = ap.parse_args(argv)
 
-    table, moe = markdown(load_reports(Path(args.results))), moe_markdown(moe_rows(Path(args.results)))
+    records = read_records(Path(args.results))
+    table = markdown(COLUMNS, [row(r) for r in load_reports(records, Path(args.results))])
+    moe = markdown(MOE_COLUMNS, moe_rows(records))
     if not args.write:
         print(table + "\n" + moe, end="")
         return 0
