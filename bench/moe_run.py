@@ -38,7 +38,8 @@ Per run the record holds model_type, cap_gib, t_seconds, tokens, the wave and th
 compute_floor_s (each token's FLOPs at the rates of step 3, as prefill.layer_flops counts them: attention
 projections (prefill.gemm_shapes: MLA's q_b and kv_b too), router and lm_head at the dense GEMM rate, its k experts
 at the fastest grouped GEMM's rate (whichever kernel the run picked: the floor is the GEMMs' alone), the shared
-experts and attention's scores at the dense rate too), transfer_floor_s (the run's streamed bytes at the pinned rate), t_over_max_floor and max_rel_err. A table last.
+experts and attention's scores at the dense rate too), transfer_floor_s (the run's streamed bytes at the pinned rate),
+t_over_max_floor and max_rel_err. A table last.
 """
 import argparse
 import contextlib

@@ -107,7 +107,8 @@ def moe_rows(records: list[tuple[Path, dict]]) -> list[list[str]]:
         if not isinstance(record, dict) or "geometry" not in record or "runs" not in record:
             continue
         cut = re.search(r"-L(\d+)\b", path.name)  # the records of a geometry's first N layers say so in their names
-        model = record["geometry"] + (f", first {cut[1]} layers" if cut else "") + (", FP8" if record.get("fp8") else "")
+        model = (record["geometry"] + (f", first {cut[1]} layers" if cut else "")
+                 + (", FP8" if record.get("fp8") else ""))
         extra = f" ({record['runner_args']})" if record.get("runner_args") else ""
         for r in record["runs"]:
             rows.append([path.name[:10], f"`{shown_commit(record)}`", model, r["workload"] + extra, f"{r['cap_gib']:g}",
