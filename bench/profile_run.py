@@ -1,13 +1,19 @@
-"""Where the timed pass spends its GPU time: torch.profiler over one request, kernels grouped by kind.
+"""Where the timed pass spends its GPU time: torch.profiler over one request, kernels grouped by kind, and where the
+compute stream sits idle between kernels.
 
-    python bench/profile_run.py --model DIR --texts texts.json [--gpu-memory 48] [--out trace_dir]
+    python bench/profile_run.py --model DIR --texts texts.json [--gpu-memory 48] [--json summary.json]
 
 Runs prefill's Runner in-process (load, warm-up, then the profiled request) and prints the share of GPU time
-taken by GEMMs, attention, elementwise/normalisation kernels, copies and the loss, plus the top kernels.
+taken by GEMMs, attention, elementwise/normalisation kernels, copies and the loss, plus the top kernels. Then the
+compute stream's idle time (the gaps between its kernels), split by cause: "host late" where the kernel after the gap
+was launched by the host only after the stream had run dry (Python and launch cost: the GPU waits for the CPU), the
+rest where it was launched in time and still started late (a wait on another stream's event: a streamed layer's copy,
+or the launch latency itself). The gaps are summed per kernel that ended them, the host-late ones first.
 """
 import argparse
 import json
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -32,6 +38,40 @@ def kind_of(name):
     return "elementwise/other"
 
 
+def compute_gaps(trace):
+    """trace: a chrome trace (torch.profiler's export_chrome_trace, loaded) -> the compute stream's idle time between
+    its first and last kernel: {"stream", "kernels", "busy_s", "span_s", "idle_s", "host_late_s", "other_s",
+    "by_next": [[kernel name, host-late s, other s, gaps]]}. The compute stream is the one with the most kernel time;
+    a kernel's launch is the runtime or driver call with its correlation id."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    per_stream = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "kernel":
+            per_stream[e["args"].get("stream")].append(e)
+    stream, kernels = max(per_stream.items(), key=lambda kv: sum(e["dur"] for e in kv[1]))
+    kernels.sort(key=lambda e: e["ts"])
+    by_next = defaultdict(lambda: [0.0, 0.0, 0])
+    host_late = other = 0.0
+    end = kernels[0]["ts"] + kernels[0]["dur"]
+    for k in kernels[1:]:
+        gap = k["ts"] - end  # microseconds
+        if gap > 0:
+            launch = launches.get(k["args"].get("correlation"))
+            late = min(gap, max(0.0, launch["ts"] - end)) if launch else 0.0
+            host_late, other = host_late + late, other + gap - late
+            row = by_next[k["name"][:80]]
+            row[0], row[1], row[2] = row[0] + late, row[1] + gap - late, row[2] + 1
+        end = max(end, k["ts"] + k["dur"])
+    busy = sum(k["dur"] for k in kernels)
+    span = end - kernels[0]["ts"]
+    rows = sorted(by_next.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
+    return {"stream": stream, "kernels": len(kernels), "busy_s": busy / 1e6, "span_s": span / 1e6,
+            "idle_s": (host_late + other) / 1e6, "host_late_s": host_late / 1e6, "other_s": other / 1e6,
+            "by_next": [[name, late / 1e6, rest / 1e6, n] for name, (late, rest, n) in rows[:15]]}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -39,12 +79,13 @@ def main():
     p.add_argument("--gpu-memory", type=float)
     p.add_argument("--attention", default="auto")
     p.add_argument("--kernels", default="auto")
+    p.add_argument("--experts", default="auto")
     p.add_argument("--chunk-tokens", type=int, default=4096)
     p.add_argument("--json", help="write the summary here")
     args = p.parse_args()
 
     runner = prefill.Runner(args.model, gpu_memory_gib=args.gpu_memory, attention=args.attention,
-                            kernels=args.kernels, chunk_tokens=args.chunk_tokens)
+                            kernels=args.kernels, chunk_tokens=args.chunk_tokens, experts=args.experts)
     runner.warm_up()
     texts = json.loads(Path(args.texts).read_text())
     ids = runner.tokenize(texts)
@@ -64,9 +105,13 @@ def main():
             per_kind[kind_of(e.name)] += e.device_time / 1e6
             per_kernel[e.name][0] += e.device_time / 1e6
             per_kernel[e.name][1] += 1
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        gaps = compute_gaps(json.loads(Path(f"{tmp}/trace.json").read_text()))
     total = sum(v for k, v in per_kind.items() if k != "copy")  # copies run on their own stream, overlapped
     print(f"request: {len(texts)} texts, {sum(map(len, ids))} tokens, {plain_s:.3f} s unprofiled; "
-          f"{prefill.attention_summary(runner.attention)} attention, {runner.kernels.name} kernels; {len(runner.plan.resident_layers)} resident layers")
+          f"{prefill.attention_summary(runner.attention)} attention, {runner.kernels.name} kernels; "
+          f"{len(runner.plan.resident_layers)} resident layers; chunks of {args.chunk_tokens} tokens")
     print(f"{'kind':20s} {'GPU s':>8s} {'share':>7s}")
     for kind, secs in sorted(per_kind.items(), key=lambda kv: -kv[1]):
         share = f"{secs / total:6.1%}" if kind != "copy" else "(side)"
@@ -75,11 +120,17 @@ def main():
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:15]
     for name, (secs, n) in top:
         print(f"  {secs:7.3f} s {n:6d}x  {kind_of(name):12s} {name[:90]}")
+    print(f"compute stream (profiled): {gaps['kernels']} kernels, busy {gaps['busy_s']:.3f} s of {gaps['span_s']:.3f};"
+          f" idle {gaps['idle_s']:.3f} s: host late {gaps['host_late_s']:.3f}, other {gaps['other_s']:.3f}")
+    print("idle before (host late s, other s, gaps):")
+    for name, late, rest, n in gaps["by_next"]:
+        print(f"  {late:7.4f} {rest:7.4f} {n:6d}x  {name}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "texts": len(texts), "tokens": sum(map(len, ids)), "unprofiled_s": plain_s,
+            "chunk_tokens": args.chunk_tokens, "experts": args.experts,
             "gpu_seconds_by_kind": per_kind, "compute_gpu_seconds": total,
-            "top_kernels": [[n, s, c] for n, (s, c) in top]}, indent=1))
+            "top_kernels": [[n, s, c] for n, (s, c) in top], "compute_stream": gaps}, indent=1))
 
 
 if __name__ == "__main__":

@@ -186,6 +186,34 @@ def test_random_checkpoint_of_each_family_is_what_transformers_loads(tmp_path, q
     assert all(abs(m - (0.0 if geometry == "tiny-gemma3" else 1.0)) < 0.05 for m in norms)
 
 
+def test_profile_gaps_split_the_compute_streams_idle_time_by_cause():
+    # bench/profile_run.py's gap analysis on a hand-made trace (microseconds): B's launch came 5 us after A ended, and
+    # B began 10 us after (host late 5, other 5); C was launched long before and began 10 us after B (a wait: other);
+    # the copy stream's long kernel is another stream's, and D overlaps C (no gap)
+    from bench.profile_run import compute_gaps
+
+    def kernel(name, ts, dur, corr, stream=7):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                "args": {"correlation": corr, "stream": stream}}
+
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2,
+                "args": {"correlation": corr}}
+
+    trace = {"traceEvents": [kernel("A", 0, 10, 1), launch(0, 1), kernel("B", 20, 10, 2), launch(15, 2),
+                             kernel("C", 40, 10, 3), launch(3, 3), kernel("D", 45, 10, 4), launch(4, 4),
+                             kernel("copy", 0, 500, 5, stream=9), launch(0, 5)]}
+    gaps = compute_gaps(trace)
+    assert gaps["stream"] == 9  # the most kernel time: here the copy's
+    trace["traceEvents"][-2]["dur"] = 1
+    gaps = compute_gaps(trace)
+    assert gaps["stream"] == 7 and gaps["kernels"] == 4
+    assert gaps["span_s"] == pytest.approx(55e-6) and gaps["busy_s"] == pytest.approx(40e-6)
+    assert gaps["host_late_s"] == pytest.approx(5e-6) and gaps["other_s"] == pytest.approx(15e-6)
+    assert {name: (late, rest, n) for name, late, rest, n in gaps["by_next"]} == {
+        "B": (pytest.approx(5e-6), pytest.approx(5e-6), 1), "C": (0.0, pytest.approx(10e-6), 1)}
+
+
 def test_demo_model_is_built_once_in_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = interact.demo_model_dir()
