@@ -4123,6 +4123,35 @@ def median_ms(events):
     return sorted(a.elapsed_time(b) for a, b in zip(events[:-1], events[1:]))[(len(events) - 1) // 2]
 
 
+# The picks are timed while the weights load, and the loader's threads hold the GIL for much of it: a kernel launched
+# from Python (Triton's) then reaches the GPU late, and the events around it time the host's delay, not the kernel. On
+# the H200 a start-up timed the Triton attention slower than torch's flash and picked flash, which the request then
+# ran at 0.079 s of GPU time against the Triton kernel's 0.042 s in another start's run (bench/results/profiles/
+# 2026-12-03-h200-q30-120-4096@bf3ce35.txt, …-qwen3-30b-a3b-contest-48gib-fused@671f8b6.txt; unloaded, 0.27 against
+# 0.15 ms a chunk: primitives/2026-11-30-h200-gil-attention.json). So the timed calls queue behind GATE_MS of
+# matmuls: launched while the GPU is busy, their events time the GPU alone.
+GATE_MS = 20.0
+GATE = {}  # device -> matmuls of GATE_OPERAND that take GATE_MS, measured once a process
+GATE_OPERAND = 4096  # ~0.2 ms a matmul on the H200, ~2 on a W7800: few launches to queue, whatever the GPU
+
+
+def queue_gate(device):
+    # about GATE_MS of GPU work on the current stream (its 64 MB freed on return, to the allocator's cache)
+    a = torch.randn(GATE_OPERAND, GATE_OPERAND, device=device, dtype=DTYPE)
+    out = torch.empty_like(a)
+    if device not in GATE:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.mm(a, a, out=out)
+        start.record()
+        for _ in range(10):
+            torch.mm(a, a, out=out)
+        end.record()
+        end.synchronize()
+        GATE[device] = math.ceil(GATE_MS / max(start.elapsed_time(end) / 10, 1e-3))
+    for _ in range(GATE[device]):
+        torch.mm(a, a, out=out)
+
+
 def pick_order(entries, cost):
     """entries, in their family's order of preference, reordered for picking: first the first entry, replaced by any
     later one whose cost is at most (1 - PICK_MARGIN) of the current choice's, in turn; then the same among the rest.
@@ -4288,14 +4317,19 @@ def attention_ms(attend, inputs, how):
     q, k, v, chunk = inputs
     sinks = check_sinks(how, q.shape[1], q.device)
     stream = torch.cuda.Stream(q.device)
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 2)]
+    first = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 1)]
     with torch.cuda.stream(stream):
+        first[0].record()
+        attend(q, k, v, chunk, how, **sinks)
+        first[1].record()
+        queue_gate(q.device)  # the first call's host work counts (a plan per shape), the others' does not
         for event in events[:-1]:
             event.record()
             attend(q, k, v, chunk, how, **sinks)
         events[-1].record()
     events[-1].synchronize()
-    return events[0].elapsed_time(events[1]), median_ms(events[1:])
+    return first[0].elapsed_time(first[1]), median_ms(events)
 
 
 def time_attention(entries, label, device, cfg):
@@ -4453,6 +4487,7 @@ def experts_ms(experts, inputs):
     events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 1)]
     with torch.cuda.stream(stream):
         experts(*inputs)
+        queue_gate(x.device)
         for event in events[:-1]:
             event.record()
             experts(*inputs)
@@ -4713,6 +4748,7 @@ def gemm_tflops(device, shapes, weights=None, repeats=TIMING_REPEATS):
         w = torch.randn(N, K, generator=gen, device=device, dtype=DTYPE) if w is None else w
         F.linear(x, w)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+        queue_gate(device)
         for i in range(repeats):
             events[i].record()
             F.linear(x, w)

@@ -11,6 +11,7 @@ rest where it was launched in time and still started late (a wait on another str
 or the launch latency itself). The gaps are summed per kernel that ended them, the host-late ones first.
 """
 import argparse
+import bisect
 import json
 import sys
 import tempfile
@@ -51,6 +52,9 @@ def compute_gaps(trace):
         if e.get("cat") == "kernel":
             per_stream[e["args"].get("stream")].append(e)
     stream, kernels = max(per_stream.items(), key=lambda kv: sum(e["dur"] for e in kv[1]))
+    host = sorted((e for e in events if e.get("cat") in ("cpu_op", "python_function")), key=lambda e: e["ts"])
+    starts = [e["ts"] for e in host]
+    by_host = defaultdict(float)
     kernels.sort(key=lambda e: e["ts"])
     by_next = defaultdict(lambda: [0.0, 0.0, 0])
     host_late = other = 0.0
@@ -61,6 +65,8 @@ def compute_gaps(trace):
             launch = launches.get(k["args"].get("correlation"))
             late = min(gap, max(0.0, launch["ts"] - end)) if launch else 0.0
             host_late, other = host_late + late, other + gap - late
+            if late > 0 and launch:  # what the launching thread was in, mid-way through the host's delay
+                by_host[innermost(host, starts, launch["tid"], end + late / 2)] += late
             row = by_next[k["name"][:80]]
             row[0], row[1], row[2] = row[0] + late, row[1] + gap - late, row[2] + 1
         end = max(end, k["ts"] + k["dur"])
@@ -69,7 +75,20 @@ def compute_gaps(trace):
     rows = sorted(by_next.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
     return {"stream": stream, "kernels": len(kernels), "busy_s": busy / 1e6, "span_s": span / 1e6,
             "idle_s": (host_late + other) / 1e6, "host_late_s": host_late / 1e6, "other_s": other / 1e6,
-            "by_next": [[name, late / 1e6, rest / 1e6, n] for name, (late, rest, n) in rows[:15]]}
+            "by_next": [[name, late / 1e6, rest / 1e6, n] for name, (late, rest, n) in rows[:15]],
+            "host_late_in": [[name, late / 1e6] for name, late in sorted(by_host.items(), key=lambda kv: -kv[1])[:15]]}
+
+
+def innermost(host, starts, tid, t):
+    # the name of the latest-starting host event (an aten op, or with --stack a Python function) of thread tid that
+    # spans time t, with its enclosing Python function where that differs: host events nest, so it is the innermost
+    i, found = bisect.bisect_right(starts, t), []
+    while i > 0 and len(found) < 2:
+        i -= 1
+        e = host[i]
+        if e["tid"] == tid and e["ts"] + e["dur"] >= t and (not found or e["cat"] == "python_function"):
+            found.append(e["name"][:60])
+    return " < ".join(found) or "(none)"
 
 
 def main():
@@ -81,9 +100,13 @@ def main():
     p.add_argument("--kernels", default="auto")
     p.add_argument("--experts", default="auto")
     p.add_argument("--chunk-tokens", type=int, default=4096)
+    p.add_argument("--moe-factor", type=int, help="the MoE slice in attention chunks (prefill.MOE_CHUNK_FACTOR)")
+    p.add_argument("--stack", action="store_true", help="record Python functions too (host time inflates more)")
     p.add_argument("--json", help="write the summary here")
     args = p.parse_args()
 
+    if args.moe_factor:
+        prefill.MOE_CHUNK_FACTOR = args.moe_factor
     runner = prefill.Runner(args.model, gpu_memory_gib=args.gpu_memory, attention=args.attention,
                             kernels=args.kernels, chunk_tokens=args.chunk_tokens, experts=args.experts)
     runner.warm_up()
@@ -96,7 +119,7 @@ def main():
     plain_s = time.perf_counter() - t0
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+                                            torch.profiler.ProfilerActivity.CUDA], with_stack=args.stack) as prof:
         runner.losses(ids)
         torch.cuda.synchronize()
     per_kind, per_kernel = defaultdict(float), defaultdict(lambda: [0.0, 0])
@@ -125,10 +148,17 @@ def main():
     print("idle before (host late s, other s, gaps):")
     for name, late, rest, n in gaps["by_next"]:
         print(f"  {late:7.4f} {rest:7.4f} {n:6d}x  {name}")
+    print("host late while the launching thread was in:")
+    for name, late in gaps["host_late_in"]:
+        print(f"  {late:7.4f}  {name}")
+    for what, report in (("attention", runner.attention_report), ("experts", runner.experts_report or [])):
+        times = {e["name"]: e.get("time_ms") for e in report if e.get("time_ms")}
+        print(f"start-up timing of {what} (ms): {times}; picked {getattr(runner, what)}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "texts": len(texts), "tokens": sum(map(len, ids)), "unprofiled_s": plain_s,
-            "chunk_tokens": args.chunk_tokens, "experts": args.experts,
+            "chunk_tokens": args.chunk_tokens, "moe_chunk_tokens": runner.plan.moe_chunk_tokens,
+            "experts": args.experts,
             "gpu_seconds_by_kind": per_kind, "compute_gpu_seconds": total,
             "top_kernels": [[n, s, c] for n, (s, c) in top], "compute_stream": gaps}, indent=1))
 

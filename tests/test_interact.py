@@ -197,21 +197,28 @@ def test_profile_gaps_split_the_compute_streams_idle_time_by_cause():
                 "args": {"correlation": corr, "stream": stream}}
 
     def launch(ts, corr):
-        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2,
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "tid": 1,
                 "args": {"correlation": corr}}
+
+    def host(cat, name, ts, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
 
     trace = {"traceEvents": [kernel("A", 0, 10, 1), launch(0, 1), kernel("B", 20, 10, 2), launch(15, 2),
                              kernel("C", 40, 10, 3), launch(3, 3), kernel("D", 45, 10, 4), launch(4, 4),
-                             kernel("copy", 0, 500, 5, stream=9), launch(0, 5)]}
+                             kernel("copy", 0, 500, 5, stream=9), launch(0, 5),
+                             # B's delay (10-15 us) was spent in topk, inside route, on the launching thread
+                             host("python_function", "route", 0, 20), host("cpu_op", "aten::linear", 1, 8),
+                             host("cpu_op", "aten::topk", 10, 4), host("cpu_op", "other thread", 9, 9, tid=2)]}
     gaps = compute_gaps(trace)
     assert gaps["stream"] == 9  # the most kernel time: here the copy's
-    trace["traceEvents"][-2]["dur"] = 1
+    next(e for e in trace["traceEvents"] if e["name"] == "copy")["dur"] = 1
     gaps = compute_gaps(trace)
     assert gaps["stream"] == 7 and gaps["kernels"] == 4
     assert gaps["span_s"] == pytest.approx(55e-6) and gaps["busy_s"] == pytest.approx(40e-6)
     assert gaps["host_late_s"] == pytest.approx(5e-6) and gaps["other_s"] == pytest.approx(15e-6)
     assert {name: (late, rest, n) for name, late, rest, n in gaps["by_next"]} == {
         "B": (pytest.approx(5e-6), pytest.approx(5e-6), 1), "C": (0.0, pytest.approx(10e-6), 1)}
+    assert gaps["host_late_in"] == [["aten::topk < route", pytest.approx(5e-6)]]
 
 
 def test_demo_model_is_built_once_in_the_cache(tmp_path, monkeypatch):
