@@ -4129,14 +4129,18 @@ def median_ms(events):
 # ran at 0.079 s of GPU time against the Triton kernel's 0.042 s in another start's run (bench/results/profiles/
 # 2026-12-03-h200-q30-120-4096@bf3ce35.txt, …-qwen3-30b-a3b-contest-48gib-fused@671f8b6.txt; unloaded, 0.27 against
 # 0.15 ms a chunk: primitives/2026-11-30-h200-gil-attention.json). So the timed calls queue behind GATE_MS of
-# matmuls: launched while the GPU is busy, their events time the GPU alone.
+# matmuls: launched while the GPU is busy, their events time the GPU alone. Where the gate ran dry before the last
+# timed call was launched (a thread waits up to 5 ms for the GIL: sys.getswitchinterval), they are timed again
+# behind a gate twice as long, up to GATE_TRIES times.
 GATE_MS = 20.0
+GATE_TRIES = 4
 GATE = {}  # device -> matmuls of GATE_OPERAND that take GATE_MS, measured once a process
 GATE_OPERAND = 4096  # ~0.2 ms a matmul on the H200, ~2 on a W7800: few launches to queue, whatever the GPU
 
 
-def queue_gate(device):
-    # about GATE_MS of GPU work on the current stream (its 64 MB freed on return, to the allocator's cache)
+def queue_gate(device, scale=1):
+    # about scale x GATE_MS of GPU work on the current stream (its 64 MB freed on return, to the allocator's cache);
+    # returns an event recorded after it
     a = torch.randn(GATE_OPERAND, GATE_OPERAND, device=device, dtype=DTYPE)
     out = torch.empty_like(a)
     if device not in GATE:
@@ -4148,8 +4152,22 @@ def queue_gate(device):
         end.record()
         end.synchronize()
         GATE[device] = math.ceil(GATE_MS / max(start.elapsed_time(end) / 10, 1e-3))
-    for _ in range(GATE[device]):
+    for _ in range(GATE[device] * scale):
         torch.mm(a, a, out=out)
+    drained = torch.cuda.Event()
+    drained.record()
+    return drained
+
+
+def gated(device, launch):
+    # launch() (the timed calls and their events, on the current stream) behind a gate, until the gate was still
+    # running when launch() returned; waits for them
+    for attempt in range(GATE_TRIES):
+        drained = queue_gate(device, 2**attempt)
+        launch()
+        if not drained.query():
+            break
+    torch.cuda.current_stream().synchronize()
 
 
 def pick_order(entries, cost):
@@ -4319,16 +4337,17 @@ def attention_ms(attend, inputs, how):
     stream = torch.cuda.Stream(q.device)
     first = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 1)]
-    with torch.cuda.stream(stream):
-        first[0].record()
-        attend(q, k, v, chunk, how, **sinks)
-        first[1].record()
-        queue_gate(q.device)  # the first call's host work counts (a plan per shape), the others' does not
+    def launch():
         for event in events[:-1]:
             event.record()
             attend(q, k, v, chunk, how, **sinks)
         events[-1].record()
-    events[-1].synchronize()
+
+    with torch.cuda.stream(stream):
+        first[0].record()
+        attend(q, k, v, chunk, how, **sinks)
+        first[1].record()
+        gated(q.device, launch)  # the first call's host work counts (a plan per shape), the others' does not
     return first[0].elapsed_time(first[1]), median_ms(events)
 
 
@@ -4485,14 +4504,15 @@ def experts_ms(experts, inputs):
     x = inputs[0]
     stream = torch.cuda.Stream(x.device)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 1)]
-    with torch.cuda.stream(stream):
-        experts(*inputs)
-        queue_gate(x.device)
+    def launch():
         for event in events[:-1]:
             event.record()
             experts(*inputs)
         events[-1].record()
-    events[-1].synchronize()
+
+    with torch.cuda.stream(stream):
+        experts(*inputs)
+        gated(x.device, launch)
     return median_ms(events)
 
 
@@ -4748,12 +4768,14 @@ def gemm_tflops(device, shapes, weights=None, repeats=TIMING_REPEATS):
         w = torch.randn(N, K, generator=gen, device=device, dtype=DTYPE) if w is None else w
         F.linear(x, w)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
-        queue_gate(device)
-        for i in range(repeats):
-            events[i].record()
-            F.linear(x, w)
-        events[-1].record()
-        events[-1].synchronize()
+
+        def launch():
+            for i in range(repeats):
+                events[i].record()
+                F.linear(x, w)
+            events[-1].record()
+
+        gated(device, launch)
         rates[name] = 2 * M * N * K / (median_ms(events) / 1e3) / 1e12
         del x, w
     return rates

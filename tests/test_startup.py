@@ -220,6 +220,25 @@ def test_timing_overrides_the_order_of_preference_only_by_the_margin():
     assert prefill.pick_order(list("ab"), cost) == list("ab") and prefill.pick_order(list("ba"), cost) == list("ba")
 
 
+def test_timed_calls_are_timed_again_behind_a_longer_gate_while_the_host_outruns_it(monkeypatch):
+    # the gate (GPU work queued ahead of the timed calls) must still be running when their last launch returns, else
+    # the events may time the host: then the calls go again behind a gate twice as long, at most GATE_TRIES times
+    class Drained:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    for drains, scales in (([True, True, False], [1, 2, 4]), ([False], [1]), ([True] * 9, [1, 2, 4, 8])):
+        gates, launches = [], []
+        monkeypatch.setattr(prefill, "queue_gate", lambda device, scale=1: gates.append(scale) or
+                            Drained(drains[len(gates) - 1]))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(synchronize=lambda: None))
+        prefill.gated("cuda", lambda: launches.append(len(gates)))
+        assert gates == scales and launches == list(range(1, len(scales) + 1))
+
+
 def test_re_timing_under_noise_within_the_margin_picks_the_same_kernels(cfg, tmp_path, monkeypatch):
     # each start times afresh (a new container, an edited prefill.py): with every time off by up to 4% either way,
     # the picks stay those of the order of preference and of clear wins, where the fastest-timed one would flip
