@@ -1669,8 +1669,9 @@ class MemoryPlan:
     budget_bytes: int
     resident_layers: tuple   # layer indices kept on the device
     streamed_layers: tuple   # layer indices streamed through the slots, spread evenly among the resident ones
-    chunk_tokens: int        # attention: chunks of whole texts up to this; MLP: slices of this
-    moe_chunk_tokens: int    # a MoE layer's slices (MOE_CHUNK_FACTOR chunks); 0: a dense model
+    chunk_tokens: int        # attention: chunks of whole texts up to this; MLP: slices of this (a mixture of
+    #                          experts: its expert slices', where they fit in the slices' scratch)
+    moe_chunk_tokens: int    # a MoE layer's expert slices (MOE_CHUNK_FACTOR times the setting); 0: a dense model
     wave_tokens: int         # tokens whose hidden states stay on the device across all layers
     batch_tokens: int        # texts are cut into batches of up to this, the numbers' unit: a wave is one batch, or
     #                          where the wave is planned (plan_wave) several consecutive ones
@@ -1697,10 +1698,16 @@ class MemoryPlan:
                 f"chunks of {self.chunk_tokens} tokens{moe}, waves of {self.wave_tokens}{batches}")
 
 
-# A MoE layer's feed-forward runs in slices of MOE_CHUNK_FACTOR attention chunks (16,384 tokens by default): its
-# routing costs about the same a slice whatever the slice's size (~0.6 ms on the H200), and torch's grouped GEMM
-# reaches 445 TFLOP/s on a 4,096-token slice's rows, 632 on a 16,384-token one's (bench/results/…-moe-experts.json).
-# A multiple of the chunk setting, never of the free memory: the slices decide the expert GEMMs' shapes.
+# A mixture of experts runs its experts in slices of MOE_CHUNK_FACTOR times the chunk setting (16,384 tokens by
+# default), and its attention in chunks as large where their scratch fits in the slices' (plan_memory; not DeepSeek-
+# V3's latent attention). The experts: their routing costs about the same a slice whatever the slice's size
+# (~0.6 ms on the H200), and torch's grouped GEMM reaches 445 TFLOP/s on a 4,096-token slice's rows, 632 on a
+# 16,384-token one's (bench/results/…-moe-experts.json). The attention: a MoE layer computes little a token (Qwen3-
+# 30B-A3B's ~0.3 ms of GPU time a 4,096-token chunk), about what Python takes to launch a chunk's kernels, so that
+# 4,096-token chunks left the GPU waiting on the host; on the H200 the contest took 0.644 s in 4,096-token chunks and
+# 0.628 s in 16,384-token ones at 48 GiB, 0.899 and 0.858 s at 24 GiB, with as many layers resident (the expert
+# slice's scratch is the larger either way; bench/results/2026-12-03-h200-qwen3-30b-a3b-chunks@1b8fab5.json).
+# A multiple of the chunk setting, never of the free memory: the chunks decide the GEMMs' shapes.
 MOE_CHUNK_FACTOR = 4
 
 
@@ -1759,8 +1766,11 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_t
     # layer's MLP, where it has one), or its expert slice, whichever holds more
     attention = 2 * attention_scratch_per_token(cfg)
     mlp = 2 * 3 * cfg.intermediate_size if "mlp" in cfg.layouts else 0
-    layer_scratch = max(chunk_tokens * (attention + mlp + 12 * max(H, cfg.q_size)),
-                        moe_chunk_tokens * moe_scratch_per_token(cfg) if "moe" in cfg.layouts else 0)
+    chunk_scratch = attention + mlp + 12 * max(H, cfg.q_size)
+    experts_scratch = moe_chunk_tokens * moe_scratch_per_token(cfg) if "moe" in cfg.layouts else 0
+    if moe_chunk_tokens * chunk_scratch <= experts_scratch:  # attention in chunks of the expert slice, in its room
+        chunk_tokens = moe_chunk_tokens  # (DeepSeek-V3's 128 latent heads: not, its 4,096-token chunk is 1.8 GB)
+    layer_scratch = max(chunk_tokens * chunk_scratch, experts_scratch)
     loss_scratch = loss_chunk_tokens * V * (2 + 4 + 4)  # bf16 logits, float32 copy, float32 log-softmax
     state = 2 * H + 4 * cfg.rope_dim * len(set(cfg.ropes)) + 32  # per token: hidden states, each RoPE's cos/sin
     #                                                             (Gemma 3 has two), ids/targets/positions
@@ -6029,7 +6039,8 @@ class Runner:
         gen = torch.Generator().manual_seed(0)
         layers = tuple(sorted(set(map(self.cfg.held.index, self.cfg.held))))  # the first of each kind held alike
         # a MoE model's texts fill one expert slice: its buffers are the largest a layer allocates
-        n = min(self.plan.chunk_tokens, 4096) * (MOE_CHUNK_FACTOR if self.cfg.num_experts else 1) \
+        moe = self.plan.moe_chunk_tokens
+        n = (min(moe, 4096 * MOE_CHUNK_FACTOR) if moe else min(self.plan.chunk_tokens, 4096)) \
             if self.device.type == "cuda" else 64
         lengths = [n // 2, n // 2 - n // 8, n // 8 - 1]
         streamer, slots = self.streamer, self.streamer.slots
@@ -6245,7 +6256,7 @@ def parse_args(argv):
                         "(default: Triton on a GPU where each kernel matches float32 math, else PyTorch)")
     p.add_argument("--chunk-tokens", type=bounded(int, 1, MAX_TOKENS), default=4096, metavar="N",
                    help="tokens per GEMM step: attention runs on chunks of whole texts of up to N tokens, the MLP "
-                        "on slices of N, a MoE layer's experts on slices of 4 N (default 4096)")
+                        "on slices of N; a mixture of experts on chunks and slices of 4 N (default 4096)")
     p.add_argument("--wave-tokens", type=bounded(int, 1, MAX_TOKENS), metavar="N",
                    help="tokens kept on the GPU across all layers; larger requests run in several waves, "
                         f"each streaming the layers again (default {WAVE_STEP}; for a mixture of experts with "
