@@ -1768,7 +1768,7 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_t
     mlp = 2 * 3 * cfg.intermediate_size if "mlp" in cfg.layouts else 0
     chunk_scratch = attention + mlp + 12 * max(H, cfg.q_size)
     experts_scratch = moe_chunk_tokens * moe_scratch_per_token(cfg) if "moe" in cfg.layouts else 0
-    if moe_chunk_tokens * chunk_scratch <= experts_scratch:  # attention in chunks of the expert slice, in its room
+    if moe_chunk_tokens and moe_chunk_tokens * chunk_scratch <= experts_scratch:  # attention in the slices' room
         chunk_tokens = moe_chunk_tokens  # (DeepSeek-V3's 128 latent heads: not, its 4,096-token chunk is 1.8 GB)
     layer_scratch = max(chunk_tokens * chunk_scratch, experts_scratch)
     loss_scratch = loss_chunk_tokens * V * (2 + 4 + 4)  # bf16 logits, float32 copy, float32 log-softmax
