@@ -498,6 +498,20 @@ def test_the_plan_counts_a_moe_family_s_real_bytes_and_flops():
     assert plan.slot_bytes == 2 * cfg.layer_bytes and plan.total_bytes <= 48 * prefill.GiB and 0 in plan.resident_layers
 
 
+def test_a_mixture_of_experts_attends_in_chunks_of_its_expert_slices_where_they_fit():
+    # Qwen3-30B-A3B and GLM-4.5-Air attend in 16,384-token chunks, in the room of their 16,384-token expert slices
+    # (the same plan's bytes); DeepSeek-V3's latent attention would need more than its slices: it keeps 4,096; a
+    # dense model keeps the setting
+    from bench.make_checkpoint import DEEPSEEK_V3, GEOMETRIES, GLM4_5_AIR
+    for config, chunk in ((GLM4_5_AIR, 16384), (DEEPSEEK_V3, 4096), (GEOMETRIES["qwen3-30b-a3b"], 16384),
+                          (GEOMETRIES["qwen3-32b"], 4096)):
+        cfg = prefill.ModelConfig.from_json(interact.config_json(config))
+        plan = prefill.plan_memory(cfg, 48 * prefill.GiB)
+        assert plan.chunk_tokens == chunk and plan.moe_chunk_tokens == (16384 if cfg.num_experts else 0)
+        four_k = prefill.plan_memory(cfg, 48 * prefill.GiB, chunk_tokens=1024)
+        assert four_k.chunk_tokens == chunk // 4 and (four_k.working_bytes < plan.working_bytes)
+
+
 @pytest.mark.parametrize("geometry", ["deepseek-v3", "moonlight-16b-a3b", "glm-4.5-air", "qwen1.5-moe-a2.7b",
                                       "mixtral-8x7b"])
 def test_the_moe_bench_s_compute_floor_counts_the_plan_s_flops(geometry):
