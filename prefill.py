@@ -2160,6 +2160,9 @@ def fp8_layer(parts, layout, device, mxfp4=False):
         if into != name:  # MXFP4 blocks [experts, out, in / 32, 16]: programs of DEQUANTIZE_ROWS rows of one expert
             E, N, G, _ = shape
             assert N % DEQUANTIZE_ROWS == 0, "MXFP4 rows of another expert in a program"
+            # what the kernel's roundings take as exact: blocks 16 B-aligned (held_layout aligns each part to 128 B),
+            # the bf16 weight in whole 16 B (a group start of the layout: 128 B)
+            assert offset % 16 == 0 and layout[into][0] % 8 == 0, "MXFP4 weight not 16 B-aligned"
             R, C = E * N, G * MXFP4_GROUP
             grid = (R // DEQUANTIZE_ROWS, -(-C // FP8_BLOCK))
             rows.append([offset, parts[i + 1][1], layout[into][0], R, C, grid[1], len(programs), N])
@@ -2922,15 +2925,68 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
+    def _copy_block(copy_ptr, out_ptr, src, dst, r0, row_end, cols, c, ROWS: tl.constexpr):
+        # rows r0 to row_end by columns c (< cols) of a tensor copied as it is held (int16 elements), ROWS at a time
+        for r in range(r0, row_end, ROWS):
+            rs = r + tl.arange(0, ROWS)
+            at = rs[:, None] * cols + c[None, :]  # [ROWS, BLOCK]
+            mask = (rs[:, None] < row_end) & (c[None, :] < cols)
+            tl.store(out_ptr + dst + at, tl.load(copy_ptr + src + at, mask=mask), mask=mask)
+
+    @triton.jit
+    def _fp8_block(q_ptr, out_ptr, s, src, dst, r0, row_end, cols, c, ROWS: tl.constexpr):
+        # rows r0 to row_end by columns c (< cols) of an FP8 weight times its block's scale s, as bf16 bits, ROWS at a
+        # time
+        for r in range(r0, row_end, ROWS):
+            rs = r + tl.arange(0, ROWS)
+            at = rs[:, None] * cols + c[None, :]  # [ROWS, BLOCK]
+            mask = (rs[:, None] < row_end) & (c[None, :] < cols)
+            b = tl.load(q_ptr + src + at, mask=mask, other=0).to(tl.int32)
+            e, m = (b >> 3) & 15, b & 7
+            normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # 2^(e - 7) (1 + m/8)
+            v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m 2^-9
+            v = tl.where((e == 15) & (m == 7), float("nan"), v)
+            # the sign as a bit, not as -v: on the H200 a negated zero came out +0.0 where PyTorch gives -0.0
+            # (byte 0x80), the only bits the start-up check found different (bench/debug/dequant_diff.py)
+            u = (v * s).to(tl.uint32, bitcast=True) ^ ((b & 128).to(tl.uint32) << 24)
+            rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+            tl.store(out_ptr + dst + at, rounded.to(tl.int16), mask=mask)
+
+    @triton.jit
+    def _mxfp4_bits(code, s):
+        # e2m1 codes times 2^(s - 127) (s: their scale bytes, broadcast), as bf16 bits by integer arithmetic, exact as
+        # dequantize_mxfp4's float32 is (at most two significant bits; subnormal below exponent 1; inf past 254,
+        # where the float32 product overflows; at a scale of 255 transformers' 2^128 is inf already: inf, or NaN for
+        # a zero)
+        mag = code & 7  # 0, 0.5, 1, 1.5, 2, 3, 4, 6: 2^e or 1.5 · 2^e
+        half = tl.where(mag >= 2, mag & 1, 0)
+        exponent = s + tl.where(mag >= 2, (mag >> 1) - 1, -1)  # the product's biased exponent, -1 at least
+        # normal: the exponent and the 0.5 of 1.5; subnormal (exponent 0, -1): the mantissa 2^(exponent + 6)
+        bits = tl.where(exponent >= 1, (exponent << 7) | (half << 6), (2 + half) << tl.minimum(exponent + 5, 6))
+        bits = tl.where((exponent >= 255) | (s == 255), 0x7F80, bits)
+        bits = tl.where(mag == 0, tl.where(s == 255, 0x7FC0, 0), bits) | ((code & 8) << 12)
+        return bits.to(tl.int16)
+
+    @triton.jit
     def _dequantize_layer_kernel(q_ptr, copy_ptr, s_ptr, out_ptr, tensors_ptr, programs_ptr, COLUMNS: tl.constexpr,
                                  BLOCK: tl.constexpr, ROWS: tl.constexpr, MXFP4: tl.constexpr):
         # One program: one BLOCK x BLOCK block of one tensor of a layer (FP8Layer's tables: the tensor's row, the
-        # block's index within it), ROWS rows at a time; a side below BLOCK is one block, whole. An FP8 weight's
-        # block: float8_e4m3fn bytes decoded by integer arithmetic (exact, and on GPUs without FP8 conversions:
-        # gfx1100), times the block's one float32 scale, rounded to bf16 to nearest even by integer arithmetic too, so
-        # that the interpreter (which truncates) gives the same bits as a GPU. A bf16 tensor's (a norm, a bias, the
-        # router): copied as it is. q_ptr, copy_ptr, s_ptr: the held layer as bytes, int16 and float32. MXFP4 (a model
-        # whose quantized tensors are MXFP4, not FP8): a quantized tensor's program is ROWS rows by BLOCK columns.
+        # block's index within it), whole; a side below BLOCK is one block. An FP8 weight's block: float8_e4m3fn
+        # bytes decoded by integer arithmetic (exact, and on GPUs without FP8 conversions: gfx1100), times the
+        # block's one float32 scale, rounded to bf16 to nearest even by integer arithmetic too, so that the
+        # interpreter (which truncates) gives the same bits as a GPU. A bf16 tensor's (a norm, a bias, the router):
+        # copied as it is. q_ptr, copy_ptr, s_ptr: the held layer as bytes, int16 and float32. MXFP4 (a model whose
+        # quantized tensors are MXFP4, not FP8): a quantized tensor's program is ROWS rows by BLOCK columns.
+        # Offsets and widths come from the tables, so Triton cannot see that a tensor's rows start aligned: it read
+        # FP8 a byte and wrote bf16 an element at a time (ld.global.b8, st.global.b16 in the sm_90a PTX, 128
+        # registers under Triton 3.9 and 3.6; 568 GB/s on the H200,
+        # bench/results/primitives/2026-12-02-h200-fp8-dequantize.json). Where a tensor's offsets and width are in
+        # whole 16 B of bf16 (every tensor of every model tests/test_gfx1100_compile.py compiles, test_fp8 checks),
+        # each is rounded down to a multiple of 8 elements, which leaves it as it is and which Triton's axis analysis
+        # reads as divisibility: FP8 read 8 B and bf16 written 16 B at a time (ld.global.v2.b32, st.global.v4.b32;
+        # 40 registers, 48 under 3.6). Taken only where the tables' values meet it, on the device, the rounding is
+        # exact; a hint (tl.multiple_of) on a value that did not meet it would corrupt silently, a rounding that was
+        # not exact gives other bits, which the start-up check refuses.
         p = tl.program_id(0)
         row = tensors_ptr + tl.load(programs_ptr + p).to(tl.int64) * COLUMNS
         src, scale, dst = tl.load(row), tl.load(row + 1), tl.load(row + 2)
@@ -2939,49 +2995,41 @@ if triton is not None:
         row_end = tl.minimum(r0 + BLOCK, rows)
         c = block % grid_cols * BLOCK + tl.arange(0, BLOCK)
         if scale < 0:
-            for r in range(r0, row_end, ROWS):
-                rs = r + tl.arange(0, ROWS)
-                at = rs[:, None] * cols + c[None, :]  # [ROWS, BLOCK]
-                mask = (rs[:, None] < row_end) & (c[None, :] < cols)
-                tl.store(out_ptr + dst + at, tl.load(copy_ptr + src + at, mask=mask), mask=mask)
+            if (src % 8 == 0) & (dst % 8 == 0) & (cols % 8 == 0):  # whole 16 B of int16
+                _copy_block(copy_ptr, out_ptr, src // 8 * 8, dst // 8 * 8, r0, row_end, cols // 8 * 8, c, ROWS)
+            else:  # a quarter of the rows a step: element by element, ROWS of them took the kernel to 64 registers
+                _copy_block(copy_ptr, out_ptr, src, dst, r0, row_end, cols, c, ROWS // 4)
         elif MXFP4:
-            # ROWS rows of the blocks' [experts x out] by BLOCK of their in columns: each e2m1 code (a byte's low
-            # nibble the even column's) times 2^(scale - 127), made as bf16 bits by integer arithmetic, exact as
-            # dequantize_mxfp4's float32 is (at most two significant bits; subnormal below exponent 1; inf past 254,
-            # where the float32 product overflows; at a scale of 255 transformers' 2^128 is inf already: inf, or NaN
-            # for a zero), written transposed into the bf16 layout's [experts, in, out] (group: out, an expert's rows)
-            group = tl.load(row + 7)
-            rs = block // grid_cols * ROWS + tl.arange(0, ROWS)
-            mask = c[None, :] < cols
-            byte = tl.load(q_ptr + src + rs[:, None] * (cols // 2) + c[None, :] // 2, mask=mask, other=0).to(tl.int32)
-            code = (byte >> ((c[None, :] & 1) * 4)) & 15
-            s = tl.load(q_ptr + scale + rs[:, None] * (cols // 32) + c[None, :] // 32, mask=mask, other=0)
-            s = s.to(tl.int32)
-            mag = code & 7  # 0, 0.5, 1, 1.5, 2, 3, 4, 6: 2^e or 1.5 · 2^e
-            half = tl.where(mag >= 2, mag & 1, 0)
-            exponent = s + tl.where(mag >= 2, (mag >> 1) - 1, -1)  # the product's biased exponent, -1 at least
-            # normal: the exponent and the 0.5 of 1.5; subnormal (exponent 0, -1): the mantissa 2^(exponent + 6)
-            bits = tl.where(exponent >= 1, (exponent << 7) | (half << 6), (2 + half) << tl.minimum(exponent + 5, 6))
-            bits = tl.where((exponent >= 255) | (s == 255), 0x7F80, bits)
-            bits = tl.where(mag == 0, tl.where(s == 255, 0x7FC0, 0), bits) | ((code & 8) << 12)
-            out_at = rs[:, None] // group * (cols * group) + c[None, :] * group + rs[:, None] % group
-            tl.store(out_ptr + dst + out_at, bits.to(tl.int16), mask=mask)
+            # ROWS rows of one expert's blocks [out, in / 32, 16] by BLOCK of their in columns (BLOCK / 32 scales of
+            # 16 bytes each: [ROWS, BLOCK / 32, 16]), written transposed into the bf16 layout's [experts, in, out]:
+            # each byte's low nibble to column c, its high to c + 1, each a run of ROWS along out (group: out, an
+            # expert's rows, whole programs of them). The rows as the expert's first plus a range: contiguous to
+            # Triton, which writes 8 of them a thread (st.global.v4.b32), the bytes read 8 a thread, transposed
+            # between through 4 KB of shared memory. A [ROWS, BLOCK] tile whose rows were computed from the row's
+            # expert had every thread write 2 B, `out` elements from its neighbour's (st.global.b16; 222 registers on
+            # sm_90a, 126 under Triton 3.6; 6.1 ms a gpt-oss-20b layer on the H200, its contest run's profile).
+            # fp8_layer asserts what the roundings take: 16 B-aligned blocks, a destination in whole 16 B, out a
+            # multiple of ROWS.
+            group = tl.load(row + 7) // ROWS * ROWS
+            first = block // grid_cols * ROWS
+            n = first % group // ROWS * ROWS + tl.arange(0, ROWS)  # within the expert
+            g = block % grid_cols * (BLOCK // 32) + tl.arange(0, BLOCK // 32)  # the columns' scales within a row
+            k = tl.arange(0, 16)
+            scales = cols // 32
+            mask = g[None, :, None] < scales
+            at = (first + tl.arange(0, ROWS))[:, None, None] * scales + g[None, :, None]  # [ROWS, BLOCK / 32, 1]
+            byte = tl.load(q_ptr + src // 16 * 16 + at * 16 + k[None, None, :], mask=mask, other=0).to(tl.int32)
+            s = tl.load(q_ptr + scale + at, mask=mask, other=0).to(tl.int32)
+            out_at = (dst // 8 * 8 + first // group * (scales * 32 * group)
+                      + (g[None, :, None] * 32 + 2 * k[None, None, :]) * group + n[:, None, None])
+            tl.store(out_ptr + out_at, _mxfp4_bits(byte & 15, s), mask=mask)
+            tl.store(out_ptr + out_at + group, _mxfp4_bits(byte >> 4, s), mask=mask)
         else:
             s = tl.load(s_ptr + scale + block)  # the scale grid is row-major, as the blocks are numbered
-            for r in range(r0, row_end, ROWS):
-                rs = r + tl.arange(0, ROWS)
-                at = rs[:, None] * cols + c[None, :]  # [ROWS, BLOCK]
-                mask = (rs[:, None] < row_end) & (c[None, :] < cols)
-                b = tl.load(q_ptr + src + at, mask=mask, other=0).to(tl.int32)
-                e, m = (b >> 3) & 15, b & 7
-                normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # 2^(e - 7) (1 + m/8)
-                v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m 2^-9
-                v = tl.where((e == 15) & (m == 7), float("nan"), v)
-                # the sign as a bit, not as -v: on the H200 a negated zero came out +0.0 where PyTorch gives -0.0
-                # (byte 0x80), the only bits the start-up check found different (bench/debug/dequant_diff.py)
-                u = (v * s).to(tl.uint32, bitcast=True) ^ ((b & 128).to(tl.uint32) << 24)
-                rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-                tl.store(out_ptr + dst + at, rounded.to(tl.int16), mask=mask)
+            if (src % 8 == 0) & (dst % 8 == 0) & (cols % 8 == 0):  # whole 16 B of bf16 (and 8 B of FP8)
+                _fp8_block(q_ptr, out_ptr, s, src // 8 * 8, dst // 8 * 8, r0, row_end, cols // 8 * 8, c, ROWS)
+            else:  # as a copy's
+                _fp8_block(q_ptr, out_ptr, s, src, dst, r0, row_end, cols, c, ROWS // 4)
 
 
 def rms_norm_triton(x, weight, eps, style=NORM_CAST):
@@ -3029,13 +3077,17 @@ def combine_triton(x, out, row_of, weights):
                                                 num_warps=max(1, block // 256))
 
 
+DEQUANTIZE_WARPS = 8  # dequantize_layer_triton's (bench/fp8_dequantize.py tries others)
+
+
 def dequantize_layer_triton(held, out, layer):
     # dequantize_layer in one launch (layer: an FP8Layer): its tables on the device, nothing read on the host.
-    # [32, 128] tiles on 8 warps: 16 elements a thread, a 128-row block in 4 steps (an MXFP4 program: one)
+    # [32, 128] tiles on 8 warps: 16 elements a thread (8 FP8 bytes of a row, 16 B of its bf16), a 128-row block in 4
+    # steps (a tensor not in whole 16 B: [8, 128] in 16; an MXFP4 program: [32, 4, 16] bytes, once)
     _dequantize_layer_kernel[(layer.programs.numel(),)](
         held.view(torch.uint8), held.view(torch.int16), held.view(torch.float32), out.view(torch.int16),
         layer.tensors, layer.programs, COLUMNS=FP8_COLUMNS, BLOCK=FP8_BLOCK, ROWS=DEQUANTIZE_ROWS, MXFP4=layer.mxfp4,
-        num_warps=8)
+        num_warps=DEQUANTIZE_WARPS)
 
 
 def token_nll_triton(logits, targets):
@@ -4567,17 +4619,20 @@ def rms_norm_f32(x, weight, eps, style):
 
 # The layer-level dequantization's check (kernel_checks) dequantizes the layer of this tiny FP8 Qwen3-MoE, held as a
 # real one is: vectors and the router copied as bf16, projections of 2 whole blocks by 2.5 (a side of 320, the last
-# block partial, as DeepSeek-V3's 576-row kv_a_proj_with_mqa) and of a side below FP8_BLOCK (one partial block: the
-# experts' 40), and 8 experts' 24. Whatever the model, its launches are this one's: the shapes are in the tables, not
+# block partial, as DeepSeek-V3's 576-row kv_a_proj_with_mqa) and of sides below FP8_BLOCK (one partial block: the
+# attention's one head of 60, the experts' 40). Each of the kernel's paths, FP8 and copied alike: tensors in whole
+# 16 B of bf16 (offsets and width), read and written 16 B at a time, and others (o_proj and the q/k norms, 60 wide),
+# an element at a time. Whatever the model, its launches are this one's: the shapes are in the tables, not
 # in the kernel's arguments. (A dense layer would add nothing but time: 1 s in the interpreter.)
 FP8_CHECK_MODEL = dict(model_type="qwen3_moe", hidden_size=320, intermediate_size=384, num_hidden_layers=1,
-                       num_attention_heads=4, num_key_value_heads=1, head_dim=64, vocab_size=64, rms_norm_eps=1e-6,
+                       num_attention_heads=1, num_key_value_heads=1, head_dim=60, vocab_size=64, rms_norm_eps=1e-6,
                        tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
                        quantization_config={"quant_method": "fp8", **FP8_CONFIG})
 
 
 # MXFP4's (gpt-oss's experts): a tiny gpt-oss layer, its experts' sides 64 and 96 (in: below a 128-column block and
-# past one; out: rows of whole 32-row programs), the attention, norms, router and biases copied as bf16
+# past one; out: rows of whole 32-row programs), the attention, norms, router and biases copied as bf16 (the sinks'
+# 2 and the router bias's 4 not in whole 16 B)
 MXFP4_CHECK_MODEL = dict(model_type="gpt_oss", hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=64,
                          num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"],

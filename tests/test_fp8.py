@@ -227,11 +227,33 @@ def test_checkpoint_faults(fp8_checkpoint, tmp_path, fault):
 # The end of an interpreted script (test_prefill.interpreted) of the one-launch dequantization: the start-up check
 # passes it and refuses each bug planted in its tables (PLANTED, {name: (column, change)}), and a Runner whose
 # dequantization alone is the interpreted kernel (the rest PyTorch; its attention check on short texts) scores the
-# bits of the PyTorch one, every layer streamed, in one launch a layer. The script defines cpu, report, MXFP4 and
-# PLANTED; its arguments are the checkpoint first and the texts last. test_gpt_oss's MXFP4 one ends with it too.
+# bits of the PyTorch one, every layer streamed, in one launch a layer. The check's calls of the kernel's FP8 and copy
+# paths are recorded (report["paths"]): each tensor in whole 16 B of bf16 by its table's values (offsets and width in
+# multiples of 8 elements) took the 16 B path (DEQUANTIZE_ROWS rows a step, its values as they are), each other one the
+# element-wise path (a quarter of them); both kinds are in the check's layer. The script defines cpu, report, MXFP4
+# and PLANTED; its arguments are the checkpoint first and the texts last. test_gpt_oss's MXFP4 one ends with it too.
 LAYER_KERNEL_CHECKED_AND_RUN = """
-good = prefill.dequantize_layer_triton
+import inspect
+good, taken, helpers = prefill.dequantize_layer_triton, set(), ("_fp8_block", "_copy_block")
+def spied(name, helper):
+    params = list(inspect.signature(helper.fn).parameters)
+    def spy(*args):
+        a = dict(zip(params, args))
+        taken.add((name, a["dst"].handle.data.item(), a["cols"].handle.data.item(), int(a["ROWS"])))
+        return helper(*args)
+    return spy
+originals = {name: getattr(prefill, name) for name in helpers}
+for name, helper in originals.items():
+    setattr(prefill, name, spied(name, helper))
 report["check"] = [e for _, _, e in prefill.dequantize_checks(cpu, MXFP4)]
+prefill.__dict__.update(originals)
+_, check_parts, check_layout, _ = prefill.fp8_check_layer(MXFP4)
+paths = [(helpers[scale < 0], dst, cols, src % 8 == dst % 8 == cols % 8 == 0)  # MXFP4's weights: a path of theirs
+         for src, scale, dst, _, cols, *_ in prefill.fp8_layer(check_parts, check_layout, cpu, MXFP4).tensors.tolist()
+         if scale < 0 or not MXFP4]
+want = {(name, dst, cols, prefill.DEQUANTIZE_ROWS // (1 if whole else 4)) for name, dst, cols, whole in paths}
+report["paths"] = {"as the tables say": taken == want, "whole 16 B": sorted({p[0] for p in paths if p[3]}),
+                   "not": sorted({p[0] for p in paths if not p[3]})}
 for name, (column, change) in PLANTED.items():
     def planted(held, out, layer, column=column, change=change):  # the tables with one column changed
         tensors = layer.tensors.clone()
@@ -289,7 +311,8 @@ prefill.dequantize_layer_triton(held, got.view(torch.bfloat16), layer)
 report = {"tensors": len(layer.tensors), "fp8": sum(d == prefill.FP8 for *_, d in parts),
           "equal": torch.equal(got, want)}
 MXFP4, PLANTED = False, {"the next block's scale": (1, lambda s: torch.where(s >= 0, s + 1, s)),
-                         "sides below a block dropped": (3, lambda rows: rows // 128 * 128)}
+                         "sides below a block dropped": (3, lambda rows: rows // 128 * 128),
+                         "widths read as whole 16 B": (4, lambda cols: cols // 8 * 8)}
 """ + LAYER_KERNEL_CHECKED_AND_RUN
 MANY_EXPERTS = {"model_type": "qwen3_moe", "hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 1,
                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 64,
@@ -305,9 +328,27 @@ def test_one_launch_a_layer_is_dequantize_fp8_bit_for_bit_and_its_planted_bugs_r
     report = json.loads(p.stdout)
     assert report["equal"] and report["tensors"] == 9 + 3 * 16 and report["fp8"] == 4 + 3 * 16, report
     assert report["check"] == [0.0], report
-    assert report["the next block's scale"] == report["sides below a block dropped"] == [math.inf], report
+    assert report["paths"] == {"as the tables say": True, "whole 16 B": ["_copy_block", "_fp8_block"],
+                               "not": ["_copy_block", "_fp8_block"]}, report
+    assert (report["the next block's scale"] == report["sides below a block dropped"]
+            == report["widths read as whole 16 B"] == [math.inf]), report
     assert report["triton"] == report["torch"], report
     assert report["layers"] == 3 and report["launches"] == 3, report
+
+
+def test_every_tensor_of_the_compiled_models_is_dequantized_16_bytes_at_a_time():
+    # the one-launch kernel's 16 B path (offsets and width in whole 16 B of bf16, tested on the device per tensor) is
+    # every tensor's, in each kind of layer of every model tests/test_gfx1100_compile.py compiles (as its FP8 or MXFP4
+    # checkpoint holds it): its check layer has tensors of the element-wise path too, no model does
+    from test_gfx1100_compile import MODELS, fp8_config, model_config
+    checked = 0
+    for model, geometry in MODELS.items():
+        cfg = fp8_config(model_config(geometry))
+        for kind, layer in {kind: layer for layer, kind in enumerate(cfg.layer_kinds)}.items() if cfg else ():
+            rows = prefill.fp8_layer(cfg.held[layer], cfg.layouts[kind], "cpu", cfg.mxfp4).tensors.tolist()
+            assert all(src % 8 == dst % 8 == cols % 8 == 0 for src, _, dst, _, cols, *_ in rows), (model, kind)
+            checked += len(rows)
+    assert checked > 3000, checked  # tensors
 
 
 def test_the_doctor_says_what_it_dequantizes_and_where(fp8_checkpoint, tmp_path, monkeypatch, capsys):

@@ -453,6 +453,35 @@ def test_gfx1100_spill_check_sees_a_known_spilling_tile(fresh_triton_cache):
     assert regs["vgpr_spills"] > 0 and problems(launch, regs), regs
 
 
+# ----------------------------------------------------------------------------- the layer dequantization on sm_90a
+
+# dequantize_layer_triton's vector accesses in the H200's PTX (the same under Triton 3.9 and 3.6): a tensor in whole
+# 16 B of bf16 (every tensor of these models: tests/test_fp8.py) has FP8 read 8 B a thread (ld.global.v2.b32; an
+# MXFP4 program its blocks), a copy 16 B (ld.global.v4.b32), both written 16 B (st.global.v4.b32), 16 elements a
+# thread a step; an MXFP4 program's two nibbles 16 B each, 8 rows of a column. At bf3ce35 there were none: FP8 read
+# by ld.global.b8, every bf16 written by st.global.b16 (MXFP4: 2 B a thread `out` elements apart).
+SM90_VECTOR_ACCESSES = {"Qwen3-30B-A3B": {"ld.global.v2.b32": 2, "ld.global.v4.b32": 2, "st.global.v4.b32": 4},
+                        "gpt-oss-120b": {"ld.global.v2.b32": 1, "ld.global.v4.b32": 2, "st.global.v4.b32": 4}}
+
+
+def test_the_layer_dequantization_reads_and_writes_16_bytes_at_a_time_on_sm_90a(fresh_triton_cache):
+    triton = pytest.importorskip("triton")
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    target = GPUTarget("cuda", 90, 32)
+    for model, want in SM90_VECTOR_ACCESSES.items():
+        [launch] = distinct_compiles([launch for launch in prefill_launches(target, model, ())[0]
+                                      if launch.kernel == "_dequantize_layer_kernel"])
+        source = ASTSource(prefill._dequantize_layer_kernel, dict(launch.signature), dict(launch.constexprs),
+                           {k: json.loads(v) for k, v in launch.attrs})
+        ptx = triton.compile(source, target=target, options=dict(launch.options)).asm["ptx"]
+        found = re.findall(r"\b(?:ld|st)\.global\.v\d\.b\d+", ptx)
+        assert {op: found.count(op) for op in found} == want, f"{model}, Triton {triton.__version__}"
+
+
 # ----------------------------------------------------------------------------- the record
 
 REFERENCE_TILES = [(64, 32, 4, 1), (64, 16, 4, 1), (128, 32, 8, 1), (128, 16, 8, 1), (32, 32, 8, 1)]

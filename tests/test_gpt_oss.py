@@ -395,7 +395,8 @@ prefill.dequantize_layer_triton(held, got.view(torch.bfloat16), layer)
 prefill.dequantize_layer(held, want.view(torch.bfloat16), layer)
 report = {"equal": torch.equal(got, want), "mxfp4 tensors": sum(n.endswith("_blocks") for n, *_ in parts)}
 MXFP4, PLANTED = True, {"the next 32's scale": (1, lambda s: torch.where(s >= 0, s + 1, s)),
-                        "written untransposed": (7, lambda group: torch.ones_like(group))}
+                        "written untransposed": (7, lambda group: torch.ones_like(group)),
+                        "widths read as whole 16 B": (4, lambda cols: cols // 8 * 8)}
 """ + LAYER_KERNEL_CHECKED_AND_RUN
 
 
@@ -404,7 +405,10 @@ def test_mxfp4_one_launch_a_layer_is_dequantize_mxfp4_bit_for_bit_and_its_plante
     assert p.returncode == 0, p.stderr[-2000:]
     report = json.loads(p.stdout)
     assert report["equal"] and report["mxfp4 tensors"] == 2 and report["check"] == [0.0], report
-    assert report["the next 32's scale"] == report["written untransposed"] == [math.inf], report
+    # the sinks' 2 and the router bias's 4 copied element by element, the rest 16 B at a time
+    assert report["paths"] == {"as the tables say": True, "whole 16 B": ["_copy_block"], "not": ["_copy_block"]}, report
+    assert (report["the next 32's scale"] == report["written untransposed"] == report["widths read as whole 16 B"]
+            == [math.inf]), report
     assert report["triton"] == report["torch"], report
     assert report["layers"] == 2 and report["launches"] == 2, report
 
