@@ -69,7 +69,9 @@ def shared_options(ap, out):
 def shape_config(name):
     H, E, k, I = SHAPES[name]
     return types.SimpleNamespace(hidden_size=H, num_experts=E, num_experts_per_tok=k, moe_intermediate_size=I,
-                                 norm_topk_prob=True, rms_norm_eps=1e-6)
+                                 norm_topk_prob=True, rms_norm_eps=1e-6, fused_experts=False,
+                                 expert_activation="silu", norm_style=prefill.NORM_CAST,
+                                 router=prefill.Router("softmax", k, True))
 
 
 def layer_weights(cfg, device, seed=0):

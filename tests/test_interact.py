@@ -221,6 +221,18 @@ def test_profile_gaps_split_the_compute_streams_idle_time_by_cause():
     assert gaps["host_late_in"] == [["aten::topk < route", pytest.approx(5e-6)]]
 
 
+def test_the_moe_layer_bench_runs_its_steps_on_the_cpu(tmp_path, capsys):
+    # bench/moe_layer.py on the CPU at its tiny shape: every candidate checked, timed and split (its model config is
+    # its own namespace, which the model's later fields had left behind once)
+    from bench import moe_layer
+
+    out = tmp_path / "layer.json"
+    assert moe_layer.main(["--device", "cpu", "--shapes", "tiny", "--tokens", "64", "--repeats", "1",
+                           "--out", str(out)]) == 0
+    record = json.loads(out.read_text())["records"][0]
+    assert {"grouped_mm", "loop"} <= set(record["candidates"]) and "same bits twice True" in capsys.readouterr().out
+
+
 def test_demo_model_is_built_once_in_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = interact.demo_model_dir()
