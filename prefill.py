@@ -2672,6 +2672,15 @@ if triton is not None:
         return x.to(tl.bfloat16).to(tl.float32)
 
     @triton.jit
+    def _clamped_swiglu(gate, up, alpha, limit, dtype: tl.constexpr):
+        # gpt-oss's ClampedSwiGLU of float32 gate and up, each of gated_act's steps rounded to dtype (bf16: as PyTorch
+        # rounds each bf16 op); the product is left to the caller. The fused experts' epilogue computes it too
+        gate = tl.minimum(gate, limit).to(dtype).to(tl.float32)
+        up = tl.minimum(tl.maximum(up, -limit), limit).to(dtype).to(tl.float32)
+        sigmoid = (1.0 / (1.0 + tl.exp(-(gate * alpha).to(dtype).to(tl.float32)))).to(dtype).to(tl.float32)
+        return (up + 1.0).to(dtype).to(tl.float32) * (gate * sigmoid).to(dtype).to(tl.float32)
+
+    @triton.jit
     def _gated_act_kernel(gu_ptr, out_ptr, inter, alpha, limit, BLOCK: tl.constexpr, GELU: tl.constexpr,
                           CLAMPED: tl.constexpr):
         # act(gate) rounded to bf16, times up: SiLU, or (GELU) the tanh GELU, 0.5 g (1 + tanh(√(2/π) (g + 0.044715
@@ -2682,10 +2691,8 @@ if triton is not None:
         if CLAMPED:
             gate = tl.load(gu_ptr + t * 2 * inter + 2 * cols, mask=mask, other=0.0).to(tl.float32)
             up = tl.load(gu_ptr + t * 2 * inter + 2 * cols + 1, mask=mask, other=0.0).to(tl.float32)
-            gate = _bf16(tl.minimum(gate, limit))
-            up = _bf16(tl.minimum(tl.maximum(up, -limit), limit))
-            glu = _bf16(gate * _bf16(1.0 / (1.0 + tl.exp(-_bf16(gate * alpha)))))
-            tl.store(out_ptr + t * inter + cols, (_bf16(up + 1.0) * glu).to(tl.bfloat16), mask=mask)
+            tl.store(out_ptr + t * inter + cols, _clamped_swiglu(gate, up, alpha, limit, tl.bfloat16).to(tl.bfloat16),
+                     mask=mask)
         else:
             gate = tl.load(gu_ptr + t * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
             up = tl.load(gu_ptr + t * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
@@ -3670,19 +3677,24 @@ def grouped_mm_native(device):
 # slot order, which route makes ascending expert order, in float32, rounds once and adds them to x. Every row is
 # written by one program and every sum has a fixed order: no atomics. The integers that vary with the texts or that
 # the start-up check takes smaller than a run (tokens, k, experts) are not specialised on, so that the check compiles
-# what the run launches. The weights are read through strides (w_col, w_k, up_at): gpt-oss's [experts, K, N] layout is
-# a transposed view (tests/test_fused_moe.py), its interleaved gate/up columns moe_gate_up's w_col of two rows and
-# up_at of one; its clamped SwiGLU and expert biases would be constexprs of the two epilogues.
+# what the run launches. The weights are read through strides (w_col, w_k, up_at), or by TMA over their contiguous
+# side. gpt-oss's experts are three constexprs of the same two kernels: their [experts, K, N] storage (a transposed
+# view, N-contiguous: KN, TMA blocks of [BLOCK_K, BLOCK_N]), gate and up interleaved in gate_up's columns (CLAMPED: one
+# GEMM over 2 BLOCK_N adjacent columns, split into gate and up in the epilogue, as OpenAI's triton_kernels swiglu
+# splits them, then the ClampedSwiGLU) and a bias on each GEMM (BIAS: added in the epilogue, the down bias before the
+# routing weight as transformers' (act @ down + bias) · weight).
 #
 # The roundings are today's grouped path's (grouped_experts with combine) where that costs nothing: gate and up
 # rounded to bf16, SiLU rounded, its product with up rounded, as gated_act; each token's sum rounded once and then the
 # add. One differs: the down GEMM's float32 output is weighted before its one rounding to bf16, where combine rounds
 # the unweighted row and weights it exactly in float32; keeping the weighted rows in float32 instead would double the
-# bytes the down GEMM writes and the sum reads.
+# bytes the down GEMM writes and the sum reads. gpt-oss's epilogues round where transformers' bf16 steps do: each GEMM's
+# output, its bias added, each step of the ClampedSwiGLU, the routing weight's product (the grouped path weights the
+# biased row in float32 instead); the sum over the slots is float32, rounded once, as transformers' grouped_mm experts
+# (integrations/moe.py) sum them.
 
 ALIGN_CHUNK = 512   # (token, slot) entries a program of align_experts reads and places
 ALIGN_EXPERTS = 16  # experts it handles at a time ([ALIGN_CHUNK, ALIGN_EXPERTS] comparisons)
-ALIGN_COUNTS = 64   # chunks' counts it sums at a time
 ALIGN_BLOCKS = 16   # blocks it labels at a time
 
 try:  # the fused experts' TMA loads of their weights (Triton >= 3.4)
@@ -3703,13 +3715,15 @@ if triton is not None:
                      mask=e < experts)
 
     @triton.jit(do_not_specialize=["rows", "experts", "chunks", "blocks"])
-    def _moe_align_kernel(chosen_ptr, counts_ptr, ids_ptr, block_expert_ptr, rows, experts, chunks, blocks,
-                          CHUNK: tl.constexpr, EB: tl.constexpr, PB: tl.constexpr, JB: tl.constexpr,
-                          BLOCK_M: tl.constexpr):
+    def _moe_align_kernel(chosen_ptr, ends_ptr, ids_ptr, block_expert_ptr, rows, experts, chunks, blocks,
+                          CHUNK: tl.constexpr, EB: tl.constexpr, JB: tl.constexpr, BLOCK_M: tl.constexpr):
         # Program b places chunk b's entries: expert e's rows start at start[e] (the padded counts of the experts
         # before it, summed), chunk b's after those of the chunks before it (before[e]), in entry order within the
-        # chunk (a cumulative sum of its matches). It also labels its share of the blocks: each with its expert (-1
-        # past the last), the padding rows of an expert's last block with the id `rows` (no entry).
+        # chunk (a cumulative sum of its matches). ends [chunks, experts]: the counts summed over the chunks up to
+        # each (its last row: the totals), so that a program reads two rows of them, not every chunk's counts (which
+        # made the launch grow as the square of the rows: 0.5 ms for 362k rows on the H200, 0.1 ms for 131k). It also
+        # labels its share of the blocks: each with its expert (-1 past the last), the padding rows of an expert's last
+        # block with the id `rows` (no entry).
         b = tl.program_id(0)
         at = b * CHUNK + tl.arange(0, CHUNK)
         chosen = tl.load(chosen_ptr + at, mask=at < rows, other=-1).to(tl.int32)
@@ -3718,14 +3732,9 @@ if triton is not None:
         base = tl.sum(tl.zeros((EB,), tl.int32), 0)  # rows of the experts before e0 (an int32 the loop carries)
         for e0 in range(0, experts, EB):
             e = e0 + tl.arange(0, EB)
-            total = tl.zeros((EB,), tl.int32)
-            before = tl.zeros((EB,), tl.int32)
-            for p0 in range(0, chunks, PB):
-                p = p0 + tl.arange(0, PB)[:, None]
-                n = tl.load(counts_ptr + p * experts + e[None, :], mask=(p < chunks) & (e[None, :] < experts),
-                            other=0)  # [PB, EB]
-                total += tl.sum(n, 0)
-                before += tl.sum(tl.where(p < b, n, 0), 0)
+            total = tl.load(ends_ptr + (chunks - 1) * experts + e, mask=e < experts, other=0)
+            before_at = (b - 1) * experts + e  # chunk b - 1's (none before chunk 0)
+            before = tl.load(ends_ptr + before_at, mask=(e < experts) & (before_at >= 0), other=0)
             padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
             start = base + tl.cumsum(padded, 0) - padded
             base += tl.sum(padded, 0)
@@ -3776,79 +3785,121 @@ if triton is not None:
         return at
 
     @triton.jit
-    def _moe_weight_tile(w, at, row, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
-        # the [BLOCK_K, BLOCK_N] weights from k0: with TMA, rows row.. of w, a TensorDescriptor over the weights as rows
-        # of K (loads past its sides read zeros; past an expert's N the next rows, whose columns are not stored); else
-        # from the pointers at (_moe_weights_at's, stepped to k0 by the caller)
-        if TMA:
-            tile = w.load([row, k0]).T
+    def _moe_weight_tile(w, at, row, col, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+                         KN: tl.constexpr):
+        # the [BLOCK_K, BLOCK_N] weights from k0 of the columns from col: with TMA, w a TensorDescriptor over the
+        # weights as rows of K, the expert's first row at row (loads past its sides read zeros; past an expert's N the
+        # next rows, whose columns are not stored), or (KN) over their storage's rows of N, [experts · K, N] (gpt-oss's
+        # [experts, in, out]), the expert's first at row (past its K, where BLOCK_K does not divide it, the next
+        # expert's rows, multiplied by the zeros of a's masked columns: finite weights add nothing); else from the
+        # pointers at (_moe_weights_at's, stepped to k0 by the caller)
+        if TMA and KN:
+            tile = w.load([row + k0, col])
+        elif TMA:
+            tile = w.load([row + col, k0]).T
         elif EVEN_K:
             tile = tl.load(at)
         else:
             tile = tl.load(at, mask=k0 + tl.arange(0, BLOCK_K)[:, None] < K, other=0.0)
         return tile
 
+    @triton.jit
+    def _moe_biased(y, bias_at, mask, dtype: tl.constexpr):
+        # y [BLOCK_M, BLOCK_N] float32 rounded to dtype, plus each column's bias (bias_at [BLOCK_N], where mask) rounded
+        # again: the bf16 GEMM output and transformers' bf16 out.add_(bias) (gpt-oss's experts)
+        bias = tl.load(bias_at, mask=mask, other=0.0).to(tl.float32)
+        return (y.to(dtype).to(tl.float32) + bias[None, :]).to(dtype).to(tl.float32)
+
     @triton.jit(do_not_specialize=["rows", "top_k", "blocks", "group_m"])
-    def _moe_gate_up_kernel(h_ptr, w, act_ptr, ids_ptr, block_expert_ptr, rows, top_k, blocks, group_m, N, K,
-                            h_stride, w_expert, w_col, w_k, up_at, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+    def _moe_gate_up_kernel(h_ptr, w, bias_ptr, act_ptr, ids_ptr, block_expert_ptr, rows, top_k, blocks, group_m, N, K,
+                            h_stride, w_expert, w_col, w_k, up_at, alpha, limit, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+                            KN: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr):
         # act[block rows, cols] = SiLU(gate)·up of the block's rows of h (row r: token ids[r] // top_k; an id of rows
         # is padding: a zero row) for its expert; column c's gate weights at w + c·w_col, its up weights up_at further,
         # each K long in steps of w_k (prefill's [experts, 2 N, K] gate rows first: w_col K, up_at N·K, w_k 1); with
-        # TMA, w a TensorDescriptor over them ([experts · 2 N, K] in [BLOCK_N, BLOCK_K] blocks). Padding rows are
-        # written too (zeros): the down GEMM reads whole blocks.
+        # TMA, w a TensorDescriptor over them ([experts · 2 N, K] in [BLOCK_N, BLOCK_K] blocks; KN: _moe_weight_tile's).
+        # CLAMPED: gpt-oss's experts, gate and up interleaved (the weights' and the biases' column 2c gate c's, 2c + 1
+        # up c's), read as one tile of 2 BLOCK_N columns a step (contiguous in gpt-oss's [experts, K, 2 N] storage, a
+        # TMA block of their own: a [BLOCK_K, 2 BLOCK_N] one under KN) and split in the epilogue, then the ClampedSwiGLU
+        # (alpha, limit) as gated_act's kernel computes it. BIAS: each column's bias ([experts, 2 N] at bias_ptr) added
+        # to its rounded product, in bf16 as transformers (_moe_biased). Padding rows are written too (zeros or the
+        # biases' activation): the down GEMM reads whole blocks, and no valid row reads them.
         expert, r, ids, cols, col = _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M, BLOCK_N)
         if expert >= 0:
             valid = ids < rows
             ks = tl.arange(0, BLOCK_K)
             a_at = h_ptr + (ids // top_k)[:, None].to(tl.int64) * h_stride + ks[None, :]  # [BLOCK_M, BLOCK_K]
-            g_at = _moe_weights_at(w, expert.to(tl.int64) * w_expert, cols, N, w_col, w_k, BLOCK_K, TMA)
-            row = expert * (w_expert // w_col) + col
-            gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            row = expert * (w_expert // (w_k if KN else w_col))  # the expert's first row in a TMA descriptor
+            if CLAMPED:
+                wide = 2 * col + tl.arange(0, 2 * BLOCK_N)
+                g_at = _moe_weights_at(w, expert.to(tl.int64) * w_expert, wide, 2 * N, w_col, w_k, BLOCK_K, TMA)
+                gate_up = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
+            else:
+                g_at = _moe_weights_at(w, expert.to(tl.int64) * w_expert, cols, N, w_col, w_k, BLOCK_K, TMA)
+                gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 if EVEN_K:
                     a = tl.load(a_at, mask=valid[:, None], other=0.0)
                 else:
                     a = tl.load(a_at, mask=valid[:, None] & (k0 + ks[None, :] < K), other=0.0)
-                g = _moe_weight_tile(w, g_at, row, k0, K, BLOCK_K, EVEN_K, TMA)
-                u = _moe_weight_tile(w, g_at + up_at, row + up_at // w_col, k0, K, BLOCK_K, EVEN_K, TMA)
-                gate = tl.dot(a, g, gate)  # both tiles loaded before either product: 100 VGPRs on gfx1100, not 130
-                up = tl.dot(a, u, up)
+                if CLAMPED:
+                    gate_up = tl.dot(a, _moe_weight_tile(w, g_at, row, 2 * col, k0, K, BLOCK_K, EVEN_K, TMA, KN),
+                                     gate_up)
+                else:
+                    g = _moe_weight_tile(w, g_at, row, col, k0, K, BLOCK_K, EVEN_K, TMA, KN)
+                    u = _moe_weight_tile(w, g_at + up_at, row, col + up_at // w_col, k0, K, BLOCK_K, EVEN_K, TMA, KN)
+                    gate = tl.dot(a, g, gate)  # both tiles loaded before either product: 100 VGPRs on gfx1100, not 130
+                    up = tl.dot(a, u, up)
                 a_at += BLOCK_K
                 g_at += BLOCK_K * w_k
             dtype = act_ptr.dtype.element_ty
-            gate = gate.to(dtype).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            tl.store(act_ptr + r[:, None].to(tl.int64) * N + cols[None, :],
-                     (act * up.to(dtype).to(tl.float32)).to(dtype), mask=cols[None, :] < N)
+            if CLAMPED:
+                gate, up = tl.split(tl.reshape(gate_up, (BLOCK_M, BLOCK_N, 2)))
+            if BIAS:
+                bias_at = bias_ptr + expert.to(tl.int64) * 2 * N
+                gate = _moe_biased(gate, bias_at + (2 * cols if CLAMPED else cols), cols < N, dtype)
+                up = _moe_biased(up, bias_at + (2 * cols + 1 if CLAMPED else N + cols), cols < N, dtype)
+            else:
+                gate, up = gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32)
+            if CLAMPED:
+                act = _clamped_swiglu(gate, up, alpha, limit, dtype)
+            else:
+                act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+            tl.store(act_ptr + r[:, None].to(tl.int64) * N + cols[None, :], act.to(dtype), mask=cols[None, :] < N)
 
     @triton.jit(do_not_specialize=["rows", "blocks", "group_m"])
-    def _moe_down_kernel(act_ptr, w, out_ptr, ids_ptr, block_expert_ptr, weights_ptr, rows, blocks, group_m, N, K,
-                         w_expert, w_col, w_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, TMA: tl.constexpr):
+    def _moe_down_kernel(act_ptr, w, bias_ptr, out_ptr, ids_ptr, block_expert_ptr, weights_ptr, rows, blocks, group_m,
+                         N, K, w_expert, w_col, w_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, KN: tl.constexpr,
+                         BIAS: tl.constexpr):
         # out[ids[r], cols] = weights[ids[r]] · (act[r] @ the expert's down weights) for the block's rows that are not
         # padding: each (token, slot) row written once, by this program; act: [blocks · BLOCK_M, K], contiguous; w as
-        # _moe_gate_up_kernel's
+        # _moe_gate_up_kernel's. BIAS: the product plus its expert's bias ([experts, N] at bias_ptr) before the
+        # routing weight, as transformers' (act @ down + bias) · weight, rounded where its bf16 steps round
         expert, r, ids, cols, col = _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M, BLOCK_N)
         if expert >= 0:
             valid = ids < rows
             ks = tl.arange(0, BLOCK_K)
             a_at = act_ptr + r[:, None].to(tl.int64) * K + ks[None, :]
             b_at = _moe_weights_at(w, expert.to(tl.int64) * w_expert, cols, N, w_col, w_k, BLOCK_K, TMA)
-            row = expert * (w_expert // w_col) + col
+            row = expert * (w_expert // (w_k if KN else w_col))
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 if EVEN_K:
                     a = tl.load(a_at)
                 else:
                     a = tl.load(a_at, mask=k0 + ks[None, :] < K, other=0.0)
-                acc = tl.dot(a, _moe_weight_tile(w, b_at, row, k0, K, BLOCK_K, EVEN_K, TMA), acc)
+                acc = tl.dot(a, _moe_weight_tile(w, b_at, row, col, k0, K, BLOCK_K, EVEN_K, TMA, KN), acc)
                 a_at += BLOCK_K
                 b_at += BLOCK_K * w_k
+            dtype = out_ptr.dtype.element_ty
+            if BIAS:
+                acc = _moe_biased(acc, bias_ptr + expert.to(tl.int64) * N + cols, cols < N, dtype)
             weight = tl.load(weights_ptr + ids, mask=valid, other=0.0).to(tl.float32)
-            tl.store(out_ptr + ids[:, None].to(tl.int64) * N + cols[None, :],
-                     (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+            tl.store(out_ptr + ids[:, None].to(tl.int64) * N + cols[None, :], (acc * weight[:, None]).to(dtype),
+                     mask=valid[:, None] & (cols[None, :] < N))
 
     @triton.jit(do_not_specialize=["tokens", "top_k"])
     def _moe_sum_kernel(x_ptr, x_stride, out_ptr, tokens, hidden, top_k, TOKENS: tl.constexpr, BLOCK: tl.constexpr):
@@ -3870,55 +3921,74 @@ def align_experts(chosen, num_experts, block_m):
     row's flat (token, slot) index, expert by expert from expert 0, each expert's rows in token order from a multiple
     of block_m, the rest of its last block tokens · k (padding). block_expert [blocks] int32: the expert of each block
     of block_m rows, -1 past the last (those blocks' ids are not written). blocks = cdiv(tokens · k, block_m) +
-    num_experts, the most the padding can need: known without reading anything back. Two launches, no atomics: counts
-    per chunk of entries, then each chunk's entries placed after those of the chunks before it."""
+    num_experts, the most the padding can need: known without reading anything back. Three launches, no atomics:
+    counts per chunk of entries, their running sums over the chunks (integers: the same whatever order a scan adds
+    them in), then each chunk's entries placed after those of the chunks before it."""
     rows, device = chosen.numel(), chosen.device
     chunks, blocks = triton.cdiv(rows, ALIGN_CHUNK), triton.cdiv(rows, block_m) + num_experts
     counts = torch.empty(chunks, num_experts, dtype=torch.int32, device=device)
     ids = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     _moe_count_kernel[(chunks,)](chosen, counts, rows, num_experts, CHUNK=ALIGN_CHUNK, EB=ALIGN_EXPERTS, num_warps=8)
-    _moe_align_kernel[(chunks,)](chosen, counts, ids, block_expert, rows, num_experts, chunks, blocks,
-                                 CHUNK=ALIGN_CHUNK, EB=ALIGN_EXPERTS, PB=ALIGN_COUNTS, JB=ALIGN_BLOCKS,
-                                 BLOCK_M=block_m, num_warps=8)
+    _moe_align_kernel[(chunks,)](chosen, counts.cumsum(0, dtype=torch.int32), ids, block_expert, rows, num_experts,
+                                 chunks, blocks, CHUNK=ALIGN_CHUNK, EB=ALIGN_EXPERTS, JB=ALIGN_BLOCKS, BLOCK_M=block_m,
+                                 num_warps=16)
     return ids, block_expert
+
+
+def rows_of_n(w):
+    # whether w [experts, N, K] is a view of [experts, K, N] storage (gpt-oss's experts): its rows of N contiguous
+    return w.stride(2) != 1
 
 
 def expert_weights(w, n, k, tma):
     # a GEMM's weights w [experts, N, K] as its kernel reads them: the tensor, or (tma) a TensorDescriptor over its rows
-    # of K ([experts · N, K], [n, k] blocks: TMA copies them to shared memory; Triton >= 3.4, NVIDIA from sm_90)
+    # of K ([experts · N, K], [n, k] blocks), or over the rows of N of the [experts, K, N] storage it views
+    # ([experts · K, N], [k, n] blocks): TMA copies them to shared memory (Triton >= 3.4, NVIDIA from sm_90), and needs
+    # a block's inner side contiguous
     if not tma:
         return w
     if TensorDescriptor is None:
         raise RuntimeError(f"triton {triton.__version__} has no TensorDescriptor")
-    assert w.stride(2) == 1 and w.stride(0) == w.shape[1] * w.stride(1)
-    return TensorDescriptor(w, [w.shape[0] * w.shape[1], w.shape[2]], [w.stride(1), 1], [n, k])
+    E, N, K = w.shape
+    if rows_of_n(w):
+        assert w.stride(1) == 1 and w.stride(0) == K * w.stride(2)
+        return TensorDescriptor(w, [E * K, N], [w.stride(2), 1], [k, n])
+    assert w.stride(2) == 1 and w.stride(0) == N * w.stride(1)
+    return TensorDescriptor(w, [E * N, K], [w.stride(1), 1], [n, k])
 
 
-def moe_gate_up(h, gate_up, ids, block_expert, k, block_m, gemm):
-    # h [tokens, hidden], gate_up [experts, 2 inter, hidden] (gate rows first) -> act [padded rows, inter]:
-    # SiLU(gate)·up of each aligned row (align_experts' ids, block_expert); gemm: (BLOCK_N, BLOCK_K, GROUP_M, warps,
-    # stages, TMA)
+def moe_gate_up(h, gate_up, ids, block_expert, k, block_m, gemm, bias=None, activation="silu"):
+    # h [tokens, hidden], gate_up [experts, 2 inter, hidden] (gate rows first; gpt-oss's: a view of [experts, hidden,
+    # 2 inter], gate and up interleaved), bias [experts, 2 inter] or None -> act [padded rows, inter]: SiLU(gate)·up
+    # of each aligned row (align_experts' ids, block_expert), or (activation a ClampedSwiGLU) gpt-oss's; gemm:
+    # (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA)
     (E, I2, H), blocks = gate_up.shape, block_expert.shape[0]
     (n, bk, group_m, warps, stages, tma), I = gemm, I2 // 2
+    clamped = isinstance(activation, ClampedSwiGLU)
+    assert clamped or activation == "silu"
     act = torch.empty(blocks * block_m, I, dtype=h.dtype, device=h.device)
     _moe_gate_up_kernel[(blocks * triton.cdiv(I, n),)](
-        h, expert_weights(gate_up, n, bk, tma), act, ids, block_expert, h.shape[0] * k, k, blocks, group_m, I, H,
-        h.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), I * gate_up.stride(1), BLOCK_M=block_m,
-        BLOCK_N=n, BLOCK_K=bk, EVEN_K=H % bk == 0, TMA=tma, num_warps=warps, num_stages=stages)
+        h, expert_weights(gate_up, 2 * n if clamped else n, bk, tma), h if bias is None else bias, act, ids,
+        block_expert, h.shape[0] * k, k, blocks, group_m, I, H, h.stride(0), gate_up.stride(0), gate_up.stride(1),
+        gate_up.stride(2), I * gate_up.stride(1), activation.alpha if clamped else 1.0,
+        activation.limit if clamped else 0.0, BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=bk, EVEN_K=H % bk == 0, TMA=tma,
+        KN=tma and rows_of_n(gate_up), BIAS=bias is not None, CLAMPED=clamped, num_warps=warps, num_stages=stages)
     return act
 
 
-def moe_down(act, down, ids, block_expert, weights, block_m, gemm):
-    # act [padded rows, inter], down [experts, hidden, inter] -> out [tokens * k, hidden]: each (token, slot) row's
-    # down projection times its routing weight (weights [tokens, k]), at the row of its flat index
+def moe_down(act, down, ids, block_expert, weights, block_m, gemm, bias=None):
+    # act [padded rows, inter], down [experts, hidden, inter] (gpt-oss's: a view of [experts, inter, hidden]), bias
+    # [experts, hidden] or None -> out [tokens * k, hidden]: each (token, slot) row's down projection (plus its
+    # expert's bias) times its routing weight (weights [tokens, k]), at the row of its flat index
     (E, H, I), blocks = down.shape, block_expert.shape[0]
     n, bk, group_m, warps, stages, tma = gemm
     out = torch.empty(weights.numel(), H, dtype=act.dtype, device=act.device)
     _moe_down_kernel[(blocks * triton.cdiv(H, n),)](
-        act, expert_weights(down, n, bk, tma), out, ids, block_expert, weights, weights.numel(), blocks, group_m, H,
-        I, down.stride(0), down.stride(1), down.stride(2), BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=bk,
-        EVEN_K=I % bk == 0, TMA=tma, num_warps=warps, num_stages=stages)
+        act, expert_weights(down, n, bk, tma), act if bias is None else bias, out, ids, block_expert, weights,
+        weights.numel(), blocks, group_m, H, I, down.stride(0), down.stride(1), down.stride(2), BLOCK_M=block_m,
+        BLOCK_N=n, BLOCK_K=bk, EVEN_K=I % bk == 0, TMA=tma, KN=tma and rows_of_n(down), BIAS=bias is not None,
+        num_warps=warps, num_stages=stages)
     return out
 
 
@@ -3929,14 +3999,15 @@ def moe_sum(x, out, k):
         x, x.stride(0), out, T, H, k, TOKENS=4096 // block, BLOCK=block, num_warps=4)
 
 
-def fused_experts(x, h, weights, chosen, w, tile):
-    """moe_ffn's experts in five launches: x [tokens, hidden] += Σ_j weights[t, j] · expert chosen[t, j](h[t]).
-    tile: (BLOCK_M, the gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), the down GEMM's)."""
+def fused_experts(x, h, weights, chosen, w, tile, activation="silu"):
+    """moe_ffn's experts in six launches: x [tokens, hidden] += Σ_j weights[t, j] · expert chosen[t, j](h[t]), each
+    expert with its biases where w has them and the model's expert_activation (gpt-oss's: both). tile: (BLOCK_M, the
+    gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), the down GEMM's)."""
     block_m, up, down = tile
     assert h.stride(1) == 1 and weights.is_contiguous() and chosen.is_contiguous() and x.stride(1) == 1
     ids, block_expert = align_experts(chosen, w.gate_up.shape[0], block_m)
-    act = moe_gate_up(h, w.gate_up, ids, block_expert, chosen.shape[1], block_m, up)
-    moe_sum(x, moe_down(act, w.down, ids, block_expert, weights, block_m, down), chosen.shape[1])
+    act = moe_gate_up(h, w.gate_up, ids, block_expert, chosen.shape[1], block_m, up, w.gate_up_bias, activation)
+    moe_sum(x, moe_down(act, w.down, ids, block_expert, weights, block_m, down, w.down_bias), chosen.shape[1])
 
 
 # The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, then the fused experts, else
@@ -3969,9 +4040,13 @@ EXPERT_TILES["amd"] = EXPERT_TILES["rdna3"]
 # torch's grouped_mm experts (sort, gather, GEMMs, activation, combination) on the same routing: faster on Qwen3-30B-A3B
 # (2.45 ms against 2.64 a 16,384-token slice, the GEMMs at 572 TFLOP/s) and on the 4,096-token slices of many small
 # experts, slower on Mixtral's and gpt-oss's wide ones; the start-up timing decides per model. All compile for sm_90a
-# to wgmma, unspilled, under Triton 3.6 and 3.9. RDNA3's: vLLM's AMD_Radeon_Graphics (E=128,N=384) from 512 tokens on (64, 128, 32,
+# to wgmma, unspilled, under Triton 3.6 and 3.9. The (2880, 2880, ·) rows were timed on Qwen's layout at gpt-oss's
+# shape; gpt-oss's own experts (N-contiguous weights, gate and up as one GEMM, biases: the KN, CLAMPED and BIAS
+# variants) compile in them too, unspilled (the 128-row gate+up at 254 registers, 44 of them the biases' columns), and
+# await their own tuning. RDNA3's: vLLM's AMD_Radeon_Graphics (E=128,N=384) from 512 tokens on (64, 128, 32,
 # GROUP_SIZE_M 8, warps 8, stages 2), and the same in 128-row blocks, compiled for gfx1100 without spills (gate+up,
-# down: 100 and 99 VGPRs, 143 and 140, under Triton 3.9; 102-154 under 3.6; the alignment 171-189;
+# down: 100 and 99 VGPRs, 143 and 140, under Triton 3.9; 102-154 under 3.6; the alignment 105-118 in 16 warps, which
+# spilled in 8 once it read its two rows of running counts directly (139 VGPRs);
 # tests/test_gfx1100_compile.py), not run.
 FUSED_TILES = {
     "nvidia": {
@@ -4057,26 +4132,19 @@ def make_grouped(kind, tile=None):
 
 def make_experts(kind, tile=None, activation="silu"):
     """moe_ffn's experts (x, h, weights, chosen, w, kernels) -> None, x += each token's weighted experts, with the
-    model's expert_activation between their GEMMs (the fused experts: SiLU alone, expert_candidates)."""
+    model's expert_activation between their GEMMs."""
     if kind != "fused":
         return grouped_experts(make_grouped(kind, tile), activation)
     if triton is None:
         raise RuntimeError("triton is not installed")
-    return lambda x, h, weights, chosen, w, kernels: fused_experts(x, h, weights, chosen, w, tile)
+    return lambda x, h, weights, chosen, w, kernels: fused_experts(x, h, weights, chosen, w, tile, activation)
 
 
 def expert_candidates(requested, device, cfg, slice_tokens):
     # (name, kind, tile) of each expert kernel that `requested` names: "auto", a kind, or a name pick_experts returned;
-    # the fused experts' tiles are those of the shape nearest to cfg's at slices of slice_tokens. Not offered where the
-    # experts are gpt-oss's (fused_experts: biases, a clamped SwiGLU over interleaved gate and up, [experts, in, out]
-    # weights), which the fused kernels do not compute: the grouped GEMMs add the biases and apply the activation
+    # the fused experts' tiles are those of the shape nearest to cfg's at slices of slice_tokens
     family, native = gpu_family(device), grouped_mm_native(device)
     kinds = EXPERT_KINDS if native else ["fused", "triton", "grouped_mm", "loop"]
-    if cfg.fused_experts:
-        if requested == "fused" or requested.startswith("fused "):
-            raise UserError("expert kernel 'fused' does not compute gpt-oss's experts (their biases, clamped SwiGLU "
-                            "and [experts, in, out] weights); --experts triton, grouped_mm or loop does")
-        kinds = [kind for kind in kinds if kind != "fused"]
     tiles = {"triton": EXPERT_TILES[family], "fused": fused_tiles(family, cfg, slice_tokens)}
     named = [(tile_name(kind, tile), kind, tile) for kind in kinds
              if not (kind in tiles and requested == "auto" and device.type != "cuda")
@@ -4562,7 +4630,7 @@ def check_experts(candidates, device, cfg):
 
 def experts_ms(experts, inputs):
     # median ms of a slice's experts after routing (a grouped GEMM's sort, gather, GEMMs, activation and combination;
-    # the fused experts' five launches) over TIMING_REPEATS after one warm-up, on a stream of its own
+    # the fused experts' six launches) over TIMING_REPEATS after one warm-up, on a stream of its own
     x = inputs[0]
     stream = torch.cuda.Stream(x.device)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 1)]

@@ -4,12 +4,15 @@ Triton grouped GEMM and the per-expert loop (one device command, ~3-5 min on the
     python bench/moe_layer.py --out $OUT/moe-layer.json                     # every shape, slices of 4,096 and 16,384
     python bench/moe_layer.py --shapes qwen3-30b-a3b --tokens 16384 --out $OUT/moe-layer.json
     python bench/moe_layer.py --device cpu --shapes tiny --tokens 64 --repeats 2 --out /tmp/moe-layer.json  # a CPU try
-    TRITON_INTERPRET=1 python bench/moe_layer.py --device cpu --shapes tiny --tokens 64 --float16 --out /tmp/l.json
+    TRITON_INTERPRET=1 python bench/moe_layer.py --device cpu --shapes tiny,tiny-gpt-oss --tokens 64 --float16 \
+        --out /tmp/l.json
 
 Shapes (hidden, experts, top-k, moe_intermediate): Qwen3-30B-A3B (2048, 128, 8, 768), Qwen3-235B-A22B (4096, 128, 8,
-1536), Mixtral-8x7B (4096, 8, 2, 14336), DeepSeek-V3 (7168, 256, 8, 2048), gpt-oss-120b (2880, 128, 4, 2880). The math
-is Qwen3-MoE's for every shape (softmax router, top-k renormalised, SwiGLU experts without biases): the shapes decide
-the speed. Weights random, bf16, std 1/sqrt(fan-in), a router whose logits are ~N(0, 1); the tokens random too.
+1536), Mixtral-8x7B (4096, 8, 2, 14336), DeepSeek-V3 (7168, 256, 8, 2048), gpt-oss-20b (2880, 32, 4, 2880) and
+gpt-oss-120b (2880, 128, 4, 2880). The math is Qwen3-MoE's for the others' shapes (softmax router, top-k
+renormalised, SwiGLU experts without biases: the shapes decide the speed) and gpt-oss's for its own (its router's
+top-k softmax and bias, its experts' [experts, in, out] layout, biases and clamped SwiGLU). Weights random, bf16, std
+1/sqrt(fan-in), a router whose logits are ~N(0, 1), biases of std 0.1; the tokens random too.
 
 Per shape and slice (tokens a moe_block call holds: the default plan's is 16,384):
   check    prefill.check_experts on every candidate at this shape (8 experts, uneven routing): passed or why not; each
@@ -19,11 +22,13 @@ Per shape and slice (tokens a moe_block call holds: the default plan's is 16,384
   experts  the same after routing (what the candidates differ in), and one dense GEMM pair on the same rows (the rate
            a grouped GEMM could at best reach)
   split    each step alone, median ms: routing (norm, router GEMM, softmax, top-k); the fused experts' alignment,
-           gate+up GEMM (with SiLU·up), down GEMM (with the routing weight) and sum; a grouped GEMM's sort
-           (expert_rows, pair_rows), gather, gate+up GEMM, activation, down GEMM and combination
+           gate+up GEMM (with SiLU·up, gpt-oss's: with the biases and its activation), down GEMM (with the routing
+           weight, gpt-oss's bias) and sum; a grouped GEMM's sort (expert_rows, pair_rows), gather, gate+up GEMM,
+           activation, down GEMM, combination and (gpt-oss) the biases' gathers and adds
 The whole record as JSON to --out, a table last: docs/performance.md's before (grouped_mm) and after (fused) split.
 """
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -45,9 +50,12 @@ SHAPES = {  # (hidden, experts, top-k, moe_intermediate) of each model's MoE lay
     "qwen3-235b-a22b": (4096, 128, 8, 1536),
     "mixtral-8x7b": (4096, 8, 2, 14336),
     "deepseek-v3": (7168, 256, 8, 2048),
+    "gpt-oss-20b": (2880, 32, 4, 2880),
     "gpt-oss-120b": (2880, 128, 4, 2880),
     "tiny": (64, 8, 2, 32),  # a CPU try
+    "tiny-gpt-oss": (64, 8, 2, 32),
 }
+GPT_OSS = ("gpt-oss-20b", "gpt-oss-120b", "tiny-gpt-oss")  # the shapes run with gpt-oss's math
 
 
 def log(msg):
@@ -57,7 +65,7 @@ def log(msg):
 def shared_options(ap, out):
     """Adds the options this script and bench/tune_fused_moe.py share to ap."""
     ap.add_argument("--out", required=True, help=out)
-    ap.add_argument("--shapes", default=",".join(name for name in SHAPES if name != "tiny"),
+    ap.add_argument("--shapes", default=",".join(name for name in SHAPES if not name.startswith("tiny")),
                     help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--repeats", type=int, default=10, help="timed calls of each step (their median)")
     ap.add_argument("--device", default="cuda")
@@ -67,16 +75,20 @@ def shared_options(ap, out):
 
 
 def shape_config(name):
+    # the ModelConfig fields that moe_block, the routing and the expert kernels' checks and picks read
     H, E, k, I = SHAPES[name]
-    return types.SimpleNamespace(hidden_size=H, num_experts=E, num_experts_per_tok=k, moe_intermediate_size=I,
-                                 norm_topk_prob=True, rms_norm_eps=1e-6, fused_experts=False,
-                                 expert_activation="silu", norm_style=prefill.NORM_CAST,
-                                 router=prefill.Router("softmax", k, True))
+    oss = name in GPT_OSS
+    return types.SimpleNamespace(
+        hidden_size=H, num_experts=E, num_experts_per_tok=k, moe_intermediate_size=I, norm_topk_prob=not oss,
+        rms_norm_eps=1e-5 if oss else 1e-6, norm_style=prefill.NORM_FLOAT32 if oss else prefill.NORM_CAST,
+        router=prefill.Router("topk_softmax", k) if oss else prefill.Router("softmax", k, True), fused_experts=oss,
+        expert_activation=prefill.ClampedSwiGLU(1.702, 7.0) if oss else "silu")
 
 
 def layer_weights(cfg, device, seed=0):
     # a layer's feed-forward, random: the norm's weight near 1, the router's logits ~N(0, 1), experts of std
-    # 1/sqrt(fan-in); each tensor made in bf16 straight away (DeepSeek-V3's experts are 22.5 GB)
+    # 1/sqrt(fan-in) (gpt-oss's: [experts, in, out] viewed [experts, out, in], with biases, as layer_views has them);
+    # each tensor made in bf16 straight away (DeepSeek-V3's experts are 22.5 GB)
     gen = torch.Generator(device=device).manual_seed(seed)
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
 
@@ -85,8 +97,12 @@ def layer_weights(cfg, device, seed=0):
         for part in t.view(-1, shape[-1]).split(1 << 16):  # float32 temporaries of 2^16 rows at a time
             part.copy_(torch.randn(part.shape, generator=gen, device=device) * std + mean)
         return t
-    return prefill.LayerWeights(mlp_norm=randn(H, std=0.1, mean=1.0), router=randn(E, H, std=H ** -0.5),
-                                gate_up=randn(E, 2 * I, H, std=H ** -0.5), down=randn(E, H, I, std=I ** -0.5))
+    w = prefill.LayerWeights(mlp_norm=randn(H, std=0.1, mean=1.0), router=randn(E, H, std=H ** -0.5))
+    if not cfg.fused_experts:
+        return dataclasses.replace(w, gate_up=randn(E, 2 * I, H, std=H ** -0.5), down=randn(E, H, I, std=I ** -0.5))
+    return dataclasses.replace(w, router_bias=randn(E, std=0.1), gate_up=randn(E, H, 2 * I, std=H ** -0.5).transpose(
+        1, 2), gate_up_bias=randn(E, 2 * I, std=0.1), down=randn(E, I, H, std=I ** -0.5).transpose(1, 2),
+        down_bias=randn(E, H, std=0.1))
 
 
 def timer(device, repeats):
@@ -110,30 +126,36 @@ def timer(device, repeats):
     return ms
 
 
-def split(kind, tile, x, h, weights, chosen, w, kernels, ms):
+def split(kind, tile, x, h, weights, chosen, w, kernels, ms, activation):
     """{step: ms} of one candidate's experts, each step alone on the previous step's output."""
     E, k = w.gate_up.shape[0], chosen.shape[1]
     if kind == "fused":
         block_m, up, down = tile
         ids, block_expert = prefill.align_experts(chosen, E, block_m)
-        act = prefill.moe_gate_up(h, w.gate_up, ids, block_expert, k, block_m, up)
-        out = prefill.moe_down(act, w.down, ids, block_expert, weights, block_m, down)
+        act = prefill.moe_gate_up(h, w.gate_up, ids, block_expert, k, block_m, up, w.gate_up_bias, activation)
+        out = prefill.moe_down(act, w.down, ids, block_expert, weights, block_m, down, w.down_bias)
         return {"alignment": ms(lambda: prefill.align_experts(chosen, E, block_m)),
-                "gate_up GEMM": ms(lambda: prefill.moe_gate_up(h, w.gate_up, ids, block_expert, k, block_m, up)),
-                "down GEMM": ms(lambda: prefill.moe_down(act, w.down, ids, block_expert, weights, block_m, down)),
+                "gate_up GEMM": ms(lambda: prefill.moe_gate_up(h, w.gate_up, ids, block_expert, k, block_m, up,
+                                                               w.gate_up_bias, activation)),
+                "down GEMM": ms(lambda: prefill.moe_down(act, w.down, ids, block_expert, weights, block_m, down,
+                                                         w.down_bias)),
                 "sum": ms(lambda: prefill.moe_sum(x, out, k))}
     grouped = prefill.make_grouped(kind, tile)
     pairs, bounds = prefill.expert_rows(chosen, E)
     rows = h[pairs // k]
     gate_up = grouped(rows, w.gate_up, bounds)
-    act = kernels.gated_act(gate_up, "silu")
+    act = kernels.gated_act(gate_up, activation)
     out, row_of = grouped(act, w.down, bounds), prefill.pair_rows(pairs)
-    return {"sort": ms(lambda: prefill.pair_rows(prefill.expert_rows(chosen, E)[0])),
-            "gather": ms(lambda: h[pairs // k]),
-            "gate_up GEMM": ms(lambda: grouped(rows, w.gate_up, bounds)),
-            "activation": ms(lambda: kernels.gated_act(gate_up, "silu")),
-            "down GEMM": ms(lambda: grouped(act, w.down, bounds)),
-            "combination": ms(lambda: kernels.combine(x, out, row_of, weights))}
+    steps = {"sort": ms(lambda: prefill.pair_rows(prefill.expert_rows(chosen, E)[0])),
+             "gather": ms(lambda: h[pairs // k]),
+             "gate_up GEMM": ms(lambda: grouped(rows, w.gate_up, bounds)),
+             "activation": ms(lambda: kernels.gated_act(gate_up, activation)),
+             "down GEMM": ms(lambda: grouped(act, w.down, bounds)),
+             "combination": ms(lambda: kernels.combine(x, out, row_of, weights))}
+    if w.gate_up_bias is not None:  # gpt-oss: each row's expert, its biases gathered and added (grouped_experts')
+        steps["biases"] = ms(lambda: [prefill.biased(t, b, chosen.flatten()[pairs]) for t, b in (
+            (gate_up, w.gate_up_bias), (out, w.down_bias))])
+    return steps
 
 
 def peak_bytes(fn, device):
@@ -166,7 +188,7 @@ def measure(name, tokens, device, kernels, repeats):
     gen = torch.Generator(device=device).manual_seed(tokens)
     x = torch.randn(tokens, H, generator=gen, device=device).to(prefill.DTYPE)
     h = prefill.rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-    router = prefill.Router("softmax", k, True)
+    router = cfg.router
     weights, chosen = prefill.route(h, w, router)
     counts = torch.bincount(chosen.flatten(), minlength=E).tolist()
     expert_flops, router_flops = 6 * tokens * k * H * I, 2 * tokens * E * H
@@ -200,7 +222,7 @@ def measure(name, tokens, device, kernels, repeats):
             "experts_ms": after_routing, "experts_tflops": expert_flops / after_routing / 1e9,
             "peak_bytes": peak, "rel_err_to_first": rel_err(out.float() - x.float(), first.float() - x.float()),
             "same_bits_twice": torch.equal(out, again),
-            "split_ms": split(kind, tile, scratch, h, weights, chosen, w, kernels, ms)}
+            "split_ms": split(kind, tile, scratch, h, weights, chosen, w, kernels, ms, cfg.expert_activation)}
         log(f"{name} {tokens} {entry['name']}: layer {layer:.3f} ms, experts {after_routing:.3f} ms")
         del out, again, scratch
     del w, x, h
@@ -211,12 +233,13 @@ def measure(name, tokens, device, kernels, repeats):
 
 def table(records):
     lines = [f"{'shape':16} {'tokens':>6} {'candidate':34} {'layer ms':>9} {'TFLOP/s':>7} {'experts':>8} {'TFLOP/s':>7}"
-             f"  split ms (routing | sort or alignment, gather | GEMMs | activation | sum)"]
+             f"  split ms (routing | sort or alignment, gather | GEMMs | activation, biases | sum)"]
     for r in records:
         for name, c in sorted(r["candidates"].items(), key=lambda kv: kv[1]["layer_ms"]):
             s = c["split_ms"]
             steps = [r["routing_ms"], s.get("alignment", s.get("sort", 0)) + s.get("gather", 0),
-                     s["gate_up GEMM"] + s["down GEMM"], s.get("activation", 0), s.get("sum", s.get("combination"))]
+                     s["gate_up GEMM"] + s["down GEMM"], s.get("activation", 0) + s.get("biases", 0),
+                     s.get("sum", s.get("combination"))]
             lines.append(f"{r['shape']:16} {r['tokens']:>6} {name:34} {c['layer_ms']:>9.3f} {c['layer_tflops']:>7.0f} "
                          f"{c['experts_ms']:>8.3f} {c['experts_tflops']:>7.0f}  "
                          + " | ".join(f"{v:.3f}" for v in steps))

@@ -2,18 +2,20 @@
 of a search space, the best kept, printed as prefill.FUSED_TILES rows (one device command, < 8 min on the H200; issue
 37).
 
-    python bench/tune_fused_moe.py --out $OUT/fused-moe-tiles.json    # bench/moe_layer.py's five shapes, 4,096 and
+    python bench/tune_fused_moe.py --out $OUT/fused-moe-tiles.json    # bench/moe_layer.py's six shapes, 4,096 and
                                                                       # 16,384 tokens a slice
     python bench/tune_fused_moe.py --shapes qwen3-30b-a3b --tokens 16384 --out $OUT/tiles.json
-    TRITON_INTERPRET=1 python bench/tune_fused_moe.py --device cpu --shapes tiny --tokens 300 --float16 \\
-        --out /tmp/tiles.json                                         # a CPU try of the steps (no timing worth a look)
+    python bench/tune_fused_moe.py --shapes gpt-oss-20b --tokens 16384,65536 --out $OUT/tiles.json
+    TRITON_INTERPRET=1 python bench/tune_fused_moe.py --device cpu --shapes tiny,tiny-gpt-oss --tokens 300 \\
+        --float16 --out /tmp/tiles.json                               # a CPU try of the steps (no timing worth a look)
 
 Per shape (hidden, experts, top-k, moe_intermediate) and slice of T tokens: bench/moe_layer.py's random layer and
-tokens, routed by prefill.route. For each BLOCK_M, the alignment once (prefill.align_experts); then every gate+up GEMM
-tile and every down GEMM tile of SPACE, its weights read by pointers and by TMA (LOADS), each with GROUP_M 1 and 16 (a
-runtime integer: no compile of its own), timed alone (prefill.moe_gate_up, prefill.moe_down: the median of --repeats
-calls by CUDA events after a warm-up that compiles it); a tile the GPU cannot run (shared memory, TMA before sm_90) is
-recorded with its error. A BLOCK_M's fused tile is its fastest gate+up and fastest down; the two BLOCK_Ms' tiles are
+tokens, routed by prefill.route (gpt-oss's shapes: its layer, weights [experts, in, out] read N-contiguous, biases,
+clamped SwiGLU and router: the fused kernels' gpt-oss variants timed). For each BLOCK_M, the alignment once
+(prefill.align_experts); then every gate+up GEMM tile and every down GEMM tile of SPACE, its weights read by pointers
+and by TMA (LOADS), each with GROUP_M 1 and 16 (a runtime integer: no compile of its own), timed alone
+(prefill.moe_gate_up, prefill.moe_down: the median of --repeats calls by CUDA events after a warm-up that compiles it);
+a tile the GPU cannot run (shared memory, TMA before sm_90) is recorded with its error. A BLOCK_M's fused tile is its fastest gate+up and fastest down; the two BLOCK_Ms' tiles are
 ranked by their whole experts' time (alignment, both GEMMs, sum), checked against torch's grouped_mm experts on the same
 routing (relative error) and timed against them (experts after routing).
 
@@ -82,23 +84,24 @@ def tune(name, tokens, w, device, space, ms):
     gen = torch.Generator(device=device).manual_seed(tokens)
     x = torch.randn(tokens, H, generator=gen, device=device).to(prefill.DTYPE)
     h = prefill.rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-    weights, chosen = prefill.route(h, w, prefill.Router("softmax", k, True))
+    weights, chosen = prefill.route(h, w, cfg.router)
+    act_fn, up_bias, down_bias = cfg.expert_activation, w.gate_up_bias, w.down_bias
     flops = 6 * tokens * k * H * I
     record = {"shape": name, "tokens": tokens, "rows_per_expert": tokens * k // E, "key": [H, I, tokens * k // E],
               "block_m": {}}
     for block_m, gemms in space.items():
         ids, block_expert = prefill.align_experts(chosen, E, block_m)
         (up, up_ms), up_tried = best_gemm("gate_up", lambda t: prefill.moe_gate_up(
-            h, w.gate_up, ids, block_expert, k, block_m, t), gemms["gate_up"], ms)
-        act = prefill.moe_gate_up(h, w.gate_up, ids, block_expert, k, block_m, up) if up else None
+            h, w.gate_up, ids, block_expert, k, block_m, t, up_bias, act_fn), gemms["gate_up"], ms)
+        act = prefill.moe_gate_up(h, w.gate_up, ids, block_expert, k, block_m, up, up_bias, act_fn) if up else None
         (down, down_ms), down_tried = best_gemm("down", lambda t: prefill.moe_down(
-            act, w.down, ids, block_expert, weights, block_m, t), gemms["down"] if up else [], ms)
+            act, w.down, ids, block_expert, weights, block_m, t, down_bias), gemms["down"] if up else [], ms)
         entry = {"gate_up": up, "gate_up_ms": up_ms, "down": down, "down_ms": down_ms,
                  "gate_up_tried": {str(t): v for t, v in up_tried.items()},
                  "down_tried": {str(t): v for t, v in down_tried.items()}}
         if up and down:
             tile = (block_m, up, down)
-            entry["experts_ms"] = ms(lambda: prefill.fused_experts(x, h, weights, chosen, w, tile))
+            entry["experts_ms"] = ms(lambda: prefill.fused_experts(x, h, weights, chosen, w, tile, act_fn))
             entry["alignment_ms"] = ms(lambda: prefill.align_experts(chosen, E, block_m))
             entry["gemm_tflops"] = flops / (up_ms + down_ms) / 1e9
         record["block_m"][block_m] = entry
@@ -106,12 +109,12 @@ def tune(name, tokens, w, device, space, ms):
     ranked = sorted((e["experts_ms"], m) for m, e in record["block_m"].items() if "experts_ms" in e)
     record["tiles"] = [(m, record["block_m"][m]["gate_up"], record["block_m"][m]["down"]) for _, m in ranked]
     if record["tiles"]:  # the best against torch's grouped_mm experts on the same routing (where it runs here)
-        best = prefill.make_experts("fused", record["tiles"][0])
+        best = prefill.make_experts("fused", record["tiles"][0], act_fn)
         fused_out, grouped_out = x.clone(), x.clone()
         best(fused_out, h, weights, chosen, w, None)
         record["experts_ms"], record["experts_tflops"] = ranked[0][0], flops / ranked[0][0] / 1e9
         try:
-            grouped = prefill.make_experts("grouped_mm")
+            grouped = prefill.make_experts("grouped_mm", None, act_fn)
             kernels = prefill.TRITON_KERNELS if device.type == "cuda" else prefill.TORCH_KERNELS
             grouped(grouped_out, h, weights, chosen, w, kernels)
             record["rel_err_to_grouped_mm"] = rel_err(fused_out.float() - x.float(), grouped_out.float() - x.float())

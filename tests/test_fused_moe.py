@@ -1,7 +1,9 @@
-"""prefill's fused experts (fused_experts: align_experts' two launches, the gate+up GEMM with the activation, the down
-GEMM with the routing weight, the sum into x) in Triton's interpreter: against float32 experts on uneven routing, the
-alignment against its specification (hypothesis), the start-up check refusing planted bugs, and the whole tiny
-Qwen3-MoE of test_moe.py against transformers in float32.
+"""prefill's fused experts (fused_experts: align_experts' three launches, the gate+up GEMM with the activation, the
+down GEMM with the routing weight, the sum into x) in Triton's interpreter: against float32 experts on uneven routing,
+gpt-oss's experts (their layout, biases and clamped SwiGLU) against float32 experts and the grouped path with each
+feature ablated, the alignment against its specification (hypothesis), the start-up check refusing planted bugs (in
+gpt-oss's experts too), and the whole tiny Qwen3-MoE of test_moe.py against transformers in float32 (gpt-oss's:
+test_gpt_oss.py).
 
 The interpreter multiplies bf16 tiles as raw integers, so the interpreted process runs prefill in float16
 (prefill.DTYPE, read when a tensor is made): the kernels round to their tensors' own dtype, bf16 on a GPU. One process
@@ -14,6 +16,7 @@ import torch
 
 import prefill
 from test_families import TEXTS
+from test_gpt_oss import GEOMETRY as GPT_OSS
 from test_moe import CPU, geometry_config, reference, moe_checkpoint, save_moe_checkpoint  # noqa: F401 (fixtures)
 from test_prefill import TOLERANCE, interpreted, max_rel_err
 from bench.make_checkpoint import QWEN3_30B_A3B
@@ -51,6 +54,37 @@ report["cases"] = {f"top-2 {tile}": case(64, 32, 200, 2, True, tile) for tile in
 report["cases"] |= {"top-1": case(64, 32, 70, 1, False, here[0]), "top-3": case(64, 32, 45, 3, True, here[0]),
                     "hidden 80, moe_intermediate 48": case(80, 48, 150, 2, True, here[0]),
                     "[experts, K, N] weights": case(64, 32, 100, 2, True, here[0], transposed=True)}
+
+# gpt-oss's experts (expert_inputs' gpt-oss layer: [experts, in, out] storage read through strides and by TMA, gate
+# and up interleaved, a bias on each GEMM, a clamp at its default 7 that bites) against float32 experts and against the
+# grouped path (the loop with gated_act and combine: its steps rounded as the fused epilogue's, here float16), in every
+# tile gpt-oss's shapes are offered (both models' slices, every GPU family; the interpreter's twice, for the bits) and
+# sizes no tile divides; then the fused path with each feature ablated, which must miss both
+OSS = prefill.ClampedSwiGLU(1.702, 7.0)
+def oss_case(hidden, inter, tile, activation=OSS, biases=True, runs=1):
+    geometry = types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, fused_experts=True)
+    h, w = prefill.expert_inputs(cpu, geometry, seed=5, tokens=40, experts=8)
+    want = prefill.moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, 2, True, OSS, w.gate_up_bias,
+                                 w.down_bias)
+    router = prefill.Router("softmax", 2, True)
+    grouped = prefill.moe_ffn(torch.zeros_like(h), h, w, router, prefill.make_experts("loop", None, OSS),
+                              prefill.TORCH_KERNELS)
+    if not biases:
+        w.gate_up_bias = w.down_bias = None
+    runs = [prefill.moe_ffn(torch.zeros_like(h), h, w, router, prefill.make_experts("fused", tile, activation),
+                            prefill.TORCH_KERNELS) for _ in range(runs)]
+    return {"error": prefill.check_error(runs[0], want), "to grouped": prefill.check_error(runs[0], grouped.float()),
+            "same_bits": torch.equal(*runs) if len(runs) == 2 else None}
+
+shapes = [types.SimpleNamespace(hidden_size=2880, moe_intermediate_size=2880, num_experts_per_tok=4, num_experts=e)
+          for e in (32, 128)]  # gpt-oss-20b's and 120b's
+oss_tiles = sorted({t for family in prefill.FUSED_TILES for cfg in shapes for tokens in (4096, 16384, 65536)
+                    for t in prefill.fused_tiles(family, cfg, tokens)})
+report["gpt-oss"] = {str(tile): oss_case(64, 32, tile, runs=1 + (tile == here[0])) for tile in oss_tiles}
+report["gpt-oss"]["hidden 80, moe_intermediate 48"] = oss_case(80, 48, here[0])
+report["gpt-oss ablated"] = {"biases dropped": oss_case(64, 32, here[0], biases=False),
+                             "clamp dropped": oss_case(64, 32, here[0], prefill.ClampedSwiGLU(1.702, 6e4)),
+                             "SiLU of gate and up as halves": oss_case(64, 32, here[0], "silu")}
 
 # align_experts against its specification, written out: expert by expert, each one's (token, slot) rows in token
 # order, padded with `rows` to a multiple of the block; then the blocks' experts, -1 past the last
@@ -102,6 +136,22 @@ for name, bug in {"weights of the two slots swapped": lambda weights: weights.fl
     report[name] = [entry["error"], entry.get("reason")]
 prefill.align_experts, prefill.make_experts = align, make
 
+# the same check of gpt-oss's fused experts on its shapes (GEOMETRY of test_gpt_oss: a clamp at 3) with their biases
+# dropped, or the SiLU in place of the clamped SwiGLU (test_gpt_oss's Runner passes it on the same shapes)
+oss_cfg = prefill.ModelConfig.from_json(json.loads(sys.argv[3]))
+[candidate] = prefill.expert_candidates("fused", cpu, oss_cfg, 4096)
+fused = prefill.fused_experts
+unbiased = lambda x, h, weights, chosen, w, tile, activation: fused(
+    x, h, weights, chosen, prefill.dataclasses.replace(w, gate_up_bias=None, down_bias=None), tile, activation)
+report["gpt-oss check"] = {}
+for name, (fn, activation) in {"biases dropped": (unbiased, oss_cfg.expert_activation),
+                               "SiLU for the clamp": (fused, "silu")}.items():
+    prefill.fused_experts = fn
+    prefill.make_experts = lambda kind, tile, _, activation=activation: make(kind, tile, activation)
+    [entry] = prefill.check_experts([candidate], cpu, oss_cfg)
+    report["gpt-oss check"][name] = [entry["error"], entry.get("reason")]
+prefill.fused_experts, prefill.make_experts = fused, make
+
 # the whole model with the fused experts (its start-up check passes them): two texts (60 tokens), scored twice
 r = prefill.Runner(sys.argv[1], device="cpu", attention="sdpa", experts="fused", picks="")
 ids = r.tokenize(json.loads(sys.argv[2]))
@@ -114,7 +164,8 @@ print(json.dumps(report))
 
 @pytest.fixture(scope="module")
 def interpreted_report(moe_checkpoint):  # noqa: F811 (a fixture of test_moe)
-    p = interpreted(SCRIPT, moe_checkpoint[0], json.dumps([TEXTS[i] for i in RUNNER_TEXTS]))
+    p = interpreted(SCRIPT, moe_checkpoint[0], json.dumps([TEXTS[i] for i in RUNNER_TEXTS]),
+                    json.dumps({"model_type": "gpt_oss", **GPT_OSS}))
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout)
 
@@ -127,6 +178,16 @@ def test_fused_experts_match_float32_experts_in_the_interpreter(interpreted_repo
     assert all(c["same_bits"] and c["error"] < 2e-3 for c in cases.values()), cases  # measured: 1.0e-3-1.5e-3
 
 
+def test_gpt_oss_s_fused_experts_match_float32_and_the_grouped_path_and_each_feature_matters(interpreted_report):
+    # every tile gpt-oss's shapes are offered, partial tiles; measured 2.2e-3 against float32 (1.3e-3 in partial
+    # tiles), 9.7e-4 against the grouped path: the grouped path's own float16 roundings, not the epilogue's order
+    cases, [here] = interpreted_report["gpt-oss"], prefill.FUSED_TILES["cpu"].values()
+    assert len(cases) >= 8 and cases[str(here[0])]["same_bits"], cases
+    assert all(c["error"] < 4e-3 and c["to grouped"] < 2e-3 for c in cases.values()), cases
+    for name, c in interpreted_report["gpt-oss ablated"].items():  # measured 0.67, 1.16, 3.5
+        assert min(c["error"], c["to grouped"]) > 4 * prefill.CHECK_TOLERANCE, (name, c)
+
+
 def test_the_alignment_numbers_every_row_once_expert_by_expert_and_pads_the_rest(interpreted_report):
     assert interpreted_report["alignment"] == "as specified"
 
@@ -134,6 +195,9 @@ def test_the_alignment_numbers_every_row_once_expert_by_expert_and_pads_the_rest
 def test_the_start_up_check_refuses_planted_bugs_in_the_fused_experts(interpreted_report):
     for bug in ("weights of the two slots swapped", "a slot skipped", "the next expert's weights"):
         error, reason = interpreted_report[bug]
+        assert error > 4 * prefill.CHECK_TOLERANCE and reason.startswith("differs from float32 experts"), (bug, error)
+    assert set(interpreted_report["gpt-oss check"]) == {"biases dropped", "SiLU for the clamp"}
+    for bug, (error, reason) in interpreted_report["gpt-oss check"].items():
         assert error > 4 * prefill.CHECK_TOLERANCE and reason.startswith("differs from float32 experts"), (bug, error)
 
 

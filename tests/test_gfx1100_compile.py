@@ -361,10 +361,8 @@ def offered_launches(target):
     for model in MODELS:
         found, kernels = prefill_launches(target, model, offered_tiles(model), offered_tree_tiles(model))
         launches += found
-    # the fused experts are not offered for gpt-oss's (expert_candidates)
     return launches + [launch for model in MOE_MODELS for kind, tiles in (("triton", prefill.EXPERT_TILES["rdna3"]),
                                                                           ("fused", RDNA3_FUSED_TILES))
-                       if not (kind == "fused" and model_config(MODELS[model]).fused_experts)
                        for launch in moe_launches(target, kind, tiles, model)], kernels
 
 
@@ -414,6 +412,10 @@ def test_every_kernel_prefill_launches_is_recorded_in_every_offered_variant(offe
     for kernel, gemm in (("_moe_gate_up_kernel", 1), ("_moe_down_kernel", 2)):  # each GEMM in each fused tile
         assert ({fused_gemm_tile(launch) for launch in launches if launch.kernel == kernel}
                 == {(tile[0], tile[gemm][:2] + tile[gemm][3:]) for tile in RDNA3_FUSED_TILES}), kernel
+        # gpt-oss's variant (biases; gate and up interleaved, the clamped SwiGLU) beside the others'
+        variants = {(c["BIAS"], c.get("CLAMPED", c["BIAS"])) for launch in launches if launch.kernel == kernel
+                    for c in [launch.named_constexprs()]}
+        assert variants == {(False, False), (True, True)}, (kernel, variants)
     assert len(distinct_compiles(launches)) > 100  # the parts below compile them all
 
 

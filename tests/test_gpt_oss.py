@@ -286,10 +286,10 @@ def test_backends_without_sinks_are_not_offered():
     assert prefill.attention_tiles("rdna3", cfg) == prefill.RDNA3_VARIANT_TILES
 
 
-def test_the_experts_check_runs_gpt_oss_s_experts_and_the_fused_ones_are_not_offered(monkeypatch):
+def test_the_experts_check_runs_gpt_oss_s_experts_and_the_fused_ones_are_offered(monkeypatch):
     # the start-up check of the expert kernels on gpt-oss's layout (transposed views, biases, a clamp that bites):
     # the grouped GEMMs pass, their biases or the clamped SwiGLU left out are refused; the fused experts, which compute
-    # neither, are offered for no GPU and refused by name
+    # both in their epilogues, are offered on a GPU (test_fused_moe.py: checked, and their planted bugs refused)
     cfg = prefill.ModelConfig.from_json(json.loads(json.dumps({"model_type": "gpt_oss", **GEOMETRY})))
     candidates = prefill.expert_candidates("auto", CPU, cfg, 4096)
     good = prefill.check_experts(candidates, CPU, cfg)
@@ -307,9 +307,9 @@ def test_the_experts_check_runs_gpt_oss_s_experts_and_the_fused_ones_are_not_off
     monkeypatch.setattr(prefill, "gpu_family", lambda device: "nvidia")
     monkeypatch.setattr(prefill, "grouped_mm_native", lambda device: True)
     names = [name for name, _, _ in prefill.expert_candidates("auto", torch.device("cuda"), cfg, 16384)]
-    assert names[0] == "grouped_mm" and names[-1] == "loop" and not any(n.startswith("fused") for n in names), names
-    with pytest.raises(prefill.UserError, match="expert kernel 'fused' does not compute gpt-oss's experts"):
-        prefill.expert_candidates("fused", torch.device("cuda"), cfg, 16384)
+    assert names[0] == "grouped_mm" and names[-1] == "loop" and names[1].startswith("fused"), names
+    assert [c[2] for c in prefill.expert_candidates("fused", torch.device("cuda"), cfg, 16384)] == \
+        prefill.fused_tiles("nvidia", cfg, 16384)
 
 
 def test_the_plan_counts_mxfp4_s_bytes_its_scratch_and_a_201k_vocabulary():
@@ -496,6 +496,52 @@ def test_triton_kernels_compute_sinks_and_the_clamp_and_the_check_refuses_them_d
     assert max(report["kernels"].values()) <= limit, report
     assert min(report["clamp dropped"], report["gate and up as halves"]) > 4 * limit, report
     assert report["experts"] < limit / 4 and report["experts read in-contiguous"] > 4 * limit, report
+
+
+# The fused experts (--experts fused: their gpt-oss variants) through the whole model in Triton's interpreter, which
+# runs prefill in float16 (test_fused_moe.py says why): the bf16 checkpoint and the MXFP4 one against transformers in
+# float32, the MXFP4 one streamed (dequantized into its slot) equal to resident; the experts' biases dropped, or their
+# clamp, through the fused path
+FUSED_RUNS = """
+import dataclasses, json, sys, torch, prefill
+sys.path.insert(0, str(prefill.Path(prefill.__file__).parent / "tests"))
+from test_families import runner  # SDPA, its start-up check on short texts: the experts are under test here
+prefill.DTYPE = torch.float16  # the interpreter multiplies bf16 tiles as raw integers
+check, checks = prefill.check_experts, {}  # the three runs' shapes and candidates are the same: checked once
+prefill.check_experts = lambda candidates, *a: checks.setdefault(repr(candidates), check(candidates, *a))
+texts, report = json.loads(sys.argv[3]), {}
+for name, path, kw in (("bf16", sys.argv[1], {}), ("mxfp4", sys.argv[2], {}),
+                       ("mxfp4 streamed", sys.argv[2], {"gpu_memory_gib": 0, "load": "copy"})):
+    r = runner(path, experts="fused", picks="", **kw)
+    ids = r.tokenize(texts)
+    report[name] = {"experts": r.experts, "check_error": r.experts_report[0]["error"],
+                    "streamed": r.plan.streamed_layers, "losses": r.losses(ids)}
+    if name == "bf16":
+        [(_, kind, tile)] = prefill.expert_candidates(r.experts, r.device, r.cfg, 4096)
+        resident, act = r.streamer.resident, r.cfg.expert_activation
+        r.streamer.resident = {i: dataclasses.replace(w, gate_up_bias=None, down_bias=None) for i, w in resident.items()}
+        report["biases dropped"] = r.losses(ids)
+        r.streamer.resident = resident
+        r.run_experts = prefill.make_experts(kind, tile, prefill.ClampedSwiGLU(act.alpha, 6e4))
+        report["clamp dropped"] = r.losses(ids)
+print(json.dumps(report))
+"""
+FUSED_TEXTS = [3, 7, 8]  # 48, 3 and 2 tokens: the ones whose losses the biases and the clamp move most
+
+
+def test_fused_experts_through_the_model_match_transformers_bf16_and_mxfp4_streamed_too(oss, mxfp4):
+    # measured: bf16 2.6e-4, MXFP4 6.6e-4 (the check 1.7e-3); the biases dropped 14 tolerances, the clamp 24
+    p = interpreted(FUSED_RUNS, oss[0], mxfp4[0], json.dumps([TEXTS[i] for i in FUSED_TEXTS]))
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(p.stdout)
+    for name, reference in (("bf16", oss[1]), ("mxfp4", mxfp4[2])):
+        run, want = report[name], [reference[i] for i in FUSED_TEXTS]
+        assert run["experts"].startswith("fused") and run["check_error"] < prefill.CHECK_TOLERANCE / 4, run
+        assert max_rel_err(run["losses"], want) < TOLERANCE, (name, run, want)
+    streamed = report["mxfp4 streamed"]
+    assert streamed["streamed"] == [0, 1] and streamed["losses"] == report["mxfp4"]["losses"], report
+    for ablation in ("biases dropped", "clamp dropped"):
+        assert max_rel_err(report[ablation], [oss[1][i] for i in FUSED_TEXTS]) > 3 * TOLERANCE, (ablation, report)
 
 
 def test_the_start_up_checks_refuse_attention_without_its_sinks(monkeypatch):
