@@ -2668,10 +2668,6 @@ if triton is not None:
             tl.store(dst + ROT + r, o2, mask=mask)
 
     @triton.jit
-    def _bf16(x):  # x rounded to bf16, as PyTorch rounds each step of a bf16 op, back in float32
-        return x.to(tl.bfloat16).to(tl.float32)
-
-    @triton.jit
     def _clamped_swiglu(gate, up, alpha, limit, dtype: tl.constexpr):
         # gpt-oss's ClampedSwiGLU of float32 gate and up, each of gated_act's steps rounded to dtype (bf16: as PyTorch
         # rounds each bf16 op); the product is left to the caller. The fused experts' epilogue computes it too

@@ -15,9 +15,10 @@ clamped SwiGLU and router: the fused kernels' gpt-oss variants timed). For each 
 (prefill.align_experts); then every gate+up GEMM tile and every down GEMM tile of SPACE, its weights read by pointers
 and by TMA (LOADS), each with GROUP_M 1 and 16 (a runtime integer: no compile of its own), timed alone
 (prefill.moe_gate_up, prefill.moe_down: the median of --repeats calls by CUDA events after a warm-up that compiles it);
-a tile the GPU cannot run (shared memory, TMA before sm_90) is recorded with its error. A BLOCK_M's fused tile is its fastest gate+up and fastest down; the two BLOCK_Ms' tiles are
-ranked by their whole experts' time (alignment, both GEMMs, sum), checked against torch's grouped_mm experts on the same
-routing (relative error) and timed against them (experts after routing).
+a tile the GPU cannot run (shared memory, TMA before sm_90) is recorded with its error. A BLOCK_M's fused tile is its
+fastest gate+up and fastest down; the two BLOCK_Ms' tiles are ranked by their whole experts' time (alignment, both
+GEMMs, sum), checked against torch's grouped_mm experts on the same routing (relative error) and timed against them
+(experts after routing).
 
 Vendors ship such tables per GPU (vLLM's fused_moe/configs/E=…,N=…,device_name=….json, keyed by the token count;
 DeepGEMM's per-GPU heuristics): prefill keeps its own in prefill.py (FUSED_TILES), keyed by (hidden, moe_intermediate,

@@ -179,12 +179,12 @@ def test_fused_experts_match_float32_experts_in_the_interpreter(interpreted_repo
 
 
 def test_gpt_oss_s_fused_experts_match_float32_and_the_grouped_path_and_each_feature_matters(interpreted_report):
-    # every tile gpt-oss's shapes are offered, partial tiles; measured 2.2e-3 against float32 (1.3e-3 in partial
-    # tiles), 9.7e-4 against the grouped path: the grouped path's own float16 roundings, not the epilogue's order
+    # every tile gpt-oss's shapes are offered, partial tiles; measured 1.6e-3 against float32 (1.3e-3 in partial
+    # tiles), 9.5e-4 against the grouped path (it weights each row in float32, the fused path rounds the product)
     cases, [here] = interpreted_report["gpt-oss"], prefill.FUSED_TILES["cpu"].values()
     assert len(cases) >= 8 and cases[str(here[0])]["same_bits"], cases
     assert all(c["error"] < 4e-3 and c["to grouped"] < 2e-3 for c in cases.values()), cases
-    for name, c in interpreted_report["gpt-oss ablated"].items():  # measured 0.67, 1.16, 3.5
+    for name, c in interpreted_report["gpt-oss ablated"].items():  # measured 0.66, 0.64, 4.1
         assert min(c["error"], c["to grouped"]) > 4 * prefill.CHECK_TOLERANCE, (name, c)
 
 

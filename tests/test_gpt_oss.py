@@ -519,7 +519,8 @@ for name, path, kw in (("bf16", sys.argv[1], {}), ("mxfp4", sys.argv[2], {}),
     if name == "bf16":
         [(_, kind, tile)] = prefill.expert_candidates(r.experts, r.device, r.cfg, 4096)
         resident, act = r.streamer.resident, r.cfg.expert_activation
-        r.streamer.resident = {i: dataclasses.replace(w, gate_up_bias=None, down_bias=None) for i, w in resident.items()}
+        r.streamer.resident = {i: dataclasses.replace(w, gate_up_bias=None, down_bias=None)
+                               for i, w in resident.items()}
         report["biases dropped"] = r.losses(ids)
         r.streamer.resident = resident
         r.run_experts = prefill.make_experts(kind, tile, prefill.ClampedSwiGLU(act.alpha, 6e4))
