@@ -359,11 +359,17 @@ def corpus_settings(args):
     """The settings an --output file's numbers depend on that are known before the model loads: the options, and the
     fingerprint of the checkpoint's files (an edit in place keeps the path). Kept beside OUT in OUT.settings.json to
     name what changed, and digested into each record (numbers_digest) to prove nothing did."""
-    return {"model": str(Path(args.model).resolve()), "checkpoint": checkpoint_fingerprint(args.model),
+    # a mixture of experts' wave of WAVE_STEP (torchrun's, where a wave is one batch, or given) is recorded as the
+    # planned one (None) it equals in every number: texts are cut into batches of WAVE_STEP tokens whatever the wave
+    # (score_wave), so a file begun on one process resumes under torchrun and the other way round, and the two files
+    # are the same bytes. A dense model's wave is recorded as given, as before (its records' digests stay valid)
+    checkpoint = checkpoint_fingerprint(args.model)  # first: what it says of a bad folder is the error shown
+    wave = None if args.wave_tokens == WAVE_STEP and ModelConfig.from_dir(args.model).num_experts else args.wave_tokens
+    return {"model": str(Path(args.model).resolve()), "checkpoint": checkpoint,
             "text_field": args.text_field, "id_field": args.id_field, "context_field": args.context_field,
             "continuation_field": args.continuation_field, "token_logprobs": args.token_logprobs,
             "chunk_tokens": args.chunk_tokens,
-            "wave_tokens": args.wave_tokens, "attention": args.attention, "kernels": args.kernels,
+            "wave_tokens": wave, "attention": args.attention, "kernels": args.kernels,
             "device": args.device or "auto", "logits": dict(LOGITS)}
 
 

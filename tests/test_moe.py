@@ -717,6 +717,12 @@ def test_corpus_mode_plans_the_wave_and_says_which_bound(moe_checkpoint, tmp_pat
     assert stats["wave_tokens"] == want.wave_tokens and stats["wave_plan"] == line and "compute-bound" in line
     assert f"prefill: {line}" in capsys.readouterr().err.splitlines()
     assert json.loads((tmp_path / "out.jsonl.settings.json").read_text())["wave_tokens"] is None  # planned
+    # a wave of 65536 (torchrun's, where a wave is one batch) gives the same numbers: the file resumes under it, to
+    # the same bytes
+    whole = (tmp_path / "out.jsonl").read_bytes()
+    (tmp_path / "out.jsonl").write_bytes(whole.splitlines(keepends=True)[0])
+    assert prefill.main(args + ["--wave-tokens", "65536", "--resume"]) == 0
+    assert (tmp_path / "out.jsonl").read_bytes() == whole
     (tmp_path / "out.jsonl").unlink()
     assert prefill.main(args + ["--wave-tokens", "1000"]) == 0  # given: that wave, nothing planned
     stats = json.loads((tmp_path / "stats.json").read_text())
