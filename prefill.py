@@ -4296,6 +4296,20 @@ def gated(device, launch):
     torch.cuda.current_stream().synchronize()
 
 
+def gated_ms(device, fn, repeats=TIMING_REPEATS):
+    # the median ms of `repeats` calls of fn, back to back on the current stream behind a gate
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+
+    def launch():
+        for event in events[:-1]:
+            event.record()
+            fn()
+        events[-1].record()
+
+    gated(device, launch)
+    return median_ms(events)
+
+
 def pick_order(entries, cost):
     """entries, in their family's order of preference, reordered for picking: first the first entry, replaced by any
     later one whose cost is at most (1 - PICK_MARGIN) of the current choice's, in turn; then the same among the rest.
@@ -4462,19 +4476,13 @@ def attention_ms(attend, inputs, how):
     sinks = check_sinks(how, q.shape[1], q.device)
     stream = torch.cuda.Stream(q.device)
     first = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 1)]
-    def launch():
-        for event in events[:-1]:
-            event.record()
-            attend(q, k, v, chunk, how, **sinks)
-        events[-1].record()
-
     with torch.cuda.stream(stream):
         first[0].record()
         attend(q, k, v, chunk, how, **sinks)
         first[1].record()
-        gated(q.device, launch)  # the first call's host work counts (a plan per shape), the others' does not
-    return first[0].elapsed_time(first[1]), median_ms(events)
+        # the first call's host work counts (a plan per shape), the others' does not
+        ms = gated_ms(q.device, lambda: attend(q, k, v, chunk, how, **sinks))
+    return first[0].elapsed_time(first[1]), ms
 
 
 def time_attention(entries, label, device, cfg):
@@ -4629,17 +4637,9 @@ def experts_ms(experts, inputs):
     # the fused experts' six launches) over TIMING_REPEATS after one warm-up, on a stream of its own
     x = inputs[0]
     stream = torch.cuda.Stream(x.device)
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(TIMING_REPEATS + 1)]
-    def launch():
-        for event in events[:-1]:
-            event.record()
-            experts(*inputs)
-        events[-1].record()
-
     with torch.cuda.stream(stream):
         experts(*inputs)
-        gated(x.device, launch)
-    return median_ms(events)
+        return gated_ms(x.device, lambda: experts(*inputs))
 
 
 def expert_timing_inputs(device, cfg, chunk_tokens, kernels, experts=8):
@@ -4896,16 +4896,7 @@ def gemm_tflops(device, shapes, weights=None, repeats=TIMING_REPEATS):
         w = (weights or {}).get(name)
         w = torch.randn(N, K, generator=gen, device=device, dtype=DTYPE) if w is None else w
         F.linear(x, w)
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
-
-        def launch():
-            for i in range(repeats):
-                events[i].record()
-                F.linear(x, w)
-            events[-1].record()
-
-        gated(device, launch)
-        rates[name] = 2 * M * N * K / (median_ms(events) / 1e3) / 1e12
+        rates[name] = 2 * M * N * K / (gated_ms(device, lambda: F.linear(x, w), repeats) / 1e3) / 1e12
         del x, w
     return rates
 
