@@ -6296,9 +6296,10 @@ PAIR_FIELDS = ("context", "continuation")  # --context-field, --continuation-fie
 def parse_args(argv):
     p = ArgumentParser(
         description="Per-text loss of a dense Llama, Mistral, Qwen2/2.5, Qwen3 or Gemma 2/3 checkpoint, or a "
-                    "Qwen3-MoE (safetensors; model_type llama, mistral, qwen2, qwen3, gemma2, gemma3_text, gemma3 "
-                    "saved as multimodal: its text model, or qwen3_moe), streaming the layers that do not fit "
-                    "in GPU memory. Without --input: prints `ready`, reads one JSON array of strings on stdin, "
+                    "mixture of experts: Qwen3-MoE, Qwen1.5/2-MoE, Mixtral, GLM-4.5, DeepSeek-V3 (Moonlight, "
+                    "Kimi-K2) or gpt-oss (safetensors, in bf16, block-wise FP8 or gpt-oss's MXFP4; model_type "
+                    f"{', '.join(FAMILIES)}, or gemma3 saved as multimodal: its text model), streaming the layers "
+                    "that do not fit in GPU memory. Without --input: prints `ready`, reads one JSON array of strings on stdin, "
                     "prints one loss per text (nan for texts of < 2 tokens) and exits. With --input FILE: the same "
                     "losses for FILE's texts, without the handshake. With --input FILE --output OUT.jsonl: scores a "
                     "corpus of any size into OUT, one JSON line per text, resumable with --resume. Started by "
@@ -6366,7 +6367,8 @@ def parse_args(argv):
                         "(default: Triton on a GPU where each kernel matches float32 math, else PyTorch)")
     p.add_argument("--chunk-tokens", type=bounded(int, 1, MAX_TOKENS), default=4096, metavar="N",
                    help="tokens per GEMM step: attention runs on chunks of whole texts of up to N tokens, the MLP "
-                        "on slices of N; a mixture of experts on chunks and slices of 4 N (default 4096)")
+                        "on slices of N; a mixture of experts on slices of 4 N, and on chunks of 4 N where their "
+                        "scratch fits in the slices' room, else N (DeepSeek-V3's) (default 4096)")
     p.add_argument("--wave-tokens", type=bounded(int, 1, MAX_TOKENS), metavar="N",
                    help="tokens kept on the GPU across all layers; larger requests run in several waves, "
                         f"each streaming the layers again (default {WAVE_STEP}; for a mixture of experts with "
