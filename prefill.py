@@ -3668,26 +3668,24 @@ def grouped_mm_native(device):
 # (token, slot) rows are numbered into blocks of BLOCK_M rows, one expert a block, its last block padded
 # (align_experts: moe_align_block_size's job, here a count and a prefix sum instead of atomics); the gate+up GEMM reads
 # its rows of h through those ids (no gathered copy) and writes act(gate)·up once, not the [rows, 2 moe_intermediate]
-# that vLLM's silu_and_mul rereads; the down GEMM multiplies each row by its routing weight in its epilogue
-# (MUL_ROUTED_WEIGHT) and writes it at its own (token, slot) row; a last launch sums each token's k rows (moe_sum) in
-# slot order, which route makes ascending expert order, in float32, rounds once and adds them to x. Every row is
+# that vLLM's silu_and_mul rereads; the down GEMM writes each row at its own (token, slot) row, unweighted (vLLM
+# weights it in the epilogue, MUL_ROUTED_WEIGHT); a last launch sums each token's k rows times their routing weights
+# (moe_sum) in slot order, which route makes ascending expert order, in float32, rounds once and adds them to x. Every row is
 # written by one program and every sum has a fixed order: no atomics. The integers that vary with the texts or that
 # the start-up check takes smaller than a run (tokens, k, experts) are not specialised on, so that the check compiles
 # what the run launches. The weights are read through strides (w_col, w_k, up_at), or by TMA over their contiguous
 # side. gpt-oss's experts are three constexprs of the same two kernels: their [experts, K, N] storage (a transposed
 # view, N-contiguous: KN, TMA blocks of [BLOCK_K, BLOCK_N]), gate and up interleaved in gate_up's columns (CLAMPED: one
 # GEMM over 2 BLOCK_N adjacent columns, split into gate and up in the epilogue, as OpenAI's triton_kernels swiglu
-# splits them, then the ClampedSwiGLU) and a bias on each GEMM (BIAS: added in the epilogue, the down bias before the
-# routing weight as transformers' (act @ down + bias) · weight).
+# splits them, then the ClampedSwiGLU) and a bias on each GEMM (BIAS: added in the epilogue).
 #
-# The roundings are today's grouped path's (grouped_experts with combine) where that costs nothing: gate and up
-# rounded to bf16, SiLU rounded, its product with up rounded, as gated_act; each token's sum rounded once and then the
-# add. One differs: the down GEMM's float32 output is weighted before its one rounding to bf16, where combine rounds
-# the unweighted row and weights it exactly in float32; keeping the weighted rows in float32 instead would double the
-# bytes the down GEMM writes and the sum reads. gpt-oss's epilogues round where transformers' bf16 steps do: each GEMM's
-# output, its bias added, each step of the ClampedSwiGLU, the routing weight's product (the grouped path weights the
-# biased row in float32 instead); the sum over the slots is float32, rounded once, as transformers' grouped_mm experts
-# (integrations/moe.py) sum them.
+# The roundings are the grouped path's (grouped_experts with combine): gate and up rounded to bf16, SiLU rounded, its
+# product with up rounded, as gated_act; the down GEMM's output rounded, then weighted in float32 in the sum, rounded
+# once, then the add. gpt-oss's epilogues round where transformers' bf16 steps do: each GEMM's output, its bias added,
+# each step of the ClampedSwiGLU. transformers' bf16 experts (integrations/moe.py) also round each weighted row before
+# their float32 sum: prefill does not, one rounding fewer against the float32 oracle. With the weight in the down
+# GEMM's epilogue, as vLLM, each product was rounded too: gpt-oss's tiny experts were 1.6e-3 from float32 math in
+# float16 (tests/test_fused_moe.py), now 1.1e-3 and in most tiles the grouped path's bits; the same bytes move.
 
 ALIGN_CHUNK = 512   # (token, slot) entries a program of align_experts reads and places
 ALIGN_EXPERTS = 16  # experts it handles at a time ([ALIGN_CHUNK, ALIGN_EXPERTS] comparisons)
@@ -3866,14 +3864,13 @@ if triton is not None:
             tl.store(act_ptr + r[:, None].to(tl.int64) * N + cols[None, :], act.to(dtype), mask=cols[None, :] < N)
 
     @triton.jit(do_not_specialize=["rows", "blocks", "group_m"])
-    def _moe_down_kernel(act_ptr, w, bias_ptr, out_ptr, ids_ptr, block_expert_ptr, weights_ptr, rows, blocks, group_m,
-                         N, K, w_expert, w_col, w_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, KN: tl.constexpr,
-                         BIAS: tl.constexpr):
-        # out[ids[r], cols] = weights[ids[r]] · (act[r] @ the expert's down weights) for the block's rows that are not
+    def _moe_down_kernel(act_ptr, w, bias_ptr, out_ptr, ids_ptr, block_expert_ptr, rows, blocks, group_m, N, K,
+                         w_expert, w_col, w_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, TMA: tl.constexpr, KN: tl.constexpr, BIAS: tl.constexpr):
+        # out[ids[r], cols] = act[r] @ the expert's down weights, rounded to bf16, for the block's rows that are not
         # padding: each (token, slot) row written once, by this program; act: [blocks · BLOCK_M, K], contiguous; w as
-        # _moe_gate_up_kernel's. BIAS: the product plus its expert's bias ([experts, N] at bias_ptr) before the
-        # routing weight, as transformers' (act @ down + bias) · weight, rounded where its bf16 steps round
+        # _moe_gate_up_kernel's. BIAS: plus its expert's bias ([experts, N] at bias_ptr), rounded where transformers'
+        # bf16 out.add_(bias) rounds. The routing weight is _moe_sum_kernel's, as combine weights the grouped rows
         expert, r, ids, cols, col = _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M, BLOCK_N)
         if expert >= 0:
             valid = ids < rows
@@ -3893,20 +3890,22 @@ if triton is not None:
             dtype = out_ptr.dtype.element_ty
             if BIAS:
                 acc = _moe_biased(acc, bias_ptr + expert.to(tl.int64) * N + cols, cols < N, dtype)
-            weight = tl.load(weights_ptr + ids, mask=valid, other=0.0).to(tl.float32)
-            tl.store(out_ptr + ids[:, None].to(tl.int64) * N + cols[None, :], (acc * weight[:, None]).to(dtype),
+            tl.store(out_ptr + ids[:, None].to(tl.int64) * N + cols[None, :], acc.to(dtype),
                      mask=valid[:, None] & (cols[None, :] < N))
 
     @triton.jit(do_not_specialize=["tokens", "top_k"])
-    def _moe_sum_kernel(x_ptr, x_stride, out_ptr, tokens, hidden, top_k, TOKENS: tl.constexpr, BLOCK: tl.constexpr):
-        # x[t] += Σ_j out[t top_k + j], the weighted rows of token t in slot order: float32 sums rounded to bf16 once,
-        # then the add rounded, as combine; TOKENS tokens by BLOCK columns a program
+    def _moe_sum_kernel(x_ptr, x_stride, out_ptr, weights_ptr, tokens, hidden, top_k, TOKENS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        # x[t] += Σ_j weights[t, j] · out[t top_k + j], token t's rows in slot order: float32 products and sums of the
+        # bf16 rows and weights, rounded to bf16 once, then the add rounded, as combine; TOKENS tokens by BLOCK
+        # columns a program
         t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)[:, None].to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
         mask = (t < tokens) & (cols < hidden)
         acc = tl.zeros((TOKENS, BLOCK), tl.float32)
         for j in range(top_k):
-            acc += tl.load(out_ptr + (t * top_k + j) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+            weight = tl.load(weights_ptr + t * top_k + j, mask=t < tokens, other=0.0).to(tl.float32)  # [TOKENS, 1]
+            acc += weight * tl.load(out_ptr + (t * top_k + j) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
         at = x_ptr + t * x_stride + cols
         x = tl.load(at, mask=mask, other=0.0).to(tl.float32)
         tl.store(at, (x + acc.to(x_ptr.dtype.element_ty).to(tl.float32)).to(x_ptr.dtype.element_ty), mask=mask)
@@ -3973,26 +3972,27 @@ def moe_gate_up(h, gate_up, ids, block_expert, k, block_m, gemm, bias=None, acti
     return act
 
 
-def moe_down(act, down, ids, block_expert, weights, block_m, gemm, bias=None):
+def moe_down(act, down, ids, block_expert, rows, block_m, gemm, bias=None):
     # act [padded rows, inter], down [experts, hidden, inter] (gpt-oss's: a view of [experts, inter, hidden]), bias
-    # [experts, hidden] or None -> out [tokens * k, hidden]: each (token, slot) row's down projection (plus its
-    # expert's bias) times its routing weight (weights [tokens, k]), at the row of its flat index
+    # [experts, hidden] or None -> out [rows (tokens * k), hidden]: each (token, slot) row's down projection (plus its
+    # expert's bias), unweighted, at the row of its flat index
     (E, H, I), blocks = down.shape, block_expert.shape[0]
     n, bk, group_m, warps, stages, tma = gemm
-    out = torch.empty(weights.numel(), H, dtype=act.dtype, device=act.device)
+    out = torch.empty(rows, H, dtype=act.dtype, device=act.device)
     _moe_down_kernel[(blocks * triton.cdiv(H, n),)](
-        act, expert_weights(down, n, bk, tma), act if bias is None else bias, out, ids, block_expert, weights,
-        weights.numel(), blocks, group_m, H, I, down.stride(0), down.stride(1), down.stride(2), BLOCK_M=block_m,
+        act, expert_weights(down, n, bk, tma), act if bias is None else bias, out, ids, block_expert, rows, blocks,
+        group_m, H, I, down.stride(0), down.stride(1), down.stride(2), BLOCK_M=block_m,
         BLOCK_N=n, BLOCK_K=bk, EVEN_K=I % bk == 0, TMA=tma, KN=tma and rows_of_n(down), BIAS=bias is not None,
         num_warps=warps, num_stages=stages)
     return out
 
 
-def moe_sum(x, out, k):
-    # x [tokens, hidden] += each token's k rows of out [tokens * k, hidden], summed in slot order
+def moe_sum(x, out, weights):
+    # x [tokens, hidden] += each token's k rows of out [tokens * k, hidden] times its weights [tokens, k], summed in
+    # slot order
     (T, H), block = x.shape, min(1024, triton.next_power_of_2(x.shape[1]))  # and 4096 // block tokens: 32 elements
     _moe_sum_kernel[(triton.cdiv(T, 4096 // block), triton.cdiv(H, block))](  # a thread of 4 warps
-        x, x.stride(0), out, T, H, k, TOKENS=4096 // block, BLOCK=block, num_warps=4)
+        x, x.stride(0), out, weights, T, H, weights.shape[1], TOKENS=4096 // block, BLOCK=block, num_warps=4)
 
 
 def fused_experts(x, h, weights, chosen, w, tile, activation="silu"):
@@ -4003,7 +4003,7 @@ def fused_experts(x, h, weights, chosen, w, tile, activation="silu"):
     assert h.stride(1) == 1 and weights.is_contiguous() and chosen.is_contiguous() and x.stride(1) == 1
     ids, block_expert = align_experts(chosen, w.gate_up.shape[0], block_m)
     act = moe_gate_up(h, w.gate_up, ids, block_expert, chosen.shape[1], block_m, up, w.gate_up_bias, activation)
-    moe_sum(x, moe_down(act, w.down, ids, block_expert, weights, block_m, down, w.down_bias), chosen.shape[1])
+    moe_sum(x, moe_down(act, w.down, ids, block_expert, weights.numel(), block_m, down, w.down_bias), weights)
 
 
 # The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, then the fused experts, else
@@ -6378,8 +6378,8 @@ def parse_args(argv):
                         f"{BATCH_SECONDS} s of compute at the device family's nominal rate, at most {WAVE_STEP})")
     p.add_argument("--experts", default="auto", choices=["auto"] + EXPERT_KINDS,
                    help="a mixture of experts' expert compute: torch's grouped_mm, prefill's fused Triton experts "
-                        "(the rows aligned per expert, the gate+up GEMM with the activation, the down GEMM with the "
-                        "routing weight, one sum), prefill's Triton grouped GEMM, or one GEMM per expert (default: of "
+                        "(the rows aligned per expert, the gate+up GEMM with the activation, the down GEMM, one sum "
+                        "weighted by the routing), prefill's Triton grouped GEMM, or one GEMM per expert (default: of "
                         "those that match float32 experts at start-up, the one kept in --picks; the first run on a "
                         "GPU times them and keeps the first in that order unless another is clearly (10%%) faster; "
                         "without a picks file, grouped_mm where it is one kernel, else the fused experts; on a GPU "

@@ -133,13 +133,13 @@ def split(kind, tile, x, h, weights, chosen, w, kernels, ms, activation):
         block_m, up, down = tile
         ids, block_expert = prefill.align_experts(chosen, E, block_m)
         act = prefill.moe_gate_up(h, w.gate_up, ids, block_expert, k, block_m, up, w.gate_up_bias, activation)
-        out = prefill.moe_down(act, w.down, ids, block_expert, weights, block_m, down, w.down_bias)
+        out = prefill.moe_down(act, w.down, ids, block_expert, weights.numel(), block_m, down, w.down_bias)
         return {"alignment": ms(lambda: prefill.align_experts(chosen, E, block_m)),
                 "gate_up GEMM": ms(lambda: prefill.moe_gate_up(h, w.gate_up, ids, block_expert, k, block_m, up,
                                                                w.gate_up_bias, activation)),
-                "down GEMM": ms(lambda: prefill.moe_down(act, w.down, ids, block_expert, weights, block_m, down,
+                "down GEMM": ms(lambda: prefill.moe_down(act, w.down, ids, block_expert, weights.numel(), block_m, down,
                                                          w.down_bias)),
-                "sum": ms(lambda: prefill.moe_sum(x, out, k))}
+                "sum": ms(lambda: prefill.moe_sum(x, out, weights))}
     grouped = prefill.make_grouped(kind, tile)
     pairs, bounds = prefill.expert_rows(chosen, E)
     rows = h[pairs // k]

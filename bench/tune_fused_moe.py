@@ -96,7 +96,7 @@ def tune(name, tokens, w, device, space, ms):
             h, w.gate_up, ids, block_expert, k, block_m, t, up_bias, act_fn), gemms["gate_up"], ms)
         act = prefill.moe_gate_up(h, w.gate_up, ids, block_expert, k, block_m, up, up_bias, act_fn) if up else None
         (down, down_ms), down_tried = best_gemm("down", lambda t: prefill.moe_down(
-            act, w.down, ids, block_expert, weights, block_m, t, down_bias), gemms["down"] if up else [], ms)
+            act, w.down, ids, block_expert, weights.numel(), block_m, t, down_bias), gemms["down"] if up else [], ms)
         entry = {"gate_up": up, "gate_up_ms": up_ms, "down": down, "down_ms": down_ms,
                  "gate_up_tried": {str(t): v for t, v in up_tried.items()},
                  "down_tried": {str(t): v for t, v in down_tried.items()}}

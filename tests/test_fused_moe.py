@@ -1,5 +1,5 @@
 """prefill's fused experts (fused_experts: align_experts' three launches, the gate+up GEMM with the activation, the
-down GEMM with the routing weight, the sum into x) in Triton's interpreter: against float32 experts on uneven routing,
+down GEMM, the sum into x with the routing weights) in Triton's interpreter: against float32 experts on uneven routing,
 gpt-oss's experts (their layout, biases and clamped SwiGLU) against float32 experts and the grouped path with each
 feature ablated, the alignment against its specification (hypothesis), the start-up check refusing planted bugs (in
 gpt-oss's experts too), and the whole tiny Qwen3-MoE of test_moe.py against transformers in float32 (gpt-oss's:
@@ -175,15 +175,16 @@ def test_fused_experts_match_float32_experts_in_the_interpreter(interpreted_repo
     # transposed weights: float16 against float32 math, the same bits a second time
     cases = interpreted_report["cases"]
     assert len(cases) == len({t for f in prefill.FUSED_TILES.values() for s in f.values() for t in s}) + 4, cases
-    assert all(c["same_bits"] and c["error"] < 2e-3 for c in cases.values()), cases  # measured: 1.0e-3-1.5e-3
+    assert all(c["same_bits"] and c["error"] < 2e-3 for c in cases.values()), cases  # measured: 1.0e-3-1.35e-3
 
 
 def test_gpt_oss_s_fused_experts_match_float32_and_the_grouped_path_and_each_feature_matters(interpreted_report):
-    # every tile gpt-oss's shapes are offered, partial tiles; measured 1.6e-3 against float32 (1.3e-3 in partial
-    # tiles), 9.5e-4 against the grouped path (it weights each row in float32, the fused path rounds the product)
+    # every tile gpt-oss's shapes are offered, partial tiles; measured 1.1e-3 against float32 (1.0e-3 in partial
+    # tiles), and against the grouped path 0 in 8 of 10 tiles, 3.2e-4 at most: both weight each bf16 row in float32
+    # in the sum (until the routing weight moved from the down GEMM's epilogue into moe_sum: 1.6e-3 and 9.5e-4)
     cases, [here] = interpreted_report["gpt-oss"], prefill.FUSED_TILES["cpu"].values()
     assert len(cases) >= 8 and cases[str(here[0])]["same_bits"], cases
-    assert all(c["error"] < 4e-3 and c["to grouped"] < 2e-3 for c in cases.values()), cases
+    assert all(c["error"] < 2e-3 and c["to grouped"] < 1e-3 for c in cases.values()), cases
     for name, c in interpreted_report["gpt-oss ablated"].items():  # measured 0.66, 0.64, 4.1
         assert min(c["error"], c["to grouped"]) > 4 * prefill.CHECK_TOLERANCE, (name, c)
 
