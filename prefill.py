@@ -2462,6 +2462,8 @@ class Kernels:
     dequantize_layer: object  # (held [a layer's bytes], out [its bf16 elements], FP8Layer): see dequantize_layer
     head: object = head_upcast  # (x [tokens, hidden], lm_head [vocab, hidden], out [tokens, vocab] float32 or
     #                             None) -> float32 logits: pick_head's
+    route: object = None  # (h [tokens, hidden], w, router) -> (weights, experts), route's contract: route or
+    #                       route_triton, bound in the mixture of experts section (where the routers are)
 
 
 # late-bound, so that tests can swap a piece of the math for a broken one
@@ -3501,6 +3503,83 @@ def route(h, w, router):
     return top.gather(1, slot).to(h.dtype), chosen
 
 
+# route's chain after the router's GEMM (softmax, top-k, renormalisation, sort, gather, cast: ~0.03 s of Qwen3-30B-A3B's
+# 0.63 s contest request on the H200, torch.topk 0.016 s of it; docs/performance.md) as one Triton kernel, for the
+# router kinds whose math is a softmax and a top-k; the sigmoid router's stays route's. It ranks the experts as
+# torch.topk ranks route's: by the float32 probabilities (gpt-oss: the logits), ties to the lowest index. That is
+# CUDA's rule for a slice this short (pytorch/pytorch aten/src/ATen/native/cuda/TensorTopK.cu, sbtopk::gatherTopK:
+# the values above the k-th, then those equal to it in index order; should_use_multiblock never takes fewer than 400
+# experts) and ROCm's where rocPRIM has a warp merge sort (warptopk: a stable sort, for slices up to 256); ROCm's
+# sbtopk reserves the tied ones' slots by atomics, warp by warp, and the CPU's topk keeps others (a partial sort's
+# order): the start-up check (route_checks) plants ties at the k-th place and refuses the kernel wherever this
+# device's torch.topk keeps other experts. The numbers: the same float32 steps in the same places, each division
+# rounded as IEEE's (div_rn, as CUDA's), the weights rounded to bf16 once, where route casts; only exp (Triton's
+# against CUDA's expf or the CPU's vectorised one) and the order of the two sums differ, a float32 ulp or so, which
+# moves a weight's bf16 rounding by one ulp in rare rows (route_checks' tolerance is CHECK_TOLERANCE's).
+
+FUSED_ROUTERS = ("softmax", "topk_softmax")  # route_triton's kinds
+ROUTE_ELEMENTS = 1024  # logits a program holds: tokens of next_power_of_2(experts), 8 of Qwen3-MoE's 128
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["tokens"])
+    def _route_kernel(logits_ptr, weights_ptr, experts_ptr, tokens, n_experts, K: tl.constexpr, BLOCK: tl.constexpr,
+                      ROWS: tl.constexpr, TOPK_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr):
+        # ROWS tokens' logits [tokens, n_experts] (bf16) -> each token's K experts ascending (int64) and their weights
+        # (bf16 bits, int16). softmax (TOPK_FIRST false): max, exp, sum, the probabilities; the K most probable; their
+        # probabilities, renormalised (divided by their sum) when RENORMALIZE. TOPK_FIRST (gpt-oss): the K largest
+        # logits, their softmax. The row's experts padded to BLOCK with -inf: probability 0, ranked below every expert
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+        idx = tl.arange(0, BLOCK)[None, :]
+        row_ok = rows < tokens
+        x = tl.load(logits_ptr + tl.minimum(rows, tokens - 1).to(tl.int64) * n_experts + idx, mask=idx < n_experts,
+                    other=float("-inf")).to(tl.float32)  # [ROWS, BLOCK]; rows past the end reread the last one
+        e = tl.exp(x - tl.max(x, axis=1)[:, None])
+        if TOPK_FIRST:
+            key = x
+        else:
+            e = tl.math.div_rn(e, tl.sum(e, axis=1)[:, None])
+            key = e
+        # a NaN ranks first, as in topk's order (and every row takes K distinct experts, whatever its values)
+        key = tl.where(idx < n_experts, tl.where(key == key, key, float("inf")), float("-inf"))
+        taken = tl.zeros((ROWS, BLOCK), tl.int1)
+        for _ in tl.static_range(K):  # the largest untaken, the lowest index among equals
+            free = tl.where(taken, float("-inf"), key)
+            best = tl.max(free, axis=1)[:, None]
+            first = tl.min(tl.where((free == best) & ~taken, idx, BLOCK), axis=1)[:, None]
+            taken = taken | (idx == first)
+        w = tl.where(taken, e, 0.0)
+        if TOPK_FIRST or RENORMALIZE:
+            w = tl.math.div_rn(w, tl.sum(w, axis=1)[:, None])
+        # each taken expert to its slot in index order: K stores a row, each to its own place, no atomics
+        at = rows.to(tl.int64) * K + tl.cumsum(taken.to(tl.int32), axis=1) - 1
+        keep = taken & row_ok
+        tl.store(experts_ptr + at, tl.broadcast_to(idx, (ROWS, BLOCK)).to(tl.int64), mask=keep)
+        # rounded to bf16 by its bits, to nearest even (the weights are finite or NaN): the same on every backend and
+        # in the interpreter, whose casts truncate
+        bits = w.to(tl.int32, bitcast=True)
+        tl.store(weights_ptr + at, ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16), mask=keep)
+
+
+def route_triton(h, w, router):
+    """route, its chain after the router's GEMM fused in _route_kernel for the FUSED_ROUTERS in bf16 (Kernels.route of
+    TRITON_KERNELS); route itself for the others."""
+    if router.kind not in FUSED_ROUTERS or h.dtype != torch.bfloat16:
+        return route(h, w, router)
+    logits = F.linear(h, w.router, w.router_bias if router.kind == "topk_softmax" else None)  # [tokens, experts]
+    (T, E), k = logits.shape, router.top_k
+    weights = torch.empty(T, k, dtype=h.dtype, device=h.device)
+    experts = torch.empty(T, k, dtype=torch.int64, device=h.device)
+    block = triton.next_power_of_2(E)
+    rows = max(1, ROUTE_ELEMENTS // block)
+    _route_kernel[(triton.cdiv(T, rows),)](logits, weights.view(torch.int16), experts, T, E, K=k, BLOCK=block,
+                                           ROWS=rows, TOPK_FIRST=router.kind == "topk_softmax",
+                                           RENORMALIZE=router.renormalize, num_warps=4)
+    return weights, experts
+
+
+TORCH_KERNELS.route, TRITON_KERNELS.route = lambda *a: route(*a), route_triton  # late-bound, as TORCH_KERNELS' others
+
+
 def expert_rows(chosen, num_experts):
     # chosen: [tokens, k] -> (pairs [tokens * k]: the flat (token, slot) index of each row, grouped by expert and by
     # token within an expert; bounds [experts + 1] int64: expert e's rows are bounds[e]:bounds[e + 1]). No atomics: the
@@ -3530,9 +3609,10 @@ def biased(rows, bias, experts):
 
 def moe_ffn(x, h, w, router, experts, kernels):
     # x: [tokens, hidden] += the experts' weighted sum over h: [tokens, hidden], the post-attention norm's output, as
-    # router (a Router) routes it; returns x. experts(x, h, weights, chosen, w, kernels) is the expert compute picked
-    # at start-up (pick_experts: grouped_experts over a grouped GEMM, or fused_experts).
-    weights, chosen = route(h, w, router)
+    # router (a Router) routes it (kernels.route: route, or route_triton); returns x. experts(x, h, weights, chosen,
+    # w, kernels) is the expert compute picked at start-up (pick_experts: grouped_experts over a grouped GEMM, or
+    # fused_experts).
+    weights, chosen = kernels.route(h, w, router)
     experts(x, h, weights, chosen, w, kernels)
     return x
 
