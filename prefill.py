@@ -4819,6 +4819,26 @@ def dequantize_checks(device, mxfp4=False):
              + ", bit for bit", 0.0 if torch.equal(got, want) else math.inf)]
 
 
+def route_checks(device, cfg, tokens=67):
+    """kernel_checks' [(kernel, launch, error)] of route_triton for the model's router (one of FUSED_ROUTERS) against
+    route on this device: other experts than route's refuse it (inf), else its weights' error. Two launches of
+    `tokens` rows: logits ~N(0, 4); and logits of five values (-1 to 1 by 1/2), so that nearly every row has ties at
+    the k-th place, among low and high indices, which prove the tie rule against this device's torch.topk (the CPU's
+    keeps others: refused there). The logits are the router GEMM's own, h [tokens, experts] through an identity
+    router (exact: a product by 1 a sum), in bf16 whatever DTYPE (the kernel's only type)."""
+    E, router, gen = cfg.num_experts, cfg.router, torch.Generator().manual_seed(5)
+    w = LayerWeights(router=torch.eye(E, dtype=torch.bfloat16, device=device),
+                     router_bias=torch.zeros(E, dtype=torch.bfloat16, device=device))  # (gpt-oss's: its bias)
+    results = []
+    for what, logits in (("", torch.randn(tokens, E, generator=gen) * 2),
+                         (", ties at the k-th place", torch.randint(-2, 3, (tokens, E), generator=gen) / 2)):
+        h = logits.to(device, torch.bfloat16)
+        (got, chosen), (want, want_chosen) = route_triton(h, w, router), route(h, w, router)
+        results.append(("route", f"{E} experts, top-{router.top_k}" + (", renormalised" if router.renormalize else "")
+                        + what, check_error(got, want.float()) if torch.equal(chosen, want_chosen) else math.inf))
+    return results
+
+
 def kernel_checks(device, cfg):
     """[(kernel, launch, relative error)]: each fused Triton kernel in every launch configuration this model's run
     makes, against float32 math on random inputs. A configuration is what Triton compiles a kernel for: its
@@ -4831,7 +4851,7 @@ def kernel_checks(device, cfg):
     count, which only the grid sees. Latent attention (latent_qkv): RoPE on q's last channels of each head and on the
     key all heads share, both views of their projections' outputs, interleaved where the model's RoPE is; rms_norm on
     the latents, views of the first projection's output. An FP8 or MXFP4 model's layer-level dequantization:
-    dequantize_checks."""
+    dequantize_checks. A mixture of experts' router, where route_triton fuses it: route_checks."""
     gen = torch.Generator().manual_seed(1)
     T, H, D, eps, style = 67, cfg.hidden_size, cfg.head_dim, 1e-6, cfg.norm_style
     Q, KV, heads, interleave = cfg.q_size, cfg.kv_size, cfg.num_attention_heads, cfg.rope_interleave
@@ -4885,6 +4905,8 @@ def kernel_checks(device, cfg):
         combine_triton(got, out, row_of, weights)
         check("combine", f"{k} experts a token", got,
               x_moe.float() + (weights.float()[..., None] * out.float()[row_of].view(T, k, H)).sum(1))
+    if cfg.num_experts and cfg.router.kind in FUSED_ROUTERS:
+        results += route_checks(device, cfg)
     if cfg.quantized:
         results += dequantize_checks(device, cfg.mxfp4)
     if "bf16" in LOGITS.values():  # the same kernel reading bf16 logits, where a switch asks for them
@@ -4934,7 +4956,9 @@ FUSED_DEVICES = ("cuda",)  # where "auto" tries the fused kernels (tests: the CP
 
 def pick_kernels(requested, device, cfg):
     """(kernels, {kernel: error}): Triton's fused kernels where Triton runs on this device and each matches float32
-    math in every launch configuration the model's run makes, else PyTorch (with the failing launches named)."""
+    math in every launch configuration the model's run makes, else PyTorch (with the failing launches named). The
+    router's (route_triton) is refused alone: where it fails route_checks (this device's torch.topk breaks ties
+    otherwise, or a miscompile), route runs beside the other fused kernels, under "triton" too."""
     head, head_error = pick_head(device, cfg)  # the float32 logits' GEMM, whichever kernels run beside it
     if requested == "torch" or (requested == "auto" and device.type not in FUSED_DEVICES):
         return dataclasses.replace(TORCH_KERNELS, head=head), {"lm_head": head_error}
@@ -4943,10 +4967,17 @@ def pick_kernels(requested, device, cfg):
             raise RuntimeError("triton is not installed")
         results = kernel_checks(device, cfg)
         wrong = [f"{kernel} ({launch}) by {error:.3g}" for kernel, launch, error in results
-                 if not error <= CHECK_TOLERANCE]
+                 if not error <= CHECK_TOLERANCE and kernel != "route"]
         if wrong:
             raise RuntimeError(f"differ from float32 math: {'; '.join(wrong)}")
-        return dataclasses.replace(TRITON_KERNELS, head=head), {**worst_errors(results), "lm_head": head_error}
+        kernels = dataclasses.replace(TRITON_KERNELS, head=head)
+        routing = [f"{launch} by {error:.3g}" for kernel, launch, error in results
+                   if kernel == "route" and not error <= CHECK_TOLERANCE]
+        if routing:
+            log(f"fused routing unavailable on {device} (other experts or weights than route's: {'; '.join(routing)})"
+                "; using PyTorch's")
+            kernels.route, results = TORCH_KERNELS.route, [r for r in results if r[0] != "route"]
+        return kernels, {**worst_errors(results), "lm_head": head_error}
     except Exception as e:
         if requested == "triton":
             raise UserError(f"--kernels triton is unusable on {device}: {e}") from None
@@ -6441,9 +6472,10 @@ def parse_args(argv):
                         "is not offered for it: cuDNN has no sliding window nor softcap, torch's flash kernel no "
                         "softcap (Gemma 2)")
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
-                   help="per-token elementwise work (norms, RoPE, the MLP's SiLU or GELU): fused Triton kernels or "
-                        "plain PyTorch "
-                        "(default: Triton on a GPU where each kernel matches float32 math, else PyTorch)")
+                   help="per-token elementwise work (norms, RoPE, the MLP's SiLU or GELU, a mixture of experts' "
+                        "router after its GEMM): fused Triton kernels or plain PyTorch "
+                        "(default: Triton on a GPU where each kernel matches float32 math, else PyTorch; the "
+                        "router's where it picks the experts torch.topk picks, else PyTorch's beside the others)")
     p.add_argument("--chunk-tokens", type=bounded(int, 1, MAX_TOKENS), default=4096, metavar="N",
                    help="tokens per GEMM step: attention runs on chunks of whole texts of up to N tokens, the MLP "
                         "on slices of N; a mixture of experts on chunks and slices of 4 N (default 4096)")
