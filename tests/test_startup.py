@@ -108,6 +108,7 @@ def fused_stand_ins(monkeypatch, head_norm_rope=None):
                            ("token_nll", prefill.token_nll), ("combine", prefill.combine)]:
         monkeypatch.setattr(prefill, f"{name}_triton", torch_fn)
     monkeypatch.setattr(prefill, "head_norm_rope_triton", head_norm_rope or prefill.head_norm_rope)
+    monkeypatch.setattr(prefill, "route_triton", prefill.route)
     monkeypatch.setattr(prefill, "FUSED_DEVICES", ("cpu",))
 
 
@@ -143,7 +144,10 @@ def test_the_kernel_check_covers_the_dense_and_the_expert_widths(monkeypatch):
     launches = [(kernel, launch) for kernel, launch, _ in prefill.kernel_checks(CPU, moe)]
     assert {launch for kernel, launch in launches if kernel == "gated_act"} == {"160 wide, silu", "48 wide, silu"}
     assert ("combine", "2 experts a token") in launches
-    assert set(prefill.check_kernels(CPU, moe)) == {"rms_norm", "head_norm_rope", "gated_act", "token_nll", "combine"}
+    assert [launch for kernel, launch in launches if kernel == "route"] == [
+        "4 experts, top-2", "4 experts, top-2, ties at the k-th place"]
+    assert set(prefill.check_kernels(CPU, moe)) == {"rms_norm", "head_norm_rope", "gated_act", "token_nll", "combine",
+                                                    "route"}
 
 
 # ----------------------------------------------------------------------------- picks kept per machine
