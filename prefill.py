@@ -28,9 +28,9 @@ both):
       token_nll_triton, TRITON_KERNELS
   attention backends: attention_sdpa, attention_triton, make_attention, ATTENTION_TILES, gpu_family,
       attention_candidates
-  mixture of experts: route_softmax, route_sigmoid, route_topk_softmax, route, expert_rows, moe_ffn, shared_experts,
-      moe_block, grouped_experts, grouped_loop, grouped_triton, align_experts, fused_experts, FUSED_TILES,
-      expert_candidates
+  mixture of experts: route_softmax, route_sigmoid, route_topk_softmax, route, route_triton, expert_rows, moe_ffn,
+      shared_experts, moe_block, grouped_experts, grouped_loop, grouped_triton, align_experts, fused_experts,
+      FUSED_TILES, expert_candidates
   start-up checks and picks: check_attention, pick_attention, check_experts, pick_experts, check_kernels,
       pick_kernels, pick_blas, Picks
   packing and loss: timed_batch_tokens, Wave, batches, wave_of, Score, sequence_nll
