@@ -306,10 +306,10 @@ def test_fused_combination_through_the_model_and_its_planted_bugs_refused(moe_ch
 # The fused router (route_triton) in Triton's interpreter, one process. CUDA's torch.topk keeps the lowest index
 # among ties at the k-th place (prefill's route comment); the CPU's keeps others (a partial sort's order: for 8 zeros
 # of 128 it keeps 84, 87, 86, 85, 82, 81, 88, 83). So the chain the kernel is compared with here runs torch.topk as
-# a stable descending sort (the lowest-index rule); the CPU's own topk then shows the refusal. Rows: the router's
-# kinds and sizes (Qwen3-MoE's 128 experts top-8, Qwen1.5-MoE's 60 top-4 and Mixtral's 8 top-2 with and without the
-# renormalisation, gpt-oss-20b's 32 top-4), random logits and logits of five values (ties at the k-th place nearly
-# every row).
+# a stable descending sort (the lowest-index rule); the CPU's own topk then shows the refusal. The router's kinds and
+# sizes (Qwen3-MoE's 128 experts top-8, Qwen1.5-MoE's 60 top-4 and Mixtral's 8 top-2 with and without the
+# renormalisation, gpt-oss-20b's 32 top-4), each on 80 tokens through a router whose experts share rows in groups of
+# about three (ties at the k-th place in most rows), and its start-up check (route_checks).
 TRITON_ROUTE = """
 import dataclasses, json, sys, torch, prefill
 cpu, report = torch.device("cpu"), {}
@@ -323,7 +323,8 @@ def cfg_of(kind, E, k, renormalize):
     return dataclasses.replace(prefill.ModelConfig.from_json(json.loads(sys.argv[2])), num_experts=E,
                                num_experts_per_tok=k, norm_topk_prob=renormalize, router_kind=kind)
 for kind, E, k, renormalize in json.loads(sys.argv[1]):
-    name, router = f"{kind} {E} top-{k}" + (" renormalised" if renormalize else ""), prefill.Router(kind, k, renormalize)
+    router = prefill.Router(kind, k, renormalize)
+    name = f"{kind} {E} top-{k}" + (" renormalised" if renormalize else "")
     # experts in groups of about three that share their router's row (and bias): their logits tie in every row
     group = torch.randint(0, E // 3, (E,), generator=gen)
     w = prefill.LayerWeights(router=(torch.randn(E // 3, 16, generator=gen) / 4)[group].to(torch.bfloat16),
@@ -344,9 +345,11 @@ def highest_index_ties(h, w, router):
     weights, experts = good(h, dataclasses.replace(w, router=w.router.flip(0)), router)
     experts = (w.router.shape[0] - 1 - experts).flip(1)
     return weights.flip(1), experts
-planted = {"ties to the highest index": highest_index_ties,
-           "renormalisation dropped": lambda h, w, r: good(h, w, dataclasses.replace(r, renormalize=False)),
-           "another last expert": lambda h, w, r: (lambda wt, ex: (wt, torch.cat([ex[:, :-1], (ex[:, -1:] + 1) % 60], 1)))(*good(h, w, r))}
+def another_last_expert(h, w, router):
+    weights, experts = good(h, w, router)
+    return weights, torch.cat([experts[:, :-1], (experts[:, -1:] + 1) % 60], 1)
+planted = {"ties to the highest index": highest_index_ties, "another last expert": another_last_expert,
+           "renormalisation dropped": lambda h, w, r: good(h, w, dataclasses.replace(r, renormalize=False))}
 for bug, fn in planted.items():
     prefill.route_triton = fn
     report[bug] = prefill.route_checks(cpu, cfg)
@@ -361,8 +364,8 @@ report["losses by the kernel"] = [s.loss for s in r.score(texts)]
 # the CPU's own topk: the check refuses the kernel, and the pick keeps the other fused kernels beside route
 torch.topk = cpu_topk
 kernels, errors = prefill.pick_kernels("triton", cpu, cfg)
-report["cpu topk"] = {"checks": prefill.route_checks(cpu, cfg), "route is route's": kernels.route is prefill.TORCH_KERNELS.route,
-                      "fused": kernels.name, "errors": sorted(errors)}
+report["cpu topk"] = {"checks": prefill.route_checks(cpu, cfg), "fused": kernels.name, "errors": sorted(errors),
+                      "route is route's": kernels.route is prefill.TORCH_KERNELS.route}
 print(json.dumps(report))
 """
 ROUTE_CASES = [("softmax", 128, 8, True), ("softmax", 60, 4, False), ("softmax", 60, 4, True), ("softmax", 8, 2, True),
