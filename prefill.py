@@ -3507,15 +3507,17 @@ def route(h, w, router):
 # 0.63 s contest request on the H200, torch.topk 0.016 s of it; docs/performance.md) as one Triton kernel, for the
 # router kinds whose math is a softmax and a top-k; the sigmoid router's stays route's. It ranks the experts as
 # torch.topk ranks route's: by the float32 probabilities (gpt-oss: the logits), ties to the lowest index. That is
-# CUDA's rule for a slice this short (pytorch/pytorch aten/src/ATen/native/cuda/TensorTopK.cu, sbtopk::gatherTopK:
-# the values above the k-th, then those equal to it in index order; should_use_multiblock never takes fewer than 400
-# experts) and ROCm's where rocPRIM has a warp merge sort (warptopk: a stable sort, for slices up to 256); ROCm's
-# sbtopk reserves the tied ones' slots by atomics, warp by warp, and the CPU's topk keeps others (a partial sort's
-# order): the start-up check (route_checks) plants ties at the k-th place and refuses the kernel wherever this
-# device's torch.topk keeps other experts. The numbers: the same float32 steps in the same places, each division
-# rounded as IEEE's (div_rn, as CUDA's), the weights rounded to bf16 once, where route casts; only exp (Triton's
-# against CUDA's expf or the CPU's vectorised one) and the order of the two sums differ, a float32 ulp or so, which
-# moves a weight's bf16 rounding by one ulp in rare rows (route_checks' tolerance is CHECK_TOLERANCE's).
+# CUDA's rule for a slice this short (pytorch/pytorch@6ed5926 aten/src/ATen/native/cuda/TensorTopK.cu,
+# sbtopk::gatherTopK: the values above the k-th, then those equal to it in index order; should_use_multiblock never
+# takes fewer than 400 experts) and ROCm's where hipCUB has a warp merge sort (warptopk: a stable sort, slices up to
+# 256); ROCm's sbtopk reserves the tied ones' slots by atomics, warp by warp (which tie wins may vary run to run),
+# and the CPU's topk keeps others (a partial sort's order): the start-up check (route_checks) plants ties at the k-th
+# place and refuses the kernel wherever this device's torch.topk keeps other experts. The numbers: the same float32
+# steps in the same places, each division rounded as IEEE's (div_rn, as CUDA's), the weights rounded to bf16 once,
+# where route casts; only exp (Triton's against CUDA's expf or the CPU's vectorised one) and the order of the two
+# sums differ, a float32 ulp or so, which moves a weight's bf16 rounding by one ulp in rare rows (none of 1,920 in
+# test_moe's interpreted cases; route_checks allows CHECK_TOLERANCE). Two distinct logits at the k-th place whose
+# differences from the row's largest are a few float32 ulps apart (both below ~2^-16 of it) could rank otherwise.
 
 FUSED_ROUTERS = ("softmax", "topk_softmax")  # route_triton's kinds
 ROUTE_ELEMENTS = 1024  # logits a program holds: tokens of next_power_of_2(experts), 8 of Qwen3-MoE's 128
