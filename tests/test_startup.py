@@ -150,6 +150,28 @@ def test_the_kernel_check_covers_the_dense_and_the_expert_widths(monkeypatch):
                                                     "route"}
 
 
+def test_a_router_kernel_that_keeps_other_experts_is_refused_alone(monkeypatch, capsys):
+    # route_checks' planted ties catch a router that keeps the highest index among them; the pick then runs route
+    # beside the other fused kernels, under "triton" too (the kernel itself in the interpreter: test_moe's)
+    fused_stand_ins(monkeypatch)
+    moe = prefill.ModelConfig.from_json(dict(TINY, model_type="qwen3_moe", num_experts=6, num_experts_per_tok=2,
+                                             moe_intermediate_size=48, norm_topk_prob=True))
+    kernels, errors = prefill.pick_kernels("auto", CPU, moe)  # the stand-in, route itself, passes
+    assert kernels.route is prefill.TRITON_KERNELS.route and errors["route"] == 0
+
+    def highest_index_ties(h, w, router):
+        weights, experts = prefill.route(h, dataclasses.replace(w, router=w.router.flip(0)), router)
+        return weights.flip(1), (w.router.shape[0] - 1 - experts).flip(1)
+    monkeypatch.setattr(prefill, "route_triton", highest_index_ties)
+    errors = {launch: error for kernel, launch, error in prefill.kernel_checks(CPU, moe) if kernel == "route"}
+    assert errors["6 experts, top-2, renormalised, ties at the k-th place"] == float("inf"), errors
+    for requested in ("auto", "triton"):
+        kernels, errors = prefill.pick_kernels(requested, CPU, moe)
+        assert kernels.name == "triton" and kernels.route is prefill.TORCH_KERNELS.route, requested
+        assert "route" not in errors and "combine" in errors
+        assert "fused routing unavailable on cpu" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- picks kept per machine
 
 def test_picks_are_kept_per_machine_and_model(cfg, tmp_path):
