@@ -28,9 +28,9 @@ both):
       token_nll_triton, TRITON_KERNELS
   attention backends: attention_sdpa, attention_triton, make_attention, ATTENTION_TILES, gpu_family,
       attention_candidates
-  mixture of experts: route_softmax, route_sigmoid, route_topk_softmax, route, expert_rows, moe_ffn, shared_experts,
-      moe_block, grouped_experts, grouped_loop, grouped_triton, align_experts, fused_experts, FUSED_TILES,
-      expert_candidates
+  mixture of experts: route_softmax, route_sigmoid, route_topk_softmax, route, route_triton, expert_rows, moe_ffn,
+      shared_experts, moe_block, grouped_experts, grouped_loop, grouped_triton, align_experts, fused_experts,
+      FUSED_TILES, expert_candidates
   start-up checks and picks: check_attention, pick_attention, check_experts, pick_experts, check_kernels,
       pick_kernels, pick_blas, Picks
   packing and loss: timed_batch_tokens, Wave, batches, wave_of, Score, sequence_nll
@@ -2462,6 +2462,8 @@ class Kernels:
     dequantize_layer: object  # (held [a layer's bytes], out [its bf16 elements], FP8Layer): see dequantize_layer
     head: object = head_upcast  # (x [tokens, hidden], lm_head [vocab, hidden], out [tokens, vocab] float32 or
     #                             None) -> float32 logits: pick_head's
+    route: object = None  # (h [tokens, hidden], w, router) -> (weights, experts), route's contract: route or
+    #                       route_triton, bound in the mixture of experts section (where the routers are)
 
 
 # late-bound, so that tests can swap a piece of the math for a broken one
@@ -3501,6 +3503,85 @@ def route(h, w, router):
     return top.gather(1, slot).to(h.dtype), chosen
 
 
+# route's chain after the router's GEMM (softmax, top-k, renormalisation, sort, gather, cast: ~0.03 s of Qwen3-30B-A3B's
+# 0.63 s contest request on the H200, torch.topk 0.016 s of it; docs/performance.md) as one Triton kernel, for the
+# router kinds whose math is a softmax and a top-k; the sigmoid router's stays route's. It ranks the experts as
+# torch.topk ranks route's: by the float32 probabilities (gpt-oss: the logits), ties to the lowest index. That is
+# CUDA's rule for a slice this short (pytorch/pytorch@6ed5926 aten/src/ATen/native/cuda/TensorTopK.cu,
+# sbtopk::gatherTopK: the values above the k-th, then those equal to it in index order; should_use_multiblock never
+# takes fewer than 400 experts) and ROCm's where hipCUB has a warp merge sort (warptopk: a stable sort, slices up to
+# 256); ROCm's sbtopk reserves the tied ones' slots by atomics, warp by warp (which tie wins may vary run to run),
+# and the CPU's topk keeps others (a partial sort's order): the start-up check (route_checks) plants ties at the k-th
+# place and refuses the kernel wherever this device's torch.topk keeps other experts. The numbers: the same float32
+# steps in the same places, each division rounded as IEEE's (div_rn, as CUDA's), the weights rounded to bf16 once,
+# where route casts; only exp (Triton's against CUDA's expf or the CPU's vectorised one) and the order of the two
+# sums differ, a float32 ulp or so, which moves a weight's bf16 rounding by one ulp in rare rows (none of 1,920 in
+# test_moe's interpreted cases; route_checks allows CHECK_TOLERANCE). Two distinct logits at the k-th place whose
+# differences from the row's largest are a few float32 ulps apart (both below ~2^-16 of it) could rank otherwise.
+
+FUSED_ROUTERS = ("softmax", "topk_softmax")  # route_triton's kinds
+ROUTE_ELEMENTS = 1024  # logits a program holds: tokens of next_power_of_2(experts), 8 of Qwen3-MoE's 128
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["tokens"])
+    def _route_kernel(logits_ptr, weights_ptr, experts_ptr, tokens, n_experts, K: tl.constexpr, BLOCK: tl.constexpr,
+                      ROWS: tl.constexpr, TOPK_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr):
+        # ROWS tokens' logits [tokens, n_experts] (bf16) -> each token's K experts ascending (int64) and their weights
+        # (bf16 bits, int16). softmax (TOPK_FIRST false): max, exp, sum, the probabilities; the K most probable; their
+        # probabilities, renormalised (divided by their sum) when RENORMALIZE. TOPK_FIRST (gpt-oss): the K largest
+        # logits, their softmax. The row's experts padded to BLOCK with -inf: probability 0, ranked below every expert
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+        idx = tl.arange(0, BLOCK)[None, :]
+        row_ok = rows < tokens
+        x = tl.load(logits_ptr + tl.minimum(rows, tokens - 1).to(tl.int64) * n_experts + idx, mask=idx < n_experts,
+                    other=float("-inf")).to(tl.float32)  # [ROWS, BLOCK]; rows past the end reread the last one
+        e = tl.exp(x - tl.max(x, axis=1)[:, None])
+        if TOPK_FIRST:
+            key = x
+        else:
+            e = tl.math.div_rn(e, tl.sum(e, axis=1)[:, None])
+            key = e
+        # a NaN ranks first, as in topk's order (and every row takes K distinct experts, whatever its values)
+        key = tl.where(idx < n_experts, tl.where(key == key, key, float("inf")), float("-inf"))
+        taken = tl.zeros((ROWS, BLOCK), tl.int1)
+        for _ in tl.static_range(K):  # the largest untaken, the lowest index among equals
+            free = tl.where(taken, float("-inf"), key)
+            best = tl.max(free, axis=1)[:, None]
+            first = tl.min(tl.where((free == best) & ~taken, idx, BLOCK), axis=1)[:, None]
+            taken = taken | (idx == first)
+        w = tl.where(taken, e, 0.0)
+        if TOPK_FIRST or RENORMALIZE:
+            w = tl.math.div_rn(w, tl.sum(w, axis=1)[:, None])
+        # each taken expert to its slot in index order: K stores a row, each to its own place, no atomics
+        at = rows.to(tl.int64) * K + tl.cumsum(taken.to(tl.int32), axis=1) - 1
+        keep = taken & row_ok
+        tl.store(experts_ptr + at, tl.broadcast_to(idx, (ROWS, BLOCK)).to(tl.int64), mask=keep)
+        # rounded to bf16 by its bits, to nearest even (the weights are finite or NaN): the same on every backend and
+        # in the interpreter, whose casts truncate
+        bits = w.to(tl.int32, bitcast=True)
+        tl.store(weights_ptr + at, ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16), mask=keep)
+
+
+def route_triton(h, w, router):
+    """route, its chain after the router's GEMM fused in _route_kernel for the FUSED_ROUTERS in bf16 (Kernels.route of
+    TRITON_KERNELS); route itself for the others."""
+    if router.kind not in FUSED_ROUTERS or h.dtype != torch.bfloat16:
+        return route(h, w, router)
+    logits = F.linear(h, w.router, w.router_bias if router.kind == "topk_softmax" else None)  # [tokens, experts]
+    (T, E), k = logits.shape, router.top_k
+    weights = torch.empty(T, k, dtype=h.dtype, device=h.device)
+    experts = torch.empty(T, k, dtype=torch.int64, device=h.device)
+    block = triton.next_power_of_2(E)
+    rows = max(1, ROUTE_ELEMENTS // block)
+    _route_kernel[(triton.cdiv(T, rows),)](logits, weights.view(torch.int16), experts, T, E, K=k, BLOCK=block,
+                                           ROWS=rows, TOPK_FIRST=router.kind == "topk_softmax",
+                                           RENORMALIZE=router.renormalize, num_warps=4)
+    return weights, experts
+
+
+TORCH_KERNELS.route, TRITON_KERNELS.route = lambda *a: route(*a), route_triton  # late-bound, as TORCH_KERNELS' others
+
+
 def expert_rows(chosen, num_experts):
     # chosen: [tokens, k] -> (pairs [tokens * k]: the flat (token, slot) index of each row, grouped by expert and by
     # token within an expert; bounds [experts + 1] int64: expert e's rows are bounds[e]:bounds[e + 1]). No atomics: the
@@ -3530,9 +3611,10 @@ def biased(rows, bias, experts):
 
 def moe_ffn(x, h, w, router, experts, kernels):
     # x: [tokens, hidden] += the experts' weighted sum over h: [tokens, hidden], the post-attention norm's output, as
-    # router (a Router) routes it; returns x. experts(x, h, weights, chosen, w, kernels) is the expert compute picked
-    # at start-up (pick_experts: grouped_experts over a grouped GEMM, or fused_experts).
-    weights, chosen = route(h, w, router)
+    # router (a Router) routes it (kernels.route: route, or route_triton); returns x. experts(x, h, weights, chosen,
+    # w, kernels) is the expert compute picked at start-up (pick_experts: grouped_experts over a grouped GEMM, or
+    # fused_experts).
+    weights, chosen = kernels.route(h, w, router)
     experts(x, h, weights, chosen, w, kernels)
     return x
 
@@ -4739,6 +4821,26 @@ def dequantize_checks(device, mxfp4=False):
              + ", bit for bit", 0.0 if torch.equal(got, want) else math.inf)]
 
 
+def route_checks(device, cfg, tokens=67):
+    """kernel_checks' [(kernel, launch, error)] of route_triton for the model's router (one of FUSED_ROUTERS) against
+    route on this device: other experts than route's refuse it (inf), else its weights' error. Two launches of
+    `tokens` rows: logits ~N(0, 4); and logits of five values (-1 to 1 by 1/2), so that nearly every row has ties at
+    the k-th place, among low and high indices, which prove the tie rule against this device's torch.topk (the CPU's
+    keeps others: refused there). The logits are the router GEMM's own, h [tokens, experts] through an identity
+    router (exact: a product by 1 a sum), in bf16 whatever DTYPE (the kernel's only type)."""
+    E, router, gen = cfg.num_experts, cfg.router, torch.Generator().manual_seed(5)
+    w = LayerWeights(router=torch.eye(E, dtype=torch.bfloat16, device=device),
+                     router_bias=torch.zeros(E, dtype=torch.bfloat16, device=device))  # (gpt-oss's: its bias)
+    results = []
+    for what, logits in (("", torch.randn(tokens, E, generator=gen) * 2),
+                         (", ties at the k-th place", torch.randint(-2, 3, (tokens, E), generator=gen) / 2)):
+        h = logits.to(device, torch.bfloat16)
+        (got, chosen), (want, want_chosen) = route_triton(h, w, router), route(h, w, router)
+        results.append(("route", f"{E} experts, top-{router.top_k}" + (", renormalised" if router.renormalize else "")
+                        + what, check_error(got, want.float()) if torch.equal(chosen, want_chosen) else math.inf))
+    return results
+
+
 def kernel_checks(device, cfg):
     """[(kernel, launch, relative error)]: each fused Triton kernel in every launch configuration this model's run
     makes, against float32 math on random inputs. A configuration is what Triton compiles a kernel for: its
@@ -4751,7 +4853,7 @@ def kernel_checks(device, cfg):
     count, which only the grid sees. Latent attention (latent_qkv): RoPE on q's last channels of each head and on the
     key all heads share, both views of their projections' outputs, interleaved where the model's RoPE is; rms_norm on
     the latents, views of the first projection's output. An FP8 or MXFP4 model's layer-level dequantization:
-    dequantize_checks."""
+    dequantize_checks. A mixture of experts' router, where route_triton fuses it: route_checks."""
     gen = torch.Generator().manual_seed(1)
     T, H, D, eps, style = 67, cfg.hidden_size, cfg.head_dim, 1e-6, cfg.norm_style
     Q, KV, heads, interleave = cfg.q_size, cfg.kv_size, cfg.num_attention_heads, cfg.rope_interleave
@@ -4805,6 +4907,8 @@ def kernel_checks(device, cfg):
         combine_triton(got, out, row_of, weights)
         check("combine", f"{k} experts a token", got,
               x_moe.float() + (weights.float()[..., None] * out.float()[row_of].view(T, k, H)).sum(1))
+    if cfg.num_experts and cfg.router.kind in FUSED_ROUTERS:
+        results += route_checks(device, cfg)
     if cfg.quantized:
         results += dequantize_checks(device, cfg.mxfp4)
     if "bf16" in LOGITS.values():  # the same kernel reading bf16 logits, where a switch asks for them
@@ -4854,7 +4958,9 @@ FUSED_DEVICES = ("cuda",)  # where "auto" tries the fused kernels (tests: the CP
 
 def pick_kernels(requested, device, cfg):
     """(kernels, {kernel: error}): Triton's fused kernels where Triton runs on this device and each matches float32
-    math in every launch configuration the model's run makes, else PyTorch (with the failing launches named)."""
+    math in every launch configuration the model's run makes, else PyTorch (with the failing launches named). The
+    router's (route_triton) is refused alone: where it fails route_checks (this device's torch.topk breaks ties
+    otherwise, or a miscompile), route runs beside the other fused kernels, under "triton" too."""
     head, head_error = pick_head(device, cfg)  # the float32 logits' GEMM, whichever kernels run beside it
     if requested == "torch" or (requested == "auto" and device.type not in FUSED_DEVICES):
         return dataclasses.replace(TORCH_KERNELS, head=head), {"lm_head": head_error}
@@ -4863,10 +4969,17 @@ def pick_kernels(requested, device, cfg):
             raise RuntimeError("triton is not installed")
         results = kernel_checks(device, cfg)
         wrong = [f"{kernel} ({launch}) by {error:.3g}" for kernel, launch, error in results
-                 if not error <= CHECK_TOLERANCE]
+                 if not error <= CHECK_TOLERANCE and kernel != "route"]
         if wrong:
             raise RuntimeError(f"differ from float32 math: {'; '.join(wrong)}")
-        return dataclasses.replace(TRITON_KERNELS, head=head), {**worst_errors(results), "lm_head": head_error}
+        kernels = dataclasses.replace(TRITON_KERNELS, head=head)
+        routing = [f"{launch} by {error:.3g}" for kernel, launch, error in results
+                   if kernel == "route" and not error <= CHECK_TOLERANCE]
+        if routing:
+            log(f"fused routing unavailable on {device} (other experts or weights than route's: {'; '.join(routing)})"
+                "; using PyTorch's")
+            kernels.route, results = TORCH_KERNELS.route, [r for r in results if r[0] != "route"]
+        return kernels, {**worst_errors(results), "lm_head": head_error}
     except Exception as e:
         if requested == "triton":
             raise UserError(f"--kernels triton is unusable on {device}: {e}") from None
@@ -6362,9 +6475,10 @@ def parse_args(argv):
                         "is not offered for it: cuDNN has no sliding window nor softcap, torch's flash kernel no "
                         "softcap (Gemma 2)")
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
-                   help="per-token elementwise work (norms, RoPE, the MLP's SiLU or GELU): fused Triton kernels or "
-                        "plain PyTorch "
-                        "(default: Triton on a GPU where each kernel matches float32 math, else PyTorch)")
+                   help="per-token elementwise work (norms, RoPE, the MLP's SiLU or GELU, a mixture of experts' "
+                        "router after its GEMM): fused Triton kernels or plain PyTorch "
+                        "(default: Triton on a GPU where each kernel matches float32 math, else PyTorch; the "
+                        "router's where it picks the experts torch.topk picks, else PyTorch's beside the others)")
     p.add_argument("--chunk-tokens", type=bounded(int, 1, MAX_TOKENS), default=4096, metavar="N",
                    help="tokens per GEMM step: attention runs on chunks of whole texts of up to N tokens, the MLP "
                         "on slices of N; a mixture of experts on slices of 4 N, and on chunks of 4 N where their "

@@ -21,7 +21,10 @@ Per shape and slice (tokens a moe_block call holds: the default plan's is 16,384
            warm-up, active TFLOP/s (router and k experts: 2 T E H + 6 T k H I) and peak device memory above the inputs
   experts  the same after routing (what the candidates differ in), and one dense GEMM pair on the same rows (the rate
            a grouped GEMM could at best reach)
-  split    each step alone, median ms: routing (norm, router GEMM, softmax, top-k); the fused experts' alignment,
+  routing  the run's routing (the fused router, route_triton, with Triton's kernels) and route's chain, each alone
+           after the norm (router GEMM, softmax, top-k, sort, cast): median ms, the same experts or not, weights of
+           other bits, the fused router's start-up check (route_checks) at this shape
+  split    each step alone, median ms: routing (norm and the run's routing); the fused experts' alignment,
            gate+up GEMM (with SiLU·up, gpt-oss's: with the biases and its activation), down GEMM (with the routing
            weight, gpt-oss's bias) and sum; a grouped GEMM's sort (expert_rows, pair_rows), gather, gate+up GEMM,
            activation, down GEMM, combination and (gpt-oss) the biases' gathers and adds
@@ -175,6 +178,18 @@ def rel_err(got, want):
     return ((got - want).norm() / want.norm()).item()
 
 
+def routing(kernels, h, w, cfg, ms):
+    # the run's routing (kernels.route: the fused router with Triton's kernels) against route's chain on this slice:
+    # each alone after the norm, the same experts or not, the weights' bits that differ, route_checks' launches
+    (weights, chosen), (want, want_chosen) = kernels.route(h, w, cfg.router), prefill.route(h, w, cfg.router)
+    fused = kernels.route is prefill.route_triton and cfg.router.kind in prefill.FUSED_ROUTERS
+    return {"kernel": "fused" if fused else "route", "route_ms": ms(lambda: prefill.route(h, w, cfg.router)),
+            "kernel_ms": ms(lambda: kernels.route(h, w, cfg.router)), "same_experts": torch.equal(chosen, want_chosen),
+            "weights_other_bits": int((weights.view(torch.int16) != want.view(torch.int16)).sum()),
+            "weights": weights.numel(),
+            "check": prefill.route_checks(h.device, cfg) if fused else []}
+
+
 def measure(name, tokens, device, kernels, repeats):
     cfg = shape_config(name)
     H, E, k, I = SHAPES[name]
@@ -200,8 +215,8 @@ def measure(name, tokens, device, kernels, repeats):
               "rows_per_expert_min_mean_max": [min(counts), tokens * k / E, max(counts)],
               "experts_without_rows": sum(c == 0 for c in counts), "expert_tflop": expert_flops / 1e12,
               "dense_same_rows_ms": dense_ms, "dense_same_rows_tflops": expert_flops / dense_ms / 1e9,
-              "routing_ms": ms(lambda: prefill.route(prefill.rms_norm(x, w.mlp_norm, cfg.rms_norm_eps), w,
-                                                     router)),
+              "routing_ms": ms(lambda: kernels.route(prefill.rms_norm(x, w.mlp_norm, cfg.rms_norm_eps), w, router)),
+              "routing": routing(kernels, h, w, cfg, ms),
               "check": {e["name"]: e.get("reason") or f"passed, error {e['error']:.2e}" for e in checked},
               "candidates": {}}
     first = None
@@ -268,6 +283,11 @@ def main(argv=None):
         refused = {name: why for name, why in r["check"].items() if not why.startswith("passed")}
         if refused:
             print(f"{r['shape']} {r['tokens']}: refused " + "; ".join(f"{n}: {w}" for n, w in refused.items()))
+        g = r["routing"]
+        print(f"{r['shape']} {r['tokens']}: routing after the norm {g['route_ms']:.3f} ms by route, "
+              f"{g['kernel_ms']:.3f} ms by the run's ({g['kernel']}); same experts {g['same_experts']}, weights of "
+              f"other bits {g['weights_other_bits']} of {g['weights']}; its check "
+              + ", ".join(f"{launch}: {error:.1e}" for _, launch, error in g["check"]))
         worst = max((c["rel_err_to_first"] for c in r["candidates"].values()), default=math.nan)
         print(f"{r['shape']} {r['tokens']}: rows an expert min/mean/max {r['rows_per_expert_min_mean_max']}, "
               f"worst layer output against the first candidate {worst:.1e}, same bits twice "

@@ -250,7 +250,7 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
 def moe_launches(target, kind, tiles, model):
     """The distinct kernel launches of one MoE feed-forward (moe_block) with the expert kernel of kind ("triton": the
     grouped GEMM, "fused": the fused experts) in each of its tiles."""
-    cfg = model_config(MODELS[model])
+    model_cfg = cfg = model_config(MODELS[model])
     E, H, I = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size  # as many experts as a token meets
     S, router = cfg.shared_intermediate_size, cfg.tensor_dtypes.get("mlp.gate.weight", prefill.DTYPE)
     cfg = dataclasses.replace(cfg, num_experts=E, n_group=1, topk_group=1)  # (its groups: of the model's experts)
@@ -269,10 +269,18 @@ def moe_launches(target, kind, tiles, model):
                                 down_bias=torch.zeros(E, H, dtype=prefill.DTYPE))
     x = torch.zeros(TOKENS, H, dtype=prefill.DTYPE)
     launches = []
+    # the fused router's launch at the model's own expert count; moe_block's routing by route (a recorded router
+    # writes no experts for the experts' kernels to read)
+    kernels = dataclasses.replace(prefill.TRITON_KERNELS, route=prefill.TORCH_KERNELS.route)
     with launches_recorded(target, model, launches):
         for tile in tiles:
             experts = prefill.make_experts(kind, tile, cfg.expert_activation)
-            prefill.moe_block(x, w, cfg, TOKENS, prefill.TRITON_KERNELS, experts)
+            prefill.moe_block(x, w, cfg, TOKENS, kernels, experts)
+        if model_cfg.router.kind in prefill.FUSED_ROUTERS:
+            E = model_cfg.num_experts
+            prefill.TRITON_KERNELS.route(x, dataclasses.replace(w, router=torch.zeros(E, H, dtype=router),
+                                                                router_bias=torch.zeros(E, dtype=prefill.DTYPE)),
+                                         model_cfg.router)
     return list(dict.fromkeys(launches))
 
 
@@ -416,6 +424,12 @@ def test_every_kernel_prefill_launches_is_recorded_in_every_offered_variant(offe
         variants = {(c["BIAS"], c.get("CLAMPED", c["BIAS"])) for launch in launches if launch.kernel == kernel
                     for c in [launch.named_constexprs()]}
         assert variants == {(False, False), (True, True)}, (kernel, variants)
+    # the fused router of every softmax and gpt-oss router: its expert counts (a power of two or not), top-k, kinds
+    routers = {(launch.model, c["BLOCK"], c["K"], c["TOPK_FIRST"], c["RENORMALIZE"]) for launch in launches
+               if launch.kernel == "_route_kernel" for c in [launch.named_constexprs()]}
+    assert routers == {("Qwen3-30B-A3B", 128, 8, False, True), ("Qwen3-235B-A22B", 128, 8, False, True),
+                       ("Mixtral-8x7B", 8, 2, False, True), ("Qwen1.5-MoE-A2.7B", 64, 4, False, False),
+                       ("gpt-oss-120b", 128, 4, True, False)}, routers
     assert len(distinct_compiles(launches)) > 100  # the parts below compile them all
 
 

@@ -492,8 +492,9 @@ def test_triton_kernels_compute_sinks_and_the_clamp_and_the_check_refuses_them_d
     assert max(report[f"tree {tuple(t)}"] for t in tiles) < limit / 4, report
     for miss in ("sinks dropped", "sinks of the next head", "sinks in log2 units", "tree: sinks of the next head"):
         assert report[miss] > 4 * limit, (miss, report)
-    assert set(report["kernels"]) >= {"rms_norm", "gated_act", "combine"}, report
-    assert max(report["kernels"].values()) <= limit, report
+    assert set(report["kernels"]) >= {"rms_norm", "gated_act", "combine", "route"}, report
+    # the router's kernel: refused by the CPU's top-k, which keeps other ties (test_moe's fused router test)
+    assert max(e for kernel, e in report["kernels"].items() if kernel != "route") <= limit, report
     assert min(report["clamp dropped"], report["gate and up as halves"]) > 4 * limit, report
     assert report["experts"] < limit / 4 and report["experts read in-contiguous"] > 4 * limit, report
 

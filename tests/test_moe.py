@@ -303,6 +303,99 @@ def test_fused_combination_through_the_model_and_its_planted_bugs_refused(moe_ch
     assert max_rel_err(report["losses"], [reference[0], reference[8]]) < TOLERANCE
 
 
+# The fused router (route_triton) in Triton's interpreter, one process. CUDA's torch.topk keeps the lowest index
+# among ties at the k-th place (prefill's route comment); the CPU's keeps others (a partial sort's order: for 8 zeros
+# of 128 it keeps 84, 87, 86, 85, 82, 81, 88, 83). So the chain the kernel is compared with here runs torch.topk as
+# a stable descending sort (the lowest-index rule); the CPU's own topk then shows the refusal. The router's kinds and
+# sizes (Qwen3-MoE's 128 experts top-8, Qwen1.5-MoE's 60 top-4 and Mixtral's 8 top-2 with and without the
+# renormalisation, gpt-oss-20b's 32 top-4), each on 80 tokens through a router whose experts share rows in groups of
+# about three (ties at the k-th place in most rows), and its start-up check (route_checks).
+TRITON_ROUTE = """
+import dataclasses, json, sys, torch, prefill
+cpu, report = torch.device("cpu"), {}
+cpu_topk = torch.topk
+def lowest_index_topk(x, k, dim=-1, **kw):
+    values, order = torch.sort(x, dim=dim, descending=True, stable=True)
+    return values[..., :k], order[..., :k]
+torch.topk = lowest_index_topk
+gen = torch.Generator().manual_seed(0)
+def cfg_of(kind, E, k, renormalize):
+    return dataclasses.replace(prefill.ModelConfig.from_json(json.loads(sys.argv[2])), num_experts=E,
+                               num_experts_per_tok=k, norm_topk_prob=renormalize, router_kind=kind)
+for kind, E, k, renormalize in json.loads(sys.argv[1]):
+    router = prefill.Router(kind, k, renormalize)
+    name = f"{kind} {E} top-{k}" + (" renormalised" if renormalize else "")
+    # experts in groups of about three that share their router's row (and bias): their logits tie in every row
+    group = torch.randint(0, E // 3, (E,), generator=gen)
+    w = prefill.LayerWeights(router=(torch.randn(E // 3, 16, generator=gen) / 4)[group].to(torch.bfloat16),
+                             router_bias=(torch.randn(E // 3, generator=gen) / 4)[group].to(torch.bfloat16))
+    h = (torch.randn(80, 16, generator=gen) * 2).to(torch.bfloat16)
+    (got, chosen), (want, want_chosen) = prefill.route_triton(h, w, router), prefill.route(h, w, router)
+    logits = torch.nn.functional.linear(h, w.router, w.router_bias if kind == "topk_softmax" else None)
+    report[name] = {"same experts": torch.equal(chosen, want_chosen), "ascending": bool((chosen.diff(dim=1) > 0).all()),
+                    "tied rows": int((logits.sort(-1, descending=True)[0][:, k - 1:k + 1].diff(dim=1) == 0).sum()),
+                    "weights other bits": int((got.view(torch.int16) != want.view(torch.int16)).sum()),
+                    "worst ulps": int((got.view(torch.int16).int() - want.view(torch.int16).int()).abs().max()),
+                    "checks": prefill.route_checks(cpu, cfg_of(kind, E, k, renormalize))}
+# planted bugs, each refused by route_checks: ties to the highest index (the experts read backwards), the
+# renormalisation dropped, the last slot's expert another
+cfg = cfg_of("softmax", 60, 4, True)
+good = prefill.route_triton
+def highest_index_ties(h, w, router):
+    weights, experts = good(h, dataclasses.replace(w, router=w.router.flip(0)), router)
+    experts = (w.router.shape[0] - 1 - experts).flip(1)
+    return weights.flip(1), experts
+def another_last_expert(h, w, router):
+    weights, experts = good(h, w, router)
+    return weights, torch.cat([experts[:, :-1], (experts[:, -1:] + 1) % 60], 1)
+planted = {"ties to the highest index": highest_index_ties, "another last expert": another_last_expert,
+           "renormalisation dropped": lambda h, w, r: good(h, w, dataclasses.replace(r, renormalize=False))}
+for bug, fn in planted.items():
+    prefill.route_triton = fn
+    report[bug] = prefill.route_checks(cpu, cfg)
+prefill.route_triton = good
+# the whole tiny model (test_moe's checkpoint), its routing by route and by the kernel: the same losses, bit for bit
+prefill.CHECK_LENGTHS = [37, 100]
+texts = json.loads(sys.argv[4])
+r = prefill.Runner(sys.argv[3], device="cpu", attention="sdpa", kernels="torch")
+report["losses by route"] = [s.loss for s in r.score(texts)]
+r.kernels.route = prefill.route_triton
+report["losses by the kernel"] = [s.loss for s in r.score(texts)]
+# the CPU's own topk: the check refuses the kernel, and the pick keeps the other fused kernels beside route
+torch.topk = cpu_topk
+kernels, errors = prefill.pick_kernels("triton", cpu, cfg)
+report["cpu topk"] = {"checks": prefill.route_checks(cpu, cfg), "fused": kernels.name, "errors": sorted(errors),
+                      "route is route's": kernels.route is prefill.TORCH_KERNELS.route}
+print(json.dumps(report))
+"""
+ROUTE_CASES = [("softmax", 128, 8, True), ("softmax", 60, 4, False), ("softmax", 60, 4, True), ("softmax", 8, 2, True),
+               ("softmax", 8, 2, False), ("topk_softmax", 32, 4, False)]
+
+
+def test_the_fused_router_picks_routes_experts_and_its_check_refuses_planted_bugs_and_other_ties(moe_checkpoint):
+    from test_prefill import interpreted
+    model = dict(GEOMETRY, model_type="qwen3_moe")
+    p = interpreted(TRITON_ROUTE, json.dumps(ROUTE_CASES), json.dumps(model), moe_checkpoint[0],
+                    json.dumps([TEXTS[0], TEXTS[8]]))
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(p.stdout)
+    for kind, E, k, renormalize in ROUTE_CASES:
+        case = report[f"{kind} {E} top-{k}" + (" renormalised" if renormalize else "")]
+        assert case["same experts"] and case["ascending"] and case["tied rows"] >= 10, case
+        # the weights: the same float32 steps but exp's and the sums' order, a bf16 ulp apart at most, in rare places
+        assert case["worst ulps"] <= 1 and case["weights other bits"] <= 2, case
+        assert [launch for _, launch, _ in case["checks"]] == [
+            f"{E} experts, top-{k}" + (", renormalised" if renormalize else "") + ties
+            for ties in ("", ", ties at the k-th place")] and all(e <= 2**-8 for _, _, e in case["checks"]), case
+    assert report["ties to the highest index"][1][2] == math.inf, report  # (bf16's random rows tie at times too)
+    for bug in ("renormalisation dropped", "another last expert"):
+        assert all(e > 8 * prefill.CHECK_TOLERANCE for _, _, e in report[bug]), (bug, report[bug])
+    assert report["losses by the kernel"] == report["losses by route"], report
+    cpu = report["cpu topk"]
+    assert cpu["checks"][1][2] == math.inf and cpu["route is route's"] and cpu["fused"] == "triton", cpu
+    assert "route" not in cpu["errors"] and "combine" in cpu["errors"], cpu
+
+
 # ----------------------------------------------------------------------------- the whole model
 
 def test_whole_model_through_the_runner_matches_transformers(moe_checkpoint, moe_runner, reference):

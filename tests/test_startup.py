@@ -108,6 +108,7 @@ def fused_stand_ins(monkeypatch, head_norm_rope=None):
                            ("token_nll", prefill.token_nll), ("combine", prefill.combine)]:
         monkeypatch.setattr(prefill, f"{name}_triton", torch_fn)
     monkeypatch.setattr(prefill, "head_norm_rope_triton", head_norm_rope or prefill.head_norm_rope)
+    monkeypatch.setattr(prefill, "route_triton", prefill.route)
     monkeypatch.setattr(prefill, "FUSED_DEVICES", ("cpu",))
 
 
@@ -143,7 +144,32 @@ def test_the_kernel_check_covers_the_dense_and_the_expert_widths(monkeypatch):
     launches = [(kernel, launch) for kernel, launch, _ in prefill.kernel_checks(CPU, moe)]
     assert {launch for kernel, launch in launches if kernel == "gated_act"} == {"160 wide, silu", "48 wide, silu"}
     assert ("combine", "2 experts a token") in launches
-    assert set(prefill.check_kernels(CPU, moe)) == {"rms_norm", "head_norm_rope", "gated_act", "token_nll", "combine"}
+    assert [launch for kernel, launch in launches if kernel == "route"] == [
+        "4 experts, top-2", "4 experts, top-2, ties at the k-th place"]
+    assert set(prefill.check_kernels(CPU, moe)) == {"rms_norm", "head_norm_rope", "gated_act", "token_nll", "combine",
+                                                    "route"}
+
+
+def test_a_router_kernel_that_keeps_other_experts_is_refused_alone(monkeypatch, capsys):
+    # route_checks' planted ties catch a router that keeps the highest index among them; the pick then runs route
+    # beside the other fused kernels, under "triton" too (the kernel itself in the interpreter: test_moe's)
+    fused_stand_ins(monkeypatch)
+    moe = prefill.ModelConfig.from_json(dict(TINY, model_type="qwen3_moe", num_experts=6, num_experts_per_tok=2,
+                                             moe_intermediate_size=48, norm_topk_prob=True))
+    kernels, errors = prefill.pick_kernels("auto", CPU, moe)  # the stand-in, route itself, passes
+    assert kernels.route is prefill.TRITON_KERNELS.route and errors["route"] == 0
+
+    def highest_index_ties(h, w, router):
+        weights, experts = prefill.route(h, dataclasses.replace(w, router=w.router.flip(0)), router)
+        return weights.flip(1), (w.router.shape[0] - 1 - experts).flip(1)
+    monkeypatch.setattr(prefill, "route_triton", highest_index_ties)
+    errors = {launch: error for kernel, launch, error in prefill.kernel_checks(CPU, moe) if kernel == "route"}
+    assert errors["6 experts, top-2, renormalised, ties at the k-th place"] == float("inf"), errors
+    for requested in ("auto", "triton"):
+        kernels, errors = prefill.pick_kernels(requested, CPU, moe)
+        assert kernels.name == "triton" and kernels.route is prefill.TORCH_KERNELS.route, requested
+        assert "route" not in errors and "combine" in errors
+        assert "fused routing unavailable on cpu" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- picks kept per machine
