@@ -140,37 +140,38 @@ def measure(name, tokens, device, repeats):
               "held_bytes": held.numel(), "bf16_bytes": out.numel() * out.element_size(), "expert_tflop": flops / 1e12,
               "dequantize_ms": deq_ms, "dequantize_gbps": moved / deq_ms / 1e6, "tiles": {}}
     bf16_tiles = prefill.fused_tiles(family, cfg, tokens)
+    scratch = x.clone()
     for tile in list(dict.fromkeys(bf16_tiles + FP8_TILES[family])):
-        entry = {"in_bf16_table": tile in bf16_tiles}
-        try:
-            a, b = torch.zeros_like(x), torch.zeros_like(x)  # the experts' sums alone: the bits compared
-            prefill.fused_experts(a, h, weights, chosen, bf16, tile)
-            prefill.fused_experts(b, h, weights, chosen, fp8, tile)
-            entry["same_bits"], entry["rel_diff"] = torch.equal(a, b), prefill.check_error(b, a.float())
-            del a, b
-            scratch = x.clone()
-            entry["bf16_experts_ms"] = ms(lambda: prefill.fused_experts(scratch, h, weights, chosen, bf16, tile))
+        entry, sums = {"in_bf16_table": tile in bf16_tiles}, {}
+        for path, w in (("bf16", bf16), ("fp8", fp8)):
+            try:  # a tile that does not run here (shared memory, TMA, a compile error) is out, on its path alone
+                sums[path] = torch.zeros_like(x)  # the experts' sums alone: the bits compared
+                prefill.fused_experts(sums[path], h, weights, chosen, w, tile)
+                entry[f"{path}_experts_ms"] = ms(lambda: prefill.fused_experts(scratch, h, weights, chosen, w, tile))
+                entry[f"{path}_tflops"] = flops / entry[f"{path}_experts_ms"] / 1e9
+                entry[f"{path}_gemms_ms"] = gemm_ms(ms, h, w, weights, chosen, tile)
+            except Exception as e:
+                entry[f"{path}_error"] = prefill.failure(e)
+                sums.pop(path)
+                log(f"{name} {tokens} {tile} {path}: {entry[f'{path}_error']}")
+        if "bf16" in sums:
             entry["dequantize_and_bf16_ms"] = ms(lambda: (
                 dequantize(held, out, layer), prefill.fused_experts(scratch, h, weights, chosen, bf16, tile)))
-            entry["fp8_experts_ms"] = ms(lambda: prefill.fused_experts(scratch, h, weights, chosen, fp8, tile))
-            entry["bf16_gemms_ms"] = gemm_ms(ms, h, bf16, weights, chosen, tile)
-            entry["fp8_gemms_ms"] = gemm_ms(ms, h, fp8, weights, chosen, tile)
-            for path in ("dequantize_and_bf16", "fp8_experts", "bf16_experts"):
-                entry[path.replace("_experts", "") + "_tflops"] = flops / entry[f"{path}_ms"] / 1e9
-            del scratch
-            log(f"{name} {tokens} {prefill.tile_name('fused', tile)}: (a) {entry['dequantize_and_bf16_ms']:.3f} ms, "
-                f"(b) {entry['fp8_experts_ms']:.3f} ms, same bits {entry['same_bits']}")
-        except Exception as e:  # too much shared memory for this GPU, no TMA, a compile error: that tile is out
-            entry["error"] = prefill.failure(e)
-            log(f"{name} {tokens} {tile}: {entry['error']}")
+            entry["dequantize_and_bf16_tflops"] = flops / entry["dequantize_and_bf16_ms"] / 1e9
+        if len(sums) == 2:
+            entry["same_bits"], entry["rel_diff"] = torch.equal(sums["bf16"], sums["fp8"]), prefill.check_error(
+                sums["fp8"], sums["bf16"].float())
+        del sums
+        log(f"{name} {tokens} {prefill.tile_name('fused', tile)}: (a) "
+            f"{entry.get('dequantize_and_bf16_ms', math.nan):.3f} ms, (b) {entry.get('fp8_experts_ms', math.nan):.3f} "
+            f"ms, same bits {entry.get('same_bits')}")
         record["tiles"][prefill.tile_name("fused", tile)] = {"tile": tile, **entry}
-    timed = {n: e for n, e in record["tiles"].items() if "error" not in e}
-    if timed:
-        a = min(timed, key=lambda n: timed[n]["dequantize_and_bf16_ms"])  # each path in its own best tile
-        b = min(timed, key=lambda n: timed[n]["fp8_experts_ms"])
-        record["best"] = {"dequantize_and_bf16": a, "fp8": b, "fp8_ms": timed[b]["fp8_experts_ms"],
-                          "dequantize_and_bf16_ms": timed[a]["dequantize_and_bf16_ms"]}
-    del held, out, fp8, bf16, x, h
+    ran = lambda key: {n: e[key] for n, e in record["tiles"].items() if key in e}
+    a, b = ran("dequantize_and_bf16_ms"), ran("fp8_experts_ms")
+    if a and b:  # each path in its own best tile
+        record["best"] = {"dequantize_and_bf16": min(a, key=a.get), "fp8": min(b, key=b.get),
+                          "dequantize_and_bf16_ms": min(a.values()), "fp8_ms": min(b.values())}
+    del held, out, fp8, bf16, x, h, scratch
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return record
@@ -183,15 +184,17 @@ def table(records):
         lines.append(f"{r['shape']:14} {r['tokens']:>6} {'dequantization alone':52} {r['dequantize_ms']:>8.3f} "
                      f"({r['dequantize_gbps']:.0f} GB/s)")
         for name, e in r["tiles"].items():
-            if "error" in e:
-                lines.append(f"{r['shape']:14} {r['tokens']:>6} {name:52} {e['error'][:60]}")
-                continue
-            gemms = f"{sum(e['bf16_gemms_ms']):.2f}|{sum(e['fp8_gemms_ms']):.2f}"
+            get = lambda key, fmt: format(e[key], fmt) if key in e else "-"
+            gemms = "|".join(f"{sum(e[k]):.2f}" if k in e else "-" for k in ("bf16_gemms_ms", "fp8_gemms_ms"))
+            ratio = e["dequantize_and_bf16_ms"] / e["fp8_experts_ms"] if "fp8_experts_ms" in e and \
+                "dequantize_and_bf16_ms" in e else math.nan
             lines.append(f"{r['shape']:14} {r['tokens']:>6} {name + ('' if e['in_bf16_table'] else ' *'):52} "
-                         f"{e['dequantize_and_bf16_ms']:>8.3f} {e['bf16_experts_ms']:>8.3f} "
-                         f"{e['fp8_experts_ms']:>8.3f} "
-                         f"{e['dequantize_and_bf16_ms'] / e['fp8_experts_ms']:>7.2f} {e['fp8_tflops']:>8.0f} "
-                         f"{gemms:>15} {str(e['same_bits']):>5} {e['rel_diff']:>8.1e}")
+                         f"{get('dequantize_and_bf16_ms', '.3f'):>8} {get('bf16_experts_ms', '.3f'):>8} "
+                         f"{get('fp8_experts_ms', '.3f'):>8} {ratio:>7.2f} {get('fp8_tflops', '.0f'):>8} {gemms:>15} "
+                         f"{str(e.get('same_bits', '-')):>5} {get('rel_diff', '.1e'):>8}")
+            for path in ("bf16", "fp8"):
+                if f"{path}_error" in e:
+                    lines.append(f"{'':22}{path} failed: {e[f'{path}_error'][:90]}")
     lines.append("(a): the layer dequantization + the bf16 fused experts; (b): the FP8 weights dequantized in the "
                  "GEMMs; *: an FP8_TILES tile, not in the bf16 table")
     for r in records:
