@@ -46,12 +46,13 @@ FP8_SHAPES = {name: SHAPES[name] for name in ("qwen3-30b-a3b", "deepseek-v3")}
 FP8_SHAPES["tiny"] = (256, 8, 2, 128)  # a CPU try: two blocks of K in gate+up, one in down
 # The FP8 variant's own candidates beside the bf16 table's (BLOCK_M, gate+up (BLOCK_N, BLOCK_K, GROUP_M, warps,
 # stages, TMA), down): GROUP_M 16 (an expert's weight tiles reread from L2 by its blocks of rows, not from memory);
-# BLOCK_K 128, a whole scale block (one scale load and half the steps; 2 stages: a stage holds 32 KB of rows and 32 KB
-# of FP8 weights beside the bf16 tile the conversion writes for the MMA); the weights by pointers (registers straight
-# into the conversion, no TMA copy to shared memory and back); BLOCK_M 64 with 4 warps.
+# BLOCK_K 128, a whole scale block (one scale load and half the k steps; gate+up in BLOCK_N 64: at 128 it took 255
+# registers and spilled under Triton 3.6); the weights by pointers (registers straight into the conversion, no TMA
+# copy to shared memory and back); BLOCK_M 64 on 4 warps. Each compiles for sm_90a to wgmma without spills under
+# Triton 3.6 and 3.9 (128-255 registers, 58-165 KB of shared memory).
 FP8_TILES = {
     "nvidia": [(128, (128, 64, 16, 8, 3, True), (256, 64, 16, 8, 3, True)),
-               (128, (128, 128, 1, 8, 2, True), (128, 128, 1, 8, 2, True)),
+               (128, (64, 128, 1, 8, 3, True), (128, 128, 1, 8, 3, True)),
                (128, (128, 64, 1, 8, 4, False), (128, 64, 1, 8, 4, False)),
                (64, (128, 64, 1, 4, 4, True), (128, 64, 1, 4, 4, True))],
     "cpu": [(32, (32, 64, 1, 4, 1, True), (64, 64, 1, 4, 1, True))],  # the interpreter: TMA, K tiles of 64
