@@ -1566,6 +1566,8 @@ class LayerWeights:  # None: the family has no such tensor
     shared_gate_up: object = None    # [2 shared_intermediate, hidden]: the shared experts' (V3, GLM, Qwen2-MoE)
     shared_down: object = None       # [hidden, shared_intermediate]
     shared_gate: object = None       # [1, hidden]: Qwen2-MoE's shared_expert_gate
+    gate_up_scales: object = None    # float32 block scales where gate_up and down are float8_e4m3fn (fused_experts'
+    down_scales: object = None       # FP8 variant, moe_gate_up's and moe_down's scales; no layer_views yet)
 
 
 def layer_views(flat, cfg, kind=None):
@@ -3759,7 +3761,9 @@ def grouped_mm_native(device):
 # side. gpt-oss's experts are three constexprs of the same two kernels: their [experts, K, N] storage (a transposed
 # view, N-contiguous: KN, TMA blocks of [BLOCK_K, BLOCK_N]), gate and up interleaved in gate_up's columns (CLAMPED: one
 # GEMM over 2 BLOCK_N adjacent columns, split into gate and up in the epilogue, as OpenAI's triton_kernels swiglu
-# splits them, then the ClampedSwiGLU) and a bias on each GEMM (BIAS: added in the epilogue).
+# splits them, then the ClampedSwiGLU) and a bias on each GEMM (BIAS: added in the epilogue). Block-wise FP8 experts
+# are a fourth (FP8: each weight tile dequantized as it is loaded, to dequantize_fp8's bf16 values; issue 37's
+# measurement, bench/fp8_experts.py, not offered: no held layout places the experts' FP8 bytes as [experts, N, K] yet).
 #
 # The roundings are the grouped path's (grouped_experts with combine): gate and up rounded to bf16, SiLU rounded, its
 # product with up rounded, as gated_act; the down GEMM's output rounded, then weighted in float32 in the sum, rounded
@@ -3880,6 +3884,28 @@ if triton is not None:
         return tile
 
     @triton.jit
+    def _moe_scales_at(s_ptr, expert, cols, N, K, PARTS: tl.constexpr, FP8: tl.constexpr):
+        # FP8 weights' scales, [experts, PARTS cdiv(N, FP8), cdiv(K, FP8)] float32, contiguous (gate+up: PARTS 2, the
+        # gate's rows of blocks then the up's, each projection's grid as its checkpoint holds it): the pointers to each
+        # column's row of them [BLOCK_N], and the distance from a gate column's row to its up column's. FP8 0 (bf16
+        # weights): none (s_ptr, 0), nothing computed
+        if FP8:
+            kb, nb = tl.cdiv(K, FP8), tl.cdiv(N, FP8)
+            return s_ptr + expert.to(tl.int64) * (PARTS * nb * kb) + (cols % N) // FP8 * kb, nb * kb
+        else:
+            return s_ptr, 0
+
+    @triton.jit
+    def _moe_dequantized(tile, s_at, k0, dtype: tl.constexpr, FP8: tl.constexpr):
+        # FP8 (the scales' block side: FP8_BLOCK): a [BLOCK_K, BLOCK_N] tile of float8_e4m3fn weights from k0 times
+        # each column's float32 scale of that block of K (s_at: _moe_scales_at's), rounded to dtype to nearest even:
+        # dequantize_fp8's values, so that the GEMM multiplies the very bf16 weights the layer's dequantization writes
+        # (BLOCK_K divides FP8, moe_gate_up and moe_down assert it: a tile lies in one block of K). FP8 0: the tile
+        if FP8:
+            tile = (tile.to(tl.float32) * tl.load(s_at + k0 // FP8)[None, :]).to(dtype)
+        return tile
+
+    @triton.jit
     def _moe_biased(y, bias_at, mask, dtype: tl.constexpr):
         # y [BLOCK_M, BLOCK_N] float32 rounded to dtype, plus each column's bias (bias_at [BLOCK_N], where mask) rounded
         # again: the bf16 GEMM output and transformers' bf16 out.add_(bias) (gpt-oss's experts)
@@ -3887,10 +3913,10 @@ if triton is not None:
         return (y.to(dtype).to(tl.float32) + bias[None, :]).to(dtype).to(tl.float32)
 
     @triton.jit(do_not_specialize=["rows", "top_k", "blocks", "group_m"])
-    def _moe_gate_up_kernel(h_ptr, w, bias_ptr, act_ptr, ids_ptr, block_expert_ptr, rows, top_k, blocks, group_m, N, K,
-                            h_stride, w_expert, w_col, w_k, up_at, alpha, limit, BLOCK_M: tl.constexpr,
+    def _moe_gate_up_kernel(h_ptr, w, bias_ptr, s_ptr, act_ptr, ids_ptr, block_expert_ptr, rows, top_k, blocks, group_m,
+                            N, K, h_stride, w_expert, w_col, w_k, up_at, alpha, limit, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-                            KN: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr):
+                            KN: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, FP8: tl.constexpr):
         # act[block rows, cols] = SiLU(gate)·up of the block's rows of h (row r: token ids[r] // top_k; an id of rows
         # is padding: a zero row) for its expert; column c's gate weights at w + c·w_col, its up weights up_at further,
         # each K long in steps of w_k (prefill's [experts, 2 N, K] gate rows first: w_col K, up_at N·K, w_k 1); with
@@ -3900,7 +3926,9 @@ if triton is not None:
         # TMA block of their own: a [BLOCK_K, 2 BLOCK_N] one under KN) and split in the epilogue, then the ClampedSwiGLU
         # (alpha, limit) as gated_act's kernel computes it. BIAS: each column's bias ([experts, 2 N] at bias_ptr) added
         # to its rounded product, in bf16 as transformers (_moe_biased). Padding rows are written too (zeros or the
-        # biases' activation): the down GEMM reads whole blocks, and no valid row reads them.
+        # biases' activation): the down GEMM reads whole blocks, and no valid row reads them. FP8 (FP8_BLOCK; 0: bf16
+        # weights): the weights float8_e4m3fn, each tile dequantized as it is loaded (_moe_dequantized; their scales at
+        # s_ptr, [experts, 2 cdiv(N, FP8), cdiv(K, FP8)]); not with CLAMPED or KN.
         expert, r, ids, cols, col = _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M, BLOCK_N)
         if expert >= 0:
             valid = ids < rows
@@ -3913,6 +3941,7 @@ if triton is not None:
                 gate_up = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
             else:
                 g_at = _moe_weights_at(w, expert.to(tl.int64) * w_expert, cols, N, w_col, w_k, BLOCK_K, TMA)
+                s_at, s_up = _moe_scales_at(s_ptr, expert, cols, N, K, 2, FP8)
                 gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
                 up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -3924,8 +3953,10 @@ if triton is not None:
                     gate_up = tl.dot(a, _moe_weight_tile(w, g_at, row, 2 * col, k0, K, BLOCK_K, EVEN_K, TMA, KN),
                                      gate_up)
                 else:
-                    g = _moe_weight_tile(w, g_at, row, col, k0, K, BLOCK_K, EVEN_K, TMA, KN)
-                    u = _moe_weight_tile(w, g_at + up_at, row, col + up_at // w_col, k0, K, BLOCK_K, EVEN_K, TMA, KN)
+                    g = _moe_dequantized(_moe_weight_tile(w, g_at, row, col, k0, K, BLOCK_K, EVEN_K, TMA, KN), s_at,
+                                         k0, h_ptr.dtype.element_ty, FP8)
+                    u = _moe_dequantized(_moe_weight_tile(w, g_at + up_at, row, col + up_at // w_col, k0, K, BLOCK_K,
+                                                          EVEN_K, TMA, KN), s_at + s_up, k0, h_ptr.dtype.element_ty, FP8)
                     gate = tl.dot(a, g, gate)  # both tiles loaded before either product: 100 VGPRs on gfx1100, not 130
                     up = tl.dot(a, u, up)
                 a_at += BLOCK_K
@@ -3946,19 +3977,22 @@ if triton is not None:
             tl.store(act_ptr + r[:, None].to(tl.int64) * N + cols[None, :], act.to(dtype), mask=cols[None, :] < N)
 
     @triton.jit(do_not_specialize=["rows", "blocks", "group_m"])
-    def _moe_down_kernel(act_ptr, w, bias_ptr, out_ptr, ids_ptr, block_expert_ptr, rows, blocks, group_m, N, K,
-                         w_expert, w_col, w_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, TMA: tl.constexpr, KN: tl.constexpr, BIAS: tl.constexpr):
+    def _moe_down_kernel(act_ptr, w, bias_ptr, s_ptr, out_ptr, ids_ptr, block_expert_ptr, rows, blocks, group_m, N,
+                         K, w_expert, w_col, w_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, TMA: tl.constexpr, KN: tl.constexpr, BIAS: tl.constexpr,
+                         FP8: tl.constexpr):
         # out[ids[r], cols] = act[r] @ the expert's down weights, rounded to bf16, for the block's rows that are not
         # padding: each (token, slot) row written once, by this program; act: [blocks · BLOCK_M, K], contiguous; w as
         # _moe_gate_up_kernel's. BIAS: plus its expert's bias ([experts, N] at bias_ptr), rounded where transformers'
-        # bf16 out.add_(bias) rounds. The routing weight is _moe_sum_kernel's, as combine weights the grouped rows
+        # bf16 out.add_(bias) rounds. The routing weight is _moe_sum_kernel's, as combine weights the grouped rows.
+        # FP8: as _moe_gate_up_kernel's (the scales [experts, cdiv(N, FP8), cdiv(K, FP8)])
         expert, r, ids, cols, col = _moe_rows(block_expert_ptr, ids_ptr, blocks, group_m, N, BLOCK_M, BLOCK_N)
         if expert >= 0:
             valid = ids < rows
             ks = tl.arange(0, BLOCK_K)
             a_at = act_ptr + r[:, None].to(tl.int64) * K + ks[None, :]
             b_at = _moe_weights_at(w, expert.to(tl.int64) * w_expert, cols, N, w_col, w_k, BLOCK_K, TMA)
+            s_at, _ = _moe_scales_at(s_ptr, expert, cols, N, K, 1, FP8)
             row = expert * (w_expert // (w_k if KN else w_col))
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -3966,7 +4000,8 @@ if triton is not None:
                     a = tl.load(a_at)
                 else:
                     a = tl.load(a_at, mask=k0 + ks[None, :] < K, other=0.0)
-                acc = tl.dot(a, _moe_weight_tile(w, b_at, row, col, k0, K, BLOCK_K, EVEN_K, TMA, KN), acc)
+                b = _moe_weight_tile(w, b_at, row, col, k0, K, BLOCK_K, EVEN_K, TMA, KN)
+                acc = tl.dot(a, _moe_dequantized(b, s_at, k0, act_ptr.dtype.element_ty, FP8), acc)
                 a_at += BLOCK_K
                 b_at += BLOCK_K * w_k
             dtype = out_ptr.dtype.element_ty
@@ -4035,37 +4070,54 @@ def expert_weights(w, n, k, tma):
     return TensorDescriptor(w, [E * N, K], [w.stride(1), 1], [n, k])
 
 
-def moe_gate_up(h, gate_up, ids, block_expert, k, block_m, gemm, bias=None, activation="silu"):
+def fp8_scales_fit(w, scales, parts, bk):
+    # whether the fused experts' FP8 variant reads w [experts, N, K] float8_e4m3fn (K-contiguous) by its scales
+    # [experts, parts cdiv(N / parts, FP8_BLOCK), cdiv(K, FP8_BLOCK)] float32 (contiguous: _moe_scales_at's), in tiles
+    # BLOCK_K = bk wide that lie in one block of K
+    E, N, K = w.shape
+    return (w.dtype == FP8 and not rows_of_n(w) and FP8_BLOCK % bk == 0 and scales.dtype == torch.float32
+            and scales.is_contiguous() and scales.shape == (E, parts * scale_grid((N // parts,))[0], *scale_grid((K,))))
+
+
+def moe_gate_up(h, gate_up, ids, block_expert, k, block_m, gemm, bias=None, activation="silu", scales=None):
     # h [tokens, hidden], gate_up [experts, 2 inter, hidden] (gate rows first; gpt-oss's: a view of [experts, hidden,
     # 2 inter], gate and up interleaved), bias [experts, 2 inter] or None -> act [padded rows, inter]: SiLU(gate)·up
     # of each aligned row (align_experts' ids, block_expert), or (activation a ClampedSwiGLU) gpt-oss's; gemm:
-    # (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA)
+    # (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA). scales (FP8 weights; not with biases or gpt-oss's layout):
+    # gate_up float8_e4m3fn and its block scales [experts, 2 cdiv(inter, FP8_BLOCK), cdiv(hidden, FP8_BLOCK)], the
+    # gate's grid then the up's, each tile dequantized in the kernel as dequantize_fp8 would (fp8_scales_fit)
     (E, I2, H), blocks = gate_up.shape, block_expert.shape[0]
     (n, bk, group_m, warps, stages, tma), I = gemm, I2 // 2
     clamped = isinstance(activation, ClampedSwiGLU)
     assert clamped or activation == "silu"
+    assert scales is None or not clamped and bias is None and fp8_scales_fit(gate_up, scales, 2, bk), \
+        "FP8 experts: gate_up's layout, scales or BLOCK_K (fp8_scales_fit), or biases"
     act = torch.empty(blocks * block_m, I, dtype=h.dtype, device=h.device)
     _moe_gate_up_kernel[(blocks * triton.cdiv(I, n),)](
-        h, expert_weights(gate_up, 2 * n if clamped else n, bk, tma), h if bias is None else bias, act, ids,
-        block_expert, h.shape[0] * k, k, blocks, group_m, I, H, h.stride(0), gate_up.stride(0), gate_up.stride(1),
-        gate_up.stride(2), I * gate_up.stride(1), activation.alpha if clamped else 1.0,
-        activation.limit if clamped else 0.0, BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=bk, EVEN_K=H % bk == 0, TMA=tma,
-        KN=tma and rows_of_n(gate_up), BIAS=bias is not None, CLAMPED=clamped, num_warps=warps, num_stages=stages)
+        h, expert_weights(gate_up, 2 * n if clamped else n, bk, tma), h if bias is None else bias,
+        h if scales is None else scales, act, ids, block_expert, h.shape[0] * k, k, blocks, group_m, I, H, h.stride(0),
+        gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), I * gate_up.stride(1),
+        activation.alpha if clamped else 1.0, activation.limit if clamped else 0.0, BLOCK_M=block_m, BLOCK_N=n,
+        BLOCK_K=bk, EVEN_K=H % bk == 0, TMA=tma, KN=tma and rows_of_n(gate_up), BIAS=bias is not None,
+        CLAMPED=clamped, FP8=0 if scales is None else FP8_BLOCK, num_warps=warps, num_stages=stages)
     return act
 
 
-def moe_down(act, down, ids, block_expert, rows, block_m, gemm, bias=None):
+def moe_down(act, down, ids, block_expert, rows, block_m, gemm, bias=None, scales=None):
     # act [padded rows, inter], down [experts, hidden, inter] (gpt-oss's: a view of [experts, inter, hidden]), bias
     # [experts, hidden] or None -> out [rows (tokens * k), hidden]: each (token, slot) row's down projection (plus its
-    # expert's bias), unweighted, at the row of its flat index
+    # expert's bias), unweighted, at the row of its flat index. scales: down float8_e4m3fn and its block scales
+    # [experts, cdiv(hidden, FP8_BLOCK), cdiv(inter, FP8_BLOCK)], as moe_gate_up's
     (E, H, I), blocks = down.shape, block_expert.shape[0]
     n, bk, group_m, warps, stages, tma = gemm
+    assert scales is None or bias is None and fp8_scales_fit(down, scales, 1, bk), \
+        "FP8 experts: down's layout, scales or BLOCK_K (fp8_scales_fit), or a bias"
     out = torch.empty(rows, H, dtype=act.dtype, device=act.device)
     _moe_down_kernel[(blocks * triton.cdiv(H, n),)](
-        act, expert_weights(down, n, bk, tma), act if bias is None else bias, out, ids, block_expert, rows, blocks,
-        group_m, H, I, down.stride(0), down.stride(1), down.stride(2), BLOCK_M=block_m,
-        BLOCK_N=n, BLOCK_K=bk, EVEN_K=I % bk == 0, TMA=tma, KN=tma and rows_of_n(down), BIAS=bias is not None,
-        num_warps=warps, num_stages=stages)
+        act, expert_weights(down, n, bk, tma), act if bias is None else bias, act if scales is None else scales, out,
+        ids, block_expert, rows, blocks, group_m, H, I, down.stride(0), down.stride(1), down.stride(2),
+        BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=bk, EVEN_K=I % bk == 0, TMA=tma, KN=tma and rows_of_n(down),
+        BIAS=bias is not None, FP8=0 if scales is None else FP8_BLOCK, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -4080,12 +4132,16 @@ def moe_sum(x, out, weights):
 def fused_experts(x, h, weights, chosen, w, tile, activation="silu"):
     """moe_ffn's experts in six launches: x [tokens, hidden] += Σ_j weights[t, j] · expert chosen[t, j](h[t]), each
     expert with its biases where w has them and the model's expert_activation (gpt-oss's: both). tile: (BLOCK_M, the
-    gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), the down GEMM's)."""
+    gate+up GEMM's (BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), the down GEMM's). Where w has the experts' FP8
+    scales (gate_up_scales, down_scales), its gate_up and down are float8_e4m3fn, dequantized tile by tile in the
+    GEMMs: bit for bit the experts of the bf16 weights dequantize_fp8 makes of them (bench/fp8_experts.py)."""
     block_m, up, down = tile
     assert h.stride(1) == 1 and weights.is_contiguous() and chosen.is_contiguous() and x.stride(1) == 1
     ids, block_expert = align_experts(chosen, w.gate_up.shape[0], block_m)
-    act = moe_gate_up(h, w.gate_up, ids, block_expert, chosen.shape[1], block_m, up, w.gate_up_bias, activation)
-    moe_sum(x, moe_down(act, w.down, ids, block_expert, weights.numel(), block_m, down, w.down_bias), weights)
+    act = moe_gate_up(h, w.gate_up, ids, block_expert, chosen.shape[1], block_m, up, w.gate_up_bias, activation,
+                      w.gate_up_scales)
+    moe_sum(x, moe_down(act, w.down, ids, block_expert, weights.numel(), block_m, down, w.down_bias, w.down_scales),
+            weights)
 
 
 # The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, then the fused experts, else
@@ -4118,10 +4174,10 @@ EXPERT_TILES["amd"] = EXPERT_TILES["rdna3"]
 # torch's grouped_mm experts (sort, gather, GEMMs, activation, combination) on the same routing: faster on Qwen3-30B-A3B
 # (2.45 ms against 2.64 a 16,384-token slice, the GEMMs at 572 TFLOP/s) and on the 4,096-token slices of many small
 # experts, slower on Mixtral's and gpt-oss's wide ones; the start-up timing decides per model. All compile for sm_90a
-# to wgmma, unspilled, under Triton 3.6 and 3.9. The (2880, 2880, ·) rows were timed on Qwen's layout at gpt-oss's
-# shape; gpt-oss's own experts (N-contiguous weights, gate and up as one GEMM, biases: the KN, CLAMPED and BIAS
-# variants) compile in them too, unspilled (the 128-row gate+up at 254 registers, 44 of them the biases' columns), and
-# await their own tuning. RDNA3's: vLLM's AMD_Radeon_Graphics (E=128,N=384) from 512 tokens on (64, 128, 32,
+# to wgmma, unspilled, under Triton 3.6 and 3.9. The (2880, 2880, ·) rows are gpt-oss's own experts (N-contiguous
+# weights, gate and up as one GEMM, biases: the KN, CLAMPED and BIAS variants), tuned on them at 1ca9e7e (primitives/
+# 2026-12-03-h200-fused-moe-tiles-gpt-oss@1ca9e7e.json: gpt-oss-20b's 16,384-token slice 5.64 ms against grouped_mm's
+# 6.68, gpt-oss-120b's 7.08 against 8.27, the same bits as grouped_mm's), most of their weights read by pointers. RDNA3's: vLLM's AMD_Radeon_Graphics (E=128,N=384) from 512 tokens on (64, 128, 32,
 # GROUP_SIZE_M 8, warps 8, stages 2), and the same in 128-row blocks, compiled for gfx1100 without spills (gate+up,
 # down: 100 and 99 VGPRs, 143 and 140, under Triton 3.9; 102-154 under 3.6; the alignment 105-118 in 16 warps, which
 # spilled in 8 once it read its two rows of running counts directly (139 VGPRs);
@@ -4160,13 +4216,17 @@ FUSED_TILES = {
             (128, (128, 64, 1, 8, 4, True), (256, 64, 1, 8, 4, True)),
             (64, (128, 64, 16, 4, 3, True), (128, 64, 1, 4, 3, False)),
         ],
+        (2880, 2880, 2048): [
+            (128, (128, 32, 16, 8, 5, True), (256, 64, 1, 8, 3, False)),
+            (64, (128, 32, 16, 4, 4, False), (256, 64, 16, 4, 3, False)),
+        ],
         (2880, 2880, 512): [
-            (128, (128, 64, 1, 8, 3, True), (256, 64, 1, 8, 4, True)),
-            (64, (128, 32, 16, 4, 4, True), (256, 64, 1, 4, 3, True)),
+            (128, (128, 64, 1, 8, 3, False), (256, 64, 1, 8, 3, False)),
+            (64, (128, 32, 1, 4, 4, False), (256, 64, 1, 4, 3, False)),
         ],
         (2880, 2880, 128): [
-            (128, (128, 32, 1, 8, 5, True), (256, 64, 1, 8, 4, True)),
-            (64, (64, 64, 16, 4, 3, False), (128, 64, 1, 4, 3, True)),
+            (128, (128, 32, 1, 8, 5, False), (256, 32, 1, 8, 5, True)),
+            (64, (128, 32, 1, 4, 4, False), (128, 64, 1, 4, 3, False)),
         ],
     },
     "rdna3": {(2048, 768, 1024): [(64, (64, 32, 8, 8, 2, False), (128, 32, 8, 8, 2, False)),
