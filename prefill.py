@@ -4144,8 +4144,9 @@ def fused_experts(x, h, weights, chosen, w, tile, activation="silu"):
             weights)
 
 
-# The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, then the fused experts, else
-# the fused experts first, then prefill's Triton grouped GEMM; the loop last. "auto" offers torch's grouped GEMM on a
+# The order decides where nothing was timed: torch's grouped GEMM where it is one kernel, then the fused experts (and
+# under "auto" nothing else but the loop: expert_candidates), else the fused experts first, then prefill's Triton
+# grouped GEMM; the loop last. "auto" offers torch's grouped GEMM on a
 # GPU only where it is native (grouped_mm_native): elsewhere it is the loop with a host sync, and on an RDNA4 GPU
 # (gfx1200, ROCm 7.2.1 on Windows) it crashed the process where no check could catch it (ROCm/pytorch#3283). It stays
 # on the CPU, where the tests run its call (torch's composite fallback there), and --experts grouped_mm asks for it
@@ -4282,7 +4283,13 @@ def expert_candidates(requested, device, cfg, slice_tokens):
     # (name, kind, tile) of each expert kernel that `requested` names: "auto", a kind, or a name pick_experts returned;
     # the fused experts' tiles are those of the shape nearest to cfg's at slices of slice_tokens
     family, native = gpu_family(device), grouped_mm_native(device)
-    kinds = EXPERT_KINDS if native else ["fused", "triton", "grouped_mm", "loop"]
+    # where torch's grouped GEMM is one kernel, "auto" leaves out prefill's Triton one: the same steps, and slower on
+    # every shape measured (1.14-1.62x grouped_mm's experts on the H200, primitives/2026-12-03-h200-moe-layer@1ca9e7e;
+    # 467 against 625 TFLOP/s, …-moe-experts-tiles), while its three tiles' compiles, checks and timings cost a first
+    # start seconds (the fused experts' and its own together: 7.3 s of gpt-oss-20b's 17.8 s to ready on a fresh H200,
+    # primitives/2026-12-03-h200-first-start-gpt-oss-20b@1ca9e7e). --experts triton still asks for it
+    kinds = ["grouped_mm", "fused", "loop"] if native and requested == "auto" else \
+        EXPERT_KINDS if native else ["fused", "triton", "grouped_mm", "loop"]
     tiles = {"triton": EXPERT_TILES[family], "fused": fused_tiles(family, cfg, slice_tokens)}
     named = [(tile_name(kind, tile), kind, tile) for kind in kinds
              if not (kind in tiles and requested == "auto" and device.type != "cuda")
@@ -6557,7 +6564,8 @@ def parse_args(argv):
                         "those that match float32 experts at start-up, the one kept in --picks; the first run on a "
                         "GPU times them and keeps the first in that order unless another is clearly (10%%) faster; "
                         "without a picks file, grouped_mm where it is one kernel, else the fused experts; on a GPU "
-                        "grouped_mm only where it is one kernel, on the CPU grouped_mm)")
+                        "grouped_mm only where it is one kernel, and the Triton grouped GEMM only where it is not; on "
+                        "the CPU grouped_mm)")
     p.add_argument("--load", default="auto", choices=["auto", "map", "copy"],
                    help="map: page-lock the streamed layers' pages of the checkpoint's page cache in place and "
                         "copy them to the GPU straight from there (no host copy; those pages stay locked in RAM while "
