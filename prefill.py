@@ -3754,15 +3754,15 @@ def grouped_mm_native(device):
 # its rows of h through those ids (no gathered copy) and writes act(gate)·up once, not the [rows, 2 moe_intermediate]
 # that vLLM's silu_and_mul rereads; the down GEMM writes each row at its own (token, slot) row, unweighted (vLLM
 # weights it in the epilogue, MUL_ROUTED_WEIGHT); a last launch sums each token's k rows times their routing weights
-# (moe_sum) in slot order, which route makes ascending expert order, in float32, rounds once and adds them to x. Every row is
-# written by one program and every sum has a fixed order: no atomics. The integers that vary with the texts or that
-# the start-up check takes smaller than a run (tokens, k, experts) are not specialised on, so that the check compiles
-# what the run launches. The weights are read through strides (w_col, w_k, up_at), or by TMA over their contiguous
-# side. gpt-oss's experts are three constexprs of the same two kernels: their [experts, K, N] storage (a transposed
-# view, N-contiguous: KN, TMA blocks of [BLOCK_K, BLOCK_N]), gate and up interleaved in gate_up's columns (CLAMPED: one
-# GEMM over 2 BLOCK_N adjacent columns, split into gate and up in the epilogue, as OpenAI's triton_kernels swiglu
-# splits them, then the ClampedSwiGLU) and a bias on each GEMM (BIAS: added in the epilogue). Block-wise FP8 experts
-# are a fourth (FP8: each weight tile dequantized as it is loaded, to dequantize_fp8's bf16 values; issue 37's
+# (moe_sum) in slot order, which route makes ascending expert order, in float32, rounds once and adds them to x. Every
+# row is written by one program and every sum has a fixed order: no atomics. The integers that vary with the texts or
+# that the start-up check takes smaller than a run (tokens, k, experts) are not specialised on, so that the check
+# compiles what the run launches. The weights are read through strides (w_col, w_k, up_at), or by TMA over their
+# contiguous side. gpt-oss's experts are three constexprs of the same two kernels: their [experts, K, N] storage (a
+# transposed view, N-contiguous: KN, TMA blocks of [BLOCK_K, BLOCK_N]), gate and up interleaved in gate_up's columns
+# (CLAMPED: one GEMM over 2 BLOCK_N adjacent columns, split into gate and up in the epilogue, as OpenAI's triton_kernels
+# swiglu splits them, then the ClampedSwiGLU) and a bias on each GEMM (BIAS: added in the epilogue). Block-wise FP8
+# experts are a fourth (FP8: each weight tile dequantized as it is loaded, to dequantize_fp8's bf16 values; issue 37's
 # measurement, bench/fp8_experts.py, not offered: no held layout places the experts' FP8 bytes as [experts, N, K] yet).
 #
 # The roundings are the grouped path's (grouped_experts with combine): gate and up rounded to bf16, SiLU rounded, its
@@ -4178,11 +4178,11 @@ EXPERT_TILES["amd"] = EXPERT_TILES["rdna3"]
 # to wgmma, unspilled, under Triton 3.6 and 3.9. The (2880, 2880, ·) rows are gpt-oss's own experts (N-contiguous
 # weights, gate and up as one GEMM, biases: the KN, CLAMPED and BIAS variants), tuned on them at 1ca9e7e (primitives/
 # 2026-12-03-h200-fused-moe-tiles-gpt-oss@1ca9e7e.json: gpt-oss-20b's 16,384-token slice 5.64 ms against grouped_mm's
-# 6.68, gpt-oss-120b's 7.08 against 8.27, the same bits as grouped_mm's), most of their weights read by pointers. RDNA3's: vLLM's AMD_Radeon_Graphics (E=128,N=384) from 512 tokens on (64, 128, 32,
-# GROUP_SIZE_M 8, warps 8, stages 2), and the same in 128-row blocks, compiled for gfx1100 without spills (gate+up,
-# down: 100 and 99 VGPRs, 143 and 140, under Triton 3.9; 102-154 under 3.6; the alignment 105-118 in 16 warps, which
-# spilled in 8 once it read its two rows of running counts directly (139 VGPRs);
-# tests/test_gfx1100_compile.py), not run.
+# 6.68, gpt-oss-120b's 7.08 against 8.27, the same bits as grouped_mm's), most of their weights read by pointers.
+# RDNA3's: vLLM's AMD_Radeon_Graphics (E=128,N=384) from 512 tokens on (64, 128, 32, GROUP_SIZE_M 8, warps 8, stages 2),
+# and the same in 128-row blocks, compiled for gfx1100 without spills (gate+up, down: 100 and 99 VGPRs, 143 and 140,
+# under Triton 3.9; 102-154 under 3.6; the alignment 105-118 in 16 warps, which spilled in 8 once it read its two rows
+# of running counts directly (139 VGPRs); tests/test_gfx1100_compile.py), not run.
 FUSED_TILES = {
     "nvidia": {
         (2048, 768, 1024): [
@@ -4288,11 +4288,11 @@ def expert_candidates(requested, device, cfg, slice_tokens):
     # 467 against 625 TFLOP/s, …-moe-experts-tiles), while its three tiles' compiles, checks and timings cost a first
     # start seconds (the fused experts' and its own together: 7.3 s of gpt-oss-20b's 17.8 s to ready on a fresh H200,
     # primitives/2026-12-03-h200-first-start-gpt-oss-20b@1ca9e7e). --experts triton still asks for it
-    kinds = ["grouped_mm", "fused", "loop"] if native and requested == "auto" else \
-        EXPERT_KINDS if native else ["fused", "triton", "grouped_mm", "loop"]
+    kinds = EXPERT_KINDS if native else ["fused", "triton", "grouped_mm", "loop"]
     tiles = {"triton": EXPERT_TILES[family], "fused": fused_tiles(family, cfg, slice_tokens)}
     named = [(tile_name(kind, tile), kind, tile) for kind in kinds
              if not (kind in tiles and requested == "auto" and device.type != "cuda")
+             and not (kind == "triton" and requested == "auto" and native)
              and not (kind == "grouped_mm" and requested == "auto" and device.type == "cuda" and not native)
              for tile in tiles.get(kind, [None])]
     chosen = [c for c in named if requested in ("auto", c[0], c[1])]
@@ -6479,11 +6479,11 @@ def parse_args(argv):
                     "mixture of experts: Qwen3-MoE, Qwen1.5/2-MoE, Mixtral, GLM-4.5, DeepSeek-V3 (Moonlight, "
                     "Kimi-K2) or gpt-oss (safetensors, in bf16, block-wise FP8 or gpt-oss's MXFP4; model_type "
                     f"{', '.join(FAMILIES)}, or gemma3 saved as multimodal: its text model), streaming the layers "
-                    "that do not fit in GPU memory. Without --input: prints `ready`, reads one JSON array of strings on stdin, "
-                    "prints one loss per text (nan for texts of < 2 tokens) and exits. With --input FILE: the same "
-                    "losses for FILE's texts, without the handshake. With --input FILE --output OUT.jsonl: scores a "
-                    "corpus of any size into OUT, one JSON line per text, resumable with --resume. Started by "
-                    "torchrun: one process per GPU, rank 0 speaking for all (docs/distributed.md).",
+                    "that do not fit in GPU memory. Without --input: prints `ready`, reads one JSON array of "
+                    "strings on stdin, prints one loss per text (nan for texts of < 2 tokens) and exits. With --input "
+                    "FILE: the same losses for FILE's texts, without the handshake. With --input FILE --output "
+                    "OUT.jsonl: scores a corpus of any size into OUT, one JSON line per text, resumable with --resume. "
+                    "Started by torchrun: one process per GPU, rank 0 speaking for all (docs/distributed.md).",
         epilog="Exit codes: 0 done; 1 stdin closed before the request, stdout closed before the last loss, another "
                "torchrun rank failed, or an unexpected error; 2 a bad option, input, request, output or checkpoint "
                "(one line on stderr names it); 130 SIGINT; 143 SIGTERM (with --output: after the batch being written, "
