@@ -27,7 +27,7 @@ SCRIPT = """
 import json, sys, types
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 import prefill
 prefill.DTYPE = torch.float16  # the interpreter multiplies bf16 tiles as raw integers
 prefill.CHECK_LENGTHS = [37, 100]  # the attention check (SDPA) on short texts: the experts are under test here
@@ -87,12 +87,15 @@ report["gpt-oss ablated"] = {"biases dropped": oss_case(64, 32, here[0], biases=
                              "SiLU of gate and up as halves": oss_case(64, 32, here[0], "silu")}
 
 # align_experts against its specification, written out: expert by expert, each one's (token, slot) rows in token
-# order, padded with `rows` to a multiple of the block; then the blocks' experts, -1 past the last
+# order, padded with `rows` to a multiple of the block; then the blocks' experts, -1 past the last; the running sums
+# over the chunks taken a chunk at a time too (ALIGN_SCAN 1: a carry between steps, which 3 chunks at most never need
+# at the default)
 @settings(max_examples=40, deadline=None, database=None)
 @given(tokens=st.integers(1, 300), experts=st.integers(1, 40), k=st.integers(1, 4), spread=st.floats(0, 6),
-       block_m=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
-def aligned(tokens, experts, k, spread, block_m, seed):
-    k = min(k, experts)
+       block_m=st.sampled_from([16, 64]), scan=st.sampled_from([1, prefill.ALIGN_SCAN]), seed=st.integers(0, 2**16))
+@example(tokens=300, experts=20, k=4, spread=0.0, block_m=16, scan=1, seed=1)  # 3 chunks a step at a time, always
+def aligned(tokens, experts, k, spread, block_m, scan, seed):
+    k, prefill.ALIGN_SCAN = min(k, experts), scan
     gen = torch.Generator().manual_seed(seed)  # a few favoured experts, the others often empty
     scores = torch.rand(tokens, experts, generator=gen) + spread * torch.randn(experts, generator=gen)
     chosen = scores.topk(k, dim=-1).indices.sort(dim=-1).values
@@ -107,11 +110,13 @@ def aligned(tokens, experts, k, spread, block_m, seed):
     assert got_blocks[:len(blocks)].tolist() == blocks and (got_blocks[len(blocks):] == -1).all()
     assert got_ids[:len(ids)].tolist() == ids
 
+scan = prefill.ALIGN_SCAN
 try:
     aligned()
     report["alignment"] = "as specified"
 except AssertionError as e:
     report["alignment"] = f"{type(e).__name__}: {e}"[:2000]
+prefill.ALIGN_SCAN = scan
 
 # the start-up check of the fused candidate on the model's shapes, with a planted bug each
 cfg = prefill.ModelConfig.from_dir(sys.argv[1])
