@@ -39,7 +39,8 @@ cpu, report = torch.device("cpu"), {}
 # (hidden 80, moe_intermediate 48: partial K and column tiles in both GEMMs), and weights stored [experts, K, N] (as
 # gpt-oss stores them) read through strides; each twice, for the bits
 def case(hidden, inter, tokens, k, renormalize, tile, transposed=False):
-    geometry = types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, fused_experts=False)
+    geometry = types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, fused_experts=False,
+                                     fp8_experts=False)
     h, w = prefill.expert_inputs(cpu, geometry, seed=k, tokens=tokens, experts=8)
     want = prefill.moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, renormalize)
     if transposed:
@@ -62,7 +63,8 @@ report["cases"] |= {"top-1": case(64, 32, 70, 1, False, here[0]), "top-3": case(
 # sizes no tile divides; then the fused path with each feature ablated, which must miss both
 OSS = prefill.ClampedSwiGLU(1.702, 7.0)
 def oss_case(hidden, inter, tile, activation=OSS, biases=True, runs=1):
-    geometry = types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, fused_experts=True)
+    geometry = types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, fused_experts=True,
+                                     fp8_experts=False)
     h, w = prefill.expert_inputs(cpu, geometry, seed=5, tokens=40, experts=8)
     want = prefill.moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, 2, True, OSS, w.gate_up_bias,
                                  w.down_bias)
@@ -249,7 +251,8 @@ def dequantized(q, scales):  # dequantize_fp8, expert by expert, into the float1
     return out
 
 def case(hidden, inter, tile, tokens=60, experts=4, bugs=False):
-    geometry = types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, fused_experts=False)
+    geometry = types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, fused_experts=False,
+                                     fp8_experts=False)
     h, w = prefill.expert_inputs(cpu, geometry, seed=1, tokens=tokens, experts=experts)
     (gate, gate_s), (up, up_s), (down, down_s) = (quantized(experts, inter, hidden), quantized(experts, inter, hidden),
                                                   quantized(experts, hidden, inter))
