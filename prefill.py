@@ -4386,8 +4386,10 @@ def expert_candidates(requested, device, cfg, slice_tokens):
     # start seconds (the fused experts' and its own together: 7.3 s of gpt-oss-20b's 17.8 s to ready on a fresh H200,
     # primitives/2026-12-03-h200-first-start-gpt-oss-20b@1ca9e7e). --experts triton still asks for it
     kinds = EXPERT_KINDS if native else ["fused", "triton", "grouped_mm", "loop"]
-    if cfg.fp8_experts:  # held FP8: the fused experts' FP8 variant, or the loop dequantizing an expert at a time
-        kinds = ["fused", "loop"]
+    if cfg.fp8_experts:  # held FP8: the fused experts' FP8 variant, or the loop dequantizing an expert at a time (on
+        # AMD the loop alone: the variant spills SGPRs in every RDNA3 tile, tests/test_gfx1100_compile.py; below sm_89
+        # Triton refuses float8e4nv, third_party/nvidia/backend/compiler.py, so that its check fails and the loop runs)
+        kinds = ["fused", "loop"] if family in ("nvidia", "cpu") else ["loop"]
     tiles = {"triton": EXPERT_TILES[family], "fused": fused_tiles(family, cfg, slice_tokens)}
     named = [(tile_name(kind, tile), kind, tile) for kind in kinds
              if not (kind in tiles and requested == "auto" and device.type != "cuda")
@@ -4397,7 +4399,7 @@ def expert_candidates(requested, device, cfg, slice_tokens):
     chosen = [c for c in named if requested in ("auto", c[0], c[1])]
     if not chosen and cfg.fp8_experts and requested in EXPERT_KINDS:
         raise UserError(f"expert kernel {requested!r} does not run FP8 experts, which this plan holds as FP8 (the "
-                        "whole layer's bf16 scratch does not fit the memory budget); fused or loop do")
+                        f"whole layer's bf16 scratch does not fit the memory budget); {' or '.join(kinds)} here")
     if not chosen:
         raise UserError(f"unknown expert kernel {requested!r}")
     return chosen
