@@ -6142,7 +6142,8 @@ class Runner:
         log(f"loaded {cfg.num_hidden_layers}-layer {cfg.model_type} ({self._model_bytes() / 1e9:.1f} GB) from "
             f"{model_dir} in {time.perf_counter() - t0:.1f} s on {self.device}, {self.load_mode} ({self.load_seconds}); "
             f"attention: {attention_summary(self.attention)}, elementwise kernels: {self.kernels.name}"
-            + (f", experts: {self.experts}" if self.experts else "") + (f", BLAS: {self.blas}" if self.blas else ""))
+            + (f", experts: {self.experts}" if self.experts else "") + (" (held FP8)" if cfg.fp8_experts else "")
+            + (f", BLAS: {self.blas}" if self.blas else ""))
         log(f"{plan.describe()}; {self.host_plan.describe()}")
         if self.wave_plan:
             log(self.wave_plan)
@@ -6684,7 +6685,8 @@ def parse_args(argv):
     p.add_argument("--gpu-memory", type=bounded(float, 0, 2**20), metavar="GIB",
                    help="GPU memory the runner may plan for (default: what is free, less 1.5 GiB, and 1 GiB more on a "
                         "first run on a machine, which times the attention kernels while loading); "
-                        "0 streams every layer")
+                        "0 streams every layer. A block-wise FP8 MoE whose plan would not fit holds its experts FP8 "
+                        "and dequantizes them in the GEMMs (docs/models.md)")
     p.add_argument("--device", choices=["cuda", "cpu"],
                    help="default: cuda when torch sees a GPU, else cpu; a GPU that this torch build cannot see is an "
                         "error (exit 2), not a silent CPU run")

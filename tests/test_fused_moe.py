@@ -283,9 +283,9 @@ report["320, 96 " + str(tma)] = case(320, 96, tma)
 report["256, 320 " + str(here[0])] = case(256, 320, here[0])
 
 # A DeepSeek-V3 MoE layer held as today and with its experts held apart in FP8 (fp8_experts), the same checkpoint
-# tensors in each (random, FP8 without NaN): dequantized as the streamer does it (dequantize_layer into the bf16 scratch;
-# the experts viewed where held), then moe_block (its router, the shared expert, the fused experts in the interpreter's
-# tile): the same bits. gate and up 96 wide, one block smaller than 128: the up's scales are a grid of their own
+# tensors in each (random, FP8 without NaN): dequantized as the streamer does it (dequantize_layer into the bf16
+# scratch; the experts viewed where held), then moe_block (its router, the shared expert, the fused experts in the
+# interpreter's tile): the same bits. gate and up 96 wide, one block smaller than 128: the up's scales a grid apart
 def held_apart(tile):
     raw = {**GEOMETRY, "model_type": "deepseek_v3", "moe_intermediate_size": 96, "quantization_config": {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}
