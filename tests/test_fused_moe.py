@@ -315,6 +315,21 @@ def held_apart(tile):
             "bytes": [today.dequantized_bytes, apart.dequantized_bytes, today.layer_bytes, apart.layer_bytes]}
 
 report["held layout"] = held_apart(here[0])
+
+# the start-up check of the fused candidate on FP8-held experts (that V3's shapes): passed, and refused with the next
+# expert's down scales planted (fused_experts given them)
+held = prefill.dataclasses.replace(prefill.ModelConfig.from_json({**GEOMETRY, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 96, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+    "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}), fp8_experts=True)
+[candidate] = prefill.expert_candidates("fused", cpu, held, 4096)
+fused, report["held check"] = prefill.fused_experts, {}
+for name, change in {"right": lambda w: {}, "the next expert's down scales": lambda w: dict(
+        down_scales=w.down_scales.roll(1, 0))}.items():
+    prefill.fused_experts = lambda x, h, weights, chosen, w, *rest, change=change: fused(
+        x, h, weights, chosen, prefill.dataclasses.replace(w, **change(w)), *rest)
+    [entry] = prefill.check_experts([candidate], cpu, held)
+    report["held check"][name] = [entry["error"], entry.get("reason")]
+prefill.fused_experts = fused
 print(json.dumps(report))
 """.replace("MLA_JSON", repr(json.dumps(MLA)))
 
@@ -327,7 +342,7 @@ def fp8_report():
 
 
 def test_fp8_experts_are_the_dequantized_experts_bit_for_bit_in_the_interpreter(fp8_report):
-    cases = {name: c for name, c in fp8_report.items() if name != "held layout"}
+    cases = {name: c for name, c in fp8_report.items() if name not in ("held layout", "held check")}
     assert len(cases) == 3
     for name, c in cases.items():
         assert c["same_bits"] and c["error"] == c["bf16 error"] < 2e-3, (name, c)
@@ -338,6 +353,11 @@ def test_fp8_experts_held_apart_run_as_the_layer_dequantized_whole_bit_for_bit_i
     today_scratch, apart_scratch, today_bytes, apart_bytes = c["bytes"]
     assert c["same_bits"] and c["fp8"] == "torch.float8_e4m3fn" and c["moved"] > 0.1, c
     assert apart_scratch < 0.7 * today_scratch and apart_bytes <= today_bytes, c
+
+
+def test_the_check_passes_fp8_held_fused_experts_and_refuses_misread_scales_in_the_interpreter(fp8_report):
+    (right_error, right_reason), (_, wrong_reason) = fp8_report["held check"].values()
+    assert right_reason is None and right_error < prefill.CHECK_TOLERANCE and "differs" in wrong_reason, fp8_report
 
 
 def test_fp8_experts_with_misread_scales_miss_the_dequantized_experts(fp8_report):
