@@ -469,8 +469,9 @@ def test_the_fp8_layer_dequantization_compiles_for_gfx1100_without_spills(fresh_
 def test_the_fp8_experts_spill_on_gfx1100_so_rdna3_runs_fp8_held_experts_by_the_loop(fresh_triton_cache, monkeypatch):
     # Triton compiles float8e4nv for gfx1100, converting it in software (third_party/amd/backend/compiler.py,
     # HIPOptions.supported_fp8_dtypes: "software emulate" before CDNA4 and RDNA4; Triton 3.9), but the fused experts'
-    # FP8 variant then spills SGPRs in every RDNA3 tile (107 of them used; 6-23 spilled in five tiles tried, the bf16
-    # variant 27-41 unspilled): not offered there. Where a plan holds the experts FP8 (fp8_experts), RDNA3's candidate
+    # FP8 variant then spills SGPRs in every RDNA3 tile (6 of the 8 compiles of RDNA3's two tiles, and each of three
+    # more tiles tried, at 107 SGPRs with 6-23 spilled; the bf16 variant of RDNA3's first tile uses 27-33): not offered
+    # there. Where a plan holds the experts FP8 (fp8_experts), RDNA3's candidate
     # is the loop, an expert dequantized at a time; this test fails once a Triton compiles the variant unspilled
     triton, target = amd_backend()
     [launch] = [launch for launch in moe_launches(target, "fused", RDNA3_FUSED_TILES[:1], "DeepSeek-V3", fp8=True)
