@@ -19,7 +19,7 @@ both):
       ConfigFields, yarn_rope, latent_fields, fp8_fields, held_layout, ModelConfig
   checkpoint loading: header_tensors, Workers, pinned_empty, Checkpoint, check_tensors, LayerWeights, layer_views,
       Stager
-  memory plan: MemoryPlan, plan_memory, layer_flops, plan_wave, HostPlan, plan_host
+  memory plan: MemoryPlan, plan_memory, held_experts_config, layer_flops, plan_wave, HostPlan, plan_host
   weight streaming: HeldLayers, StorageRing, dequantize_fp8, dequantize_mxfp4, FP8Layer, fp8_layer, dequantize_layer,
       WeightStreamer
   model math: rms_norm, rope_tables, apply_rope, gated_act, token_nll, combine, Kernels, TORCH_KERNELS, Chunk,
@@ -29,8 +29,8 @@ both):
   attention backends: attention_sdpa, attention_triton, make_attention, ATTENTION_TILES, gpu_family,
       attention_candidates
   mixture of experts: route_softmax, route_sigmoid, route_topk_softmax, route, route_triton, expert_rows, moe_ffn,
-      shared_experts, moe_block, grouped_experts, grouped_loop, grouped_triton, align_experts, fused_experts,
-      FUSED_TILES, expert_candidates
+      shared_experts, moe_block, FP8Experts, grouped_experts, grouped_loop, grouped_triton, align_experts,
+      fused_experts, FUSED_TILES, expert_candidates
   start-up checks and picks: check_attention, pick_attention, check_experts, pick_experts, check_kernels,
       pick_kernels, pick_blas, Picks
   packing and loss: timed_batch_tokens, Wave, batches, wave_of, Score, sequence_nll
@@ -775,17 +775,26 @@ def misread_side(n):
     return n > FP8_BLOCK and n % FP8_BLOCK and n % scale_grid((n,))[0] == 0
 
 
-def held_layout(layout, numel, fp8, dtypes, mxfp4=frozenset()):
+def held_layout(layout, numel, fp8, dtypes, mxfp4=frozenset(), runs=()):
     """How a layer is held (resident, in host memory, in a slot): [(name, byte offset, shape, dtype)], and its bytes.
     layout: its bf16 layout, {name: (offset in bf16 elements, shape)}, numel bf16 elements long, each tensor bf16 but
     those dtypes names ({name: dtype}: the V3 router's float32 ones); fp8: the names of its weights held as FP8, each
     one's float8 bytes then its scales (float32, one per FP8_BLOCK x FP8_BLOCK block); mxfp4: those held as MXFP4,
     each one's blocks then its scales (uint8, 4.25 bits a weight). Either kind is dequantized into the bf16 layout just
-    before the layer runs. With none, the bf16 layout itself."""
-    if not fp8 and not mxfp4:
+    before the layer runs. With none, the bf16 layout itself. runs: FP8 weights outside the layout, never dequantized
+    with it (fp8_experts: the routed experts' gate and up, their down), held first, each run's float8 bytes one
+    [weights, rows, columns] tensor, then its scales one [weights, grid rows, grid columns] (the fused experts' FP8
+    variant reads them so: fp8_scales_fit), then the layout's tensors."""
+    if not fp8 and not mxfp4 and not any(runs):
         return [(name, offset * DTYPE.itemsize, shape, dtypes.get(name, DTYPE)) for name, (offset, shape)
                 in layout.items()], numel * DTYPE.itemsize
     held, offset = [], 0
+    for run in runs:
+        for suffix, dtype, shape_of in (("", FP8, lambda shape: shape), ("_scale_inv", torch.float32, scale_grid)):
+            offset = -(-offset // 128) * 128
+            for name, shape in run:
+                held.append((name + suffix, offset, shape_of(shape), dtype))
+                offset += math.prod(shape_of(shape)) * dtype.itemsize
     for name, (_, shape) in layout.items():
         parts = [(name, shape, dtypes.get(name, DTYPE))]
         if name in fp8:
@@ -870,6 +879,9 @@ class ModelConfig:
     expert_activation: object = "silu"  # the experts': "silu", or ClampedSwiGLU (gpt-oss)
     mxfp4: bool = False             # MXFP4 experts (gpt-oss as released; fp8_fields)
     mxfp4_not_converted: tuple = ()  # its modules_to_not_convert
+    fp8_experts: bool = False       # block-wise FP8 routed experts held apart as the fused experts' FP8 variant reads
+    #                                 them and never dequantized with their layer (expert_runs): the memory plan's
+    #                                 choice where the whole layer's bf16 scratch does not fit (held_experts_config)
 
     def __post_init__(self):
         D = self.head_dim
@@ -903,10 +915,15 @@ class ModelConfig:
         # A kind's tensors in their order inside the layer's flat buffer. q,k,v (and their biases) and gate,up (and
         # theirs) sit in adjacent rows, so the fused matrices and bias vectors are plain views; only group starts are
         # aligned (128 B).
+        # fp8_experts: a MoE layer's routed experts are no part of its bf16 layout (held apart: held_layout's runs).
+        routed = self.routed_experts() if "moe" in self.layer_kinds and not self.fused_experts else ((), ())
+        apart = routed if self.fp8_experts else ((), ())
         self.layouts, numels = {}, {}  # kind -> {name: (offset, shape)}, kind -> the buffer's element count
         for kind in dict.fromkeys(self.layer_kinds):
             self.layouts[kind], offset = {}, 0
             for name, shape, fused in self.attention_tensors() + self.mlp_tensors(kind):
+                if kind == "moe" and (name, shape) in apart[0] + apart[1]:
+                    continue
                 if not fused:
                     offset = -(-offset // 64) * 64
                 self.layouts[kind][name] = (offset, shape)
@@ -919,17 +936,38 @@ class ModelConfig:
         # dequantized_bytes).
         # MXFP4 (gpt-oss): the experts' two weights, but in the layers whose experts modules_to_not_convert names
         # (transformers converts a GptOssMLP's experts or not, should_convert_module).
+        # Whether every MoE layer's routed experts are FP8 (can_hold_fp8_experts): then they may be held apart.
         held, alike, kept = [], {}, not_converted(self.fp8_not_converted, self.tensor_prefixes)
         kept_mxfp4 = not_converted(self.mxfp4_not_converted, self.tensor_prefixes)
+        fp8_routed = []  # per MoE layer: whether its routed experts are all FP8
         for layer, kind in enumerate(self.layer_kinds):
-            fp8 = frozenset(name for name in self.layouts[kind] if self.fp8_scales and is_fp8_weight(name)
+            runs = apart if kind == "moe" else ((), ())
+            fp8 = frozenset(name for name in [*self.layouts[kind], *(name for name, _ in runs[0] + runs[1])]
+                            if self.fp8_scales and is_fp8_weight(name)
                             and not kept(f"model.layers.{layer}.{name[:-len('.weight')]}"))
             mxfp4 = frozenset(name for name in self.layouts[kind] if self.mxfp4 and name in MXFP4_WEIGHTS
                               and not kept_mxfp4(f"model.layers.{layer}.mlp.experts"))
+            if kind == "moe" and routed[0]:
+                fp8_routed.append({name for name, _ in routed[0] + routed[1]} <= fp8)
             if (kind, fp8, mxfp4) not in alike:
-                alike[kind, fp8, mxfp4] = held_layout(self.layouts[kind], numels[kind], fp8, self.tensor_dtypes, mxfp4)
+                alike[kind, fp8, mxfp4] = held_layout(self.layouts[kind], numels[kind], fp8, self.tensor_dtypes, mxfp4,
+                                                      runs)
             held.append(alike[kind, fp8, mxfp4])
+        self.can_hold_fp8_experts = bool(fp8_routed) and all(fp8_routed)
+        assert self.can_hold_fp8_experts or not self.fp8_experts, "fp8_experts: routed experts all FP8 only"
         self.held = tuple(parts for parts, _ in held)
+        # fp8_experts: where a MoE layer's held buffer holds its experts' runs (held_layout puts them first, at the
+        # same offsets in every MoE layer), by LayerWeights field: (byte offset, shape, dtype)
+        self.expert_runs = {}
+        if self.fp8_experts:
+            moe = dict((name, (offset, dtype)) for name, offset, _, dtype in held[self.layer_kinds.index("moe")][0])
+            E, H, J = self.num_experts, self.hidden_size, self.moe_intermediate_size
+            for field, (first, _), (N, K), parts in (("gate_up", routed[0][0], (J, H), 2),
+                                                     ("down", routed[1][0], (H, J), 1)):
+                self.expert_runs[field] = (moe[first][0], (E, parts * N, K), FP8)
+                self.expert_runs[field + "_scales"] = (moe[first + "_scale_inv"][0],
+                                                       (E, parts * scale_grid((N,))[0], scale_grid((K,))[0]),
+                                                       torch.float32)
         self.layer_nbytes = tuple(nbytes for _, nbytes in held)
         # the largest layer's: what a streaming slot and a storage ring's buffer hold (a model of one kind: every
         # layer's), in bytes and in bf16 elements
@@ -999,12 +1037,12 @@ class ModelConfig:
         if kind == "moe":  # the router (and the V3 router's correction bias); each expert's gate rows then its up
             # rows, expert after expert (one [experts, 2 moe_intermediate, hidden] view, expert e's fused gate_up at
             # [e]); each expert's down; the shared experts' gate and up rows, their down, Qwen2-MoE's gate
-            E, J, (block, gate, up, down) = self.num_experts, self.moe_intermediate_size, self.expert_names
+            E, block = self.num_experts, self.expert_names[0]
             out = [(f"{norm}.weight", (H,), False), (f"{block}.gate.weight", (E, H), False)]
             if self.router_kind == "sigmoid":
                 out.append((f"{block}.gate.e_score_correction_bias", (E,), False))
-            out += ([(f"{block}.experts.{e}.{p}.weight", (J, H), e > 0 or p == up) for e in range(E) for p in (gate, up)]
-                    + [(f"{block}.experts.{e}.{down}.weight", (H, J), e > 0) for e in range(E)])
+            gate_up, downs = self.routed_experts()
+            out += [(name, shape, i > 0) for run in (gate_up, downs) for i, (name, shape) in enumerate(run)]
             if self.shared_expert:
                 S = self.shared_intermediate_size
                 out += [(f"{self.shared_expert}.gate_proj.weight", (S, H), False),
@@ -1023,6 +1061,14 @@ class ModelConfig:
         if self.sandwich_norms:
             out.append(("post_feedforward_layernorm.weight", (H,), False))
         return out
+
+    def routed_experts(self):
+        # a MoE layer's routed experts (not gpt-oss's fused ones) as two runs of (name, shape): each expert's gate then
+        # its up, expert after expert (one [experts, 2 moe_intermediate, hidden]); each expert's down
+        E, H, J, (block, gate, up, down) = (self.num_experts, self.hidden_size, self.moe_intermediate_size,
+                                            self.expert_names)
+        return ([(f"{block}.experts.{e}.{p}.weight", (J, H)) for e in range(E) for p in (gate, up)],
+                [(f"{block}.experts.{e}.{down}.weight", (H, J)) for e in range(E)])
 
     @classmethod
     def from_dir(cls, model_dir):
@@ -1567,11 +1613,18 @@ class LayerWeights:  # None: the family has no such tensor
     shared_down: object = None       # [hidden, shared_intermediate]
     shared_gate: object = None       # [1, hidden]: Qwen2-MoE's shared_expert_gate
     gate_up_scales: object = None    # float32 block scales where gate_up and down are float8_e4m3fn (fused_experts'
-    down_scales: object = None       # FP8 variant, moe_gate_up's and moe_down's scales; no layer_views yet)
+    down_scales: object = None       # FP8 variant, moe_gate_up's and moe_down's scales: cfg.fp8_experts' views)
 
 
-def layer_views(flat, cfg, kind=None):
-    # flat: a layer's buffer (a slot's may be longer), viewed as a layer of kind (None: the largest kind)
+def held_expert_views(held, cfg):
+    # fp8_experts: the LayerWeights fields of a MoE layer's FP8 experts and their scales, viewed in its held buffer
+    return {field: typed(held, offset, math.prod(shape), dtype).view(shape)
+            for field, (offset, shape, dtype) in cfg.expert_runs.items()}
+
+
+def layer_views(flat, cfg, kind=None, held=None):
+    # flat: a layer's buffer (a slot's may be longer), viewed as a layer of kind (None: the largest kind); held: an
+    # fp8_experts MoE layer's held buffer, whose experts are viewed there (flat: its bf16 scratch)
     layout = cfg.layouts[kind or cfg.largest_kind]
 
     def view(name, rows=None, shape=None):  # rows (or the whole shape): the fused view's, which starts here
@@ -1592,6 +1645,8 @@ def layer_views(flat, cfg, kind=None):
                        shared_gate_up=view(f"{cfg.shared_expert}.gate_proj.weight", 2 * cfg.shared_intermediate_size),
                        shared_down=view(f"{cfg.shared_expert}.down_proj.weight"),
                        shared_gate=view("mlp.shared_expert_gate.weight"))
+        if held is not None:
+            experts |= held_expert_views(held, cfg)
     elif "mlp.router.weight" in layout:  # gpt-oss: its experts' [experts, out, in], out-contiguous (read by strides)
         experts = dict(router=view("mlp.router.weight"), router_bias=view("mlp.router.bias"),
                        gate_up=view("mlp.experts.gate_up_proj").transpose(1, 2),
@@ -1798,6 +1853,19 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_t
         fixed_bytes=fixed, working_bytes=working, slot_bytes=slots,
         layer_bytes=cfg.layer_bytes, resident_bytes=sum(sizes[i] for i in resident),
     )
+
+
+def held_experts_config(cfg, plan):
+    """The config a run holds the model by: cfg, or where its plan (each FP8 layer dequantized whole into a bf16
+    scratch, cfg.dequantized_bytes) is over its budget and every MoE layer's routed experts are block-wise FP8, cfg with
+    them held FP8 (fp8_experts): run by the fused experts' FP8 variant, dequantized tile by tile in the GEMMs (where its
+    start-up check passes; else an expert at a time, FP8Experts), the scratch the layer's other tensors' alone
+    (DeepSeek-V3: 0.5 GB of a MoE layer, not 23, or a dense layer's 1.2). Where the plan fits, nothing changes: the FP8
+    variant is slower on small experts (Qwen3-30B-A3B's 1.29x on the H200, bench/fp8_experts.py). The budget (a
+    setting, or the free memory where none is set) and the checkpoint decide, never a timing."""
+    if plan.total_bytes > plan.budget_bytes and cfg.can_hold_fp8_experts and not cfg.fp8_experts:
+        return dataclasses.replace(cfg, fp8_experts=True)
+    return cfg
 
 
 # --- how large a wave hides the copies: a streamed layer's bytes cross PCIe once a wave, its FLOPs grow with the wave
@@ -2210,7 +2278,8 @@ class WeightStreamer:
     does plain copies. A slot holds the largest layer; a smaller one (a Qwen3-MoE's dense layer) fills its start,
     viewed by its own kind's layout. FP8 and MXFP4 layers (cfg.quantized), resident and streamed alike, stay so on the
     device and are dequantized (dequantize: Kernels.dequantize_layer, by each layer's FP8Layer) into one bf16 scratch
-    when acquired: the layer before has run by then, in stream order, as it has read the scratch."""
+    when acquired: the layer before has run by then, in stream order, as it has read the scratch. With fp8_experts a
+    MoE layer's routed experts are not: the experts run FP8, viewed where the layer is held (held_expert_views)."""
 
     def __init__(self, cfg, resident, host, order, device, dequantize=None, scratch=None):
         self.buffers = resident  # layer -> its flat device buffer
@@ -2275,6 +2344,8 @@ class WeightStreamer:
 
     def dequantized(self, held, layer):
         self.dequantize(held, self.scratch, self.fp8_layers[layer])
+        if self.cfg.fp8_experts and self.kinds[layer] == "moe":  # its experts stay FP8, where they are held
+            return dataclasses.replace(self.scratch_views["moe"], **held_expert_views(held, self.cfg))
         return self.scratch_views[self.kinds[layer]]
 
     def acquire(self, layer):
@@ -3644,18 +3715,44 @@ def moe_block(x, w, cfg, max_tokens, kernels, experts):
             xs += out
 
 
+@dataclass
+class FP8Experts:
+    """FP8 experts (fp8_experts) as grouped_loop reads them, the fallback of the fused experts' FP8 variant: expert
+    e's bf16 weights [N, K], dequantized by dequantize_fp8 when indexed, projection by projection (gate_up: the gate's
+    rows then the up's, each with its own grid of scales), so that each GEMM multiplies the very bf16 weights the
+    layer's dequantization would have made: the loop's bits on them. One expert's bf16 copy at a time (DeepSeek-V3's
+    gate_up: 59 MB, its float32 temporaries as dequantize_fp8's)."""
+    q: torch.Tensor       # [experts, N, K] float8_e4m3fn
+    scales: torch.Tensor  # [experts, parts cdiv(N / parts, FP8_BLOCK), cdiv(K, FP8_BLOCK)] float32
+    parts: int            # projections stacked in N: gate_up 2, down 1
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    def __getitem__(self, e):
+        out = torch.empty(self.q.shape[1:], dtype=DTYPE, device=self.q.device)
+        for q, scales, part in zip(self.q[e].chunk(self.parts), self.scales[e].chunk(self.parts),
+                                   out.chunk(self.parts)):
+            dequantize_fp8(q, scales, part)
+        return out
+
+
 def grouped_experts(grouped, activation="silu"):
     """moe_ffn's experts over a grouped GEMM grouped(a [rows, K] grouped by expert, w [experts, N, K], bounds) ->
     [rows, N]: the (token, slot) rows sorted by expert and gathered, gate_up (plus each row's expert's bias, where the
     experts have biases: gpt-oss), the activation (the model's expert_activation), down (and its bias), and each
     token's k rows weighted and summed into x (Kernels.combine). Each buffer is dropped as soon as the next step has
-    read it."""
+    read it. FP8 experts (w's gate_up_scales, fp8_experts) are handed over as FP8Experts, which grouped_loop alone
+    reads (expert_candidates offers no other grouped GEMM for them)."""
     def experts(x, h, weights, chosen, w, kernels):
         pairs, bounds = expert_rows(chosen, w.gate_up.shape[0])
         rows = None if w.gate_up_bias is None else chosen.flatten()[pairs]  # gpt-oss: each row's expert, for its biases
-        act = kernels.gated_act(biased(grouped(h[pairs // chosen.shape[1]], w.gate_up, bounds), w.gate_up_bias, rows),
+        gate_up, down = (w.gate_up, w.down) if w.gate_up_scales is None else (
+            FP8Experts(w.gate_up, w.gate_up_scales, 2), FP8Experts(w.down, w.down_scales, 1))
+        act = kernels.gated_act(biased(grouped(h[pairs // chosen.shape[1]], gate_up, bounds), w.gate_up_bias, rows),
                                 activation)  # [rows, inter]
-        kernels.combine(x, biased(grouped(act, w.down, bounds), w.down_bias, rows), pair_rows(pairs), weights)
+        kernels.combine(x, biased(grouped(act, down, bounds), w.down_bias, rows), pair_rows(pairs), weights)
     return experts
 
 
@@ -3763,7 +3860,7 @@ def grouped_mm_native(device):
 # (CLAMPED: one GEMM over 2 BLOCK_N adjacent columns, split into gate and up in the epilogue, as OpenAI's triton_kernels
 # swiglu splits them, then the ClampedSwiGLU) and a bias on each GEMM (BIAS: added in the epilogue). Block-wise FP8
 # experts are a fourth (FP8: each weight tile dequantized as it is loaded, to dequantize_fp8's bf16 values; issue 37's
-# measurement, bench/fp8_experts.py, not offered: no held layout places the experts' FP8 bytes as [experts, N, K] yet).
+# measurement, bench/fp8_experts.py), offered only where the plan holds the experts FP8 (held_experts_config).
 #
 # The roundings are the grouped path's (grouped_experts with combine): gate and up rounded to bf16, SiLU rounded, its
 # product with up rounded, as gated_act; the down GEMM's output rounded, then weighted in float32 in the sum, rounded
@@ -4308,6 +4405,10 @@ def expert_candidates(requested, device, cfg, slice_tokens):
     # start seconds (the fused experts' and its own together: 7.3 s of gpt-oss-20b's 17.8 s to ready on a fresh H200,
     # primitives/2026-12-03-h200-first-start-gpt-oss-20b@1ca9e7e). --experts triton still asks for it
     kinds = EXPERT_KINDS if native else ["fused", "triton", "grouped_mm", "loop"]
+    if cfg.fp8_experts:  # held FP8: the fused experts' FP8 variant, or the loop dequantizing an expert at a time (on
+        # AMD the loop alone: the variant spills SGPRs in every RDNA3 tile, tests/test_gfx1100_compile.py; below sm_89
+        # Triton refuses float8e4nv, third_party/nvidia/backend/compiler.py, so that its check fails and the loop runs)
+        kinds = ["fused", "loop"] if family in ("nvidia", "cpu") else ["loop"]
     tiles = {"triton": EXPERT_TILES[family], "fused": fused_tiles(family, cfg, slice_tokens)}
     named = [(tile_name(kind, tile), kind, tile) for kind in kinds
              if not (kind in tiles and requested == "auto" and device.type != "cuda")
@@ -4315,6 +4416,9 @@ def expert_candidates(requested, device, cfg, slice_tokens):
              and not (kind == "grouped_mm" and requested == "auto" and device.type == "cuda" and not native)
              for tile in tiles.get(kind, [None])]
     chosen = [c for c in named if requested in ("auto", c[0], c[1])]
+    if not chosen and cfg.fp8_experts and requested in EXPERT_KINDS:
+        raise UserError(f"expert kernel {requested!r} does not run FP8 experts, which this plan holds as FP8 (the "
+                        f"whole layer's bf16 scratch does not fit the memory budget); {' or '.join(kinds)} here")
     if not chosen:
         raise UserError(f"unknown expert kernel {requested!r}")
     return chosen
@@ -4760,6 +4864,23 @@ def moe_reference(h, logits, gate_up, down, k, renormalize, activation="silu", g
     return out
 
 
+def fp8_quantized(w, parts):
+    """Experts' weights w [experts, N, K] -> (float8_e4m3fn [experts, N, K], float32 scales [experts, parts cdiv(N /
+    parts, FP8_BLOCK), cdiv(K, FP8_BLOCK)]) as a block-wise FP8 checkpoint holds them, each of the parts projections
+    stacked in N (gate_up: 2) on its own grid of blocks (dequantize_fp8's), each block's weights over its amax / 448
+    (SPEC §15); an expert at a time (DeepSeek-V3's gate_up: 117 MB of float32)."""
+    E, N, K = w.shape
+    n, b = N // parts, FP8_BLOCK
+    gr, gc = scale_grid((n, K))
+    q, scales = torch.empty(w.shape, dtype=FP8, device=w.device), torch.empty(E, parts * gr, gc, device=w.device)
+    for e in range(E):
+        blocks = F.pad(w[e].float().reshape(parts, n, K), (0, gc * b - K, 0, gr * b - n)).view(parts, gr, b, gc, b)
+        s = blocks.abs().amax((2, 4)).clamp(min=2.0 ** -100) / 448  # [parts, gr, gc]
+        q[e] = (blocks / s[:, :, None, :, None]).view(parts, gr * b, gc * b)[:, :n, :K].reshape(N, K).to(FP8)
+        scales[e] = s.view(parts * gr, gc)
+    return q, scales
+
+
 def expert_inputs(device, cfg, seed, tokens, experts):
     """(h, LayerWeights of the feed-forward alone) with cfg's hidden and moe_intermediate sizes, `experts` experts and
     `tokens` tokens routed by a random router so that their rows are uneven: expert 0 takes half the tokens (several
@@ -4782,22 +4903,52 @@ def expert_inputs(device, cfg, seed, tokens, experts):
         w.gate_up = randn(experts, H, 2 * I, std=4 * H ** -0.5).transpose(1, 2)
         w.down = randn(experts, I, H, std=I ** -0.5).transpose(1, 2)
         w.gate_up_bias, w.down_bias = randn(experts, 2 * I), randn(experts, H)
+    if cfg.fp8_experts:  # held FP8: the weights as a block-wise FP8 checkpoint holds them
+        w.gate_up, w.gate_up_scales = fp8_quantized(w.gate_up, 2)
+        w.down, w.down_scales = fp8_quantized(w.down, 1)
     return h.to(DTYPE), w
+
+
+def fp8_dequantized(q, scales, parts):
+    # fp8_quantized's experts -> the bf16 weights dequantize_fp8 makes of them, computed apart from FP8Experts (which
+    # the check checks): each weight in float32 times its block's scale, rounded to bf16; an expert at a time
+    E, N, K = q.shape
+    n, b = N // parts, FP8_BLOCK
+    out = torch.empty(q.shape, dtype=DTYPE, device=q.device)
+    for e in range(E):
+        s = scales[e].view(parts, -1, scales.shape[2]).repeat_interleave(b, 1)[:, :n].repeat_interleave(b, 2)[..., :K]
+        out[e] = (q[e].float().view(parts, n, K) * s).view(N, K)
+    return out
 
 
 def check_experts(candidates, device, cfg):
     """Each (name, kind, tile) candidate, run twice through moe_ffn on uneven routing: a list of dicts with name,
-    experts (its experts function; None where refused), error and, where refused, reason."""
+    experts (its experts function; None where refused), error and, where refused, reason. FP8 experts
+    (cfg.fp8_experts): the float32 experts are those of the bf16 weights dequantize_fp8 makes of them, and a candidate
+    must give its own output on those bf16 weights bit for bit (the fused experts' FP8 variant: its bf16 one in the same
+    tile; the loop: itself), or it is refused."""
     k = min(cfg.num_experts_per_tok, 2)
     h, w = expert_inputs(device, cfg, seed=0, tokens=600, experts=min(cfg.num_experts, 8))
-    want = moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, cfg.norm_topk_prob, cfg.expert_activation,
-                         w.gate_up_bias, w.down_bias)
+    plain = w if w.gate_up_scales is None else dataclasses.replace(
+        w, gate_up=fp8_dequantized(w.gate_up, w.gate_up_scales, 2), down=fp8_dequantized(w.down, w.down_scales, 1),
+        gate_up_scales=None, down_scales=None)
+    want = moe_reference(h, F.linear(h, w.router), plain.gate_up, plain.down, k, cfg.norm_topk_prob,
+                         cfg.expert_activation, w.gate_up_bias, w.down_bias)
     router = Router("softmax", k, cfg.norm_topk_prob)  # the expert kernels are under check, not the model's router
-    return [checked({"name": name, "experts": None, "error": None}, "experts",
-                    lambda: make_experts(kind, tile, cfg.expert_activation),
-                    lambda experts: moe_ffn(torch.zeros_like(h), h, w, router, experts, TORCH_KERNELS), want,
-                    "experts")
-            for name, kind, tile in candidates]
+    run = lambda experts, w: moe_ffn(torch.zeros_like(h), h, w, router, experts, TORCH_KERNELS)
+    report = [checked({"name": name, "experts": None, "error": None}, "experts",
+                      lambda: make_experts(kind, tile, cfg.expert_activation), lambda experts: run(experts, w), want,
+                      "experts")
+              for name, kind, tile in candidates]
+    for entry in report if plain is not w else ():
+        try:
+            same = entry["experts"] is None or torch.equal(run(entry["experts"], w), run(entry["experts"], plain))
+        except Exception as e:
+            same, entry["reason"] = False, failure(e)
+        if not same:
+            entry["reason"] = entry.get("reason") or "gave other bits than on the bf16 weights dequantize_fp8 makes"
+            entry["experts"] = None
+    return report
 
 
 def experts_ms(experts, inputs):
@@ -4825,7 +4976,8 @@ def pick_experts(requested, device, cfg, picks, chunk_tokens=4096, kernels=TORCH
     pick_order's margin (then kept); else the first in expert_candidates' order. Where the kept one is known, only it
     is checked. kernels: the run's (a grouped GEMM's timing includes their activation and combination)."""
     candidates = expert_candidates(requested, device, cfg, chunk_tokens)
-    kept = picks.get(f"experts {requested}")
+    key = f"experts {requested}" + (" fp8" if cfg.fp8_experts else "")  # FP8 experts: other timings, their own pick
+    kept = picks.get(key)
     report = check_experts([c for c in candidates if c[0] == kept] or candidates, device, cfg)
     if not any(e["experts"] for e in report) and len(report) < len(candidates):  # the kept one failed
         report += check_experts([c for c in candidates if c[0] != kept], device, cfg)
@@ -4840,7 +4992,7 @@ def pick_experts(requested, device, cfg, picks, chunk_tokens=4096, kernels=TORCH
         for entry in passed:
             entry["time_ms"] = experts_ms(entry["experts"], inputs)
         passed = pick_order(passed, lambda e: e["time_ms"])
-        picks.put(f"experts {requested}", passed[0]["name"])
+        picks.put(key, passed[0]["name"])
     return passed[0]["name"], passed[0]["experts"], report
 
 
@@ -5949,12 +6101,16 @@ class Runner:
             # its own wave (where they are WAVE_STEP, a MoE model's planned wave still holds several)
             batch = min(timed_batch_tokens(cfg, gpu_family(self.device)), wave_tokens or WAVE_STEP) \
                 if timed_batches else None
-            if wave_tokens is None and cfg.num_experts and batch in (None, WAVE_STEP):
-                self.plan, self.wave_plan = plan_wave(cfg, self._budget(gpu_memory_gib), chunk_tokens,
-                                                      PLAN_RATES[gpu_family(self.device)])
-            else:
-                self.plan = plan_memory(cfg, self._budget(gpu_memory_gib), chunk_tokens, wave_tokens or WAVE_STEP,
-                                        batch)
+            budget = self._budget(gpu_memory_gib)
+
+            def planned(cfg):
+                if wave_tokens is None and cfg.num_experts and batch in (None, WAVE_STEP):
+                    return plan_wave(cfg, budget, chunk_tokens, PLAN_RATES[gpu_family(self.device)])
+                return plan_memory(cfg, budget, chunk_tokens, wave_tokens or WAVE_STEP, batch), None
+            self.plan, self.wave_plan = planned(cfg)
+            if held_experts_config(cfg, self.plan) is not cfg:  # FP8 experts held apart: a smaller plan
+                self.cfg = cfg = held_experts_config(cfg, self.plan)
+                self.plan, self.wave_plan = planned(cfg)
             plan = self.plan
             lap("setup")
             # so do the kernels' JIT compilation, checks and timings
@@ -6005,7 +6161,8 @@ class Runner:
         log(f"loaded {cfg.num_hidden_layers}-layer {cfg.model_type} ({self._model_bytes() / 1e9:.1f} GB) from "
             f"{model_dir} in {time.perf_counter() - t0:.1f} s on {self.device}, {self.load_mode} ({self.load_seconds}); "
             f"attention: {attention_summary(self.attention)}, elementwise kernels: {self.kernels.name}"
-            + (f", experts: {self.experts}" if self.experts else "") + (f", BLAS: {self.blas}" if self.blas else ""))
+            + (f", experts: {self.experts}" if self.experts else "") + (" (held FP8)" if cfg.fp8_experts else "")
+            + (f", BLAS: {self.blas}" if self.blas else ""))
         log(f"{plan.describe()}; {self.host_plan.describe()}")
         if self.wave_plan:
             log(self.wave_plan)
@@ -6547,7 +6704,8 @@ def parse_args(argv):
     p.add_argument("--gpu-memory", type=bounded(float, 0, 2**20), metavar="GIB",
                    help="GPU memory the runner may plan for (default: what is free, less 1.5 GiB, and 1 GiB more on a "
                         "first run on a machine, which times the attention kernels while loading); "
-                        "0 streams every layer")
+                        "0 streams every layer. A block-wise FP8 MoE whose plan would not fit holds its experts FP8 "
+                        "and dequantizes them in the GEMMs (docs/models.md)")
     p.add_argument("--device", choices=["cuda", "cpu"],
                    help="default: cuda when torch sees a GPU, else cpu; a GPU that this torch build cannot see is an "
                         "error (exit 2), not a silent CPU run")

@@ -188,7 +188,9 @@ def doctor(runner):
         lines.append(f"weights    {held} (a layer {cfg.layer_bytes / 1e9:.2f} GB), dequantized on {dev} into a bf16 "
                      f"scratch before each layer runs, by the {runner.kernels.name} kernel "
                      + ("in one launch a layer" if runner.kernels.name == "triton" else "tensor by tensor")
-                     + " (checked bit for bit against transformers' math)")
+                     + " (checked bit for bit against transformers' math)"
+                     + ("; the routed experts stay FP8 (the plan's budget), dequantized in their GEMMs"
+                        if cfg.fp8_experts else ""))
     if cfg.num_experts:
         dense = cfg.layer_kinds.count("mlp")
         lines.append(f"routing    {cfg.num_experts} experts a layer, {cfg.router.describe()}"

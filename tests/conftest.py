@@ -85,7 +85,7 @@ def sdpa_on_cpu(requested, device, cfg, *picks):
     if requested == "sdpa" and torch.device(device).type == "cpu":
         # pick_attention's picks play no part for SDPA on the CPU, nor do the weights' dtypes (the checks make
         # their own activations): an FP8 checkpoint and its bf16 copy share a check
-        return repr(dataclasses.replace(cfg, fp8_scales=None, fp8_not_converted=()))
+        return repr(dataclasses.replace(cfg, fp8_scales=None, fp8_not_converted=(), fp8_experts=False))
     return None
 
 

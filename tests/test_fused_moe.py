@@ -17,6 +17,7 @@ import torch
 import prefill
 from test_families import TEXTS
 from test_gpt_oss import GEOMETRY as GPT_OSS
+from test_mla import GEOMETRY as MLA
 from test_moe import CPU, geometry_config, reference, moe_checkpoint, save_moe_checkpoint  # noqa: F401 (fixtures)
 from test_prefill import TOLERANCE, interpreted, max_rel_err
 from bench.make_checkpoint import QWEN3_30B_A3B
@@ -39,7 +40,8 @@ cpu, report = torch.device("cpu"), {}
 # (hidden 80, moe_intermediate 48: partial K and column tiles in both GEMMs), and weights stored [experts, K, N] (as
 # gpt-oss stores them) read through strides; each twice, for the bits
 def case(hidden, inter, tokens, k, renormalize, tile, transposed=False):
-    geometry = types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, fused_experts=False)
+    geometry = types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, fused_experts=False,
+                                     fp8_experts=False)
     h, w = prefill.expert_inputs(cpu, geometry, seed=k, tokens=tokens, experts=8)
     want = prefill.moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, k, renormalize)
     if transposed:
@@ -62,7 +64,8 @@ report["cases"] |= {"top-1": case(64, 32, 70, 1, False, here[0]), "top-3": case(
 # sizes no tile divides; then the fused path with each feature ablated, which must miss both
 OSS = prefill.ClampedSwiGLU(1.702, 7.0)
 def oss_case(hidden, inter, tile, activation=OSS, biases=True, runs=1):
-    geometry = types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, fused_experts=True)
+    geometry = types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, fused_experts=True,
+                                     fp8_experts=False)
     h, w = prefill.expert_inputs(cpu, geometry, seed=5, tokens=40, experts=8)
     want = prefill.moe_reference(h, F.linear(h, w.router), w.gate_up, w.down, 2, True, OSS, w.gate_up_bias,
                                  w.down_bias)
@@ -238,6 +241,7 @@ import json, types
 import torch
 import torch.nn.functional as F
 import prefill
+GEOMETRY = json.loads(MLA_JSON)  # tests/test_mla.py's tiny DeepSeek-V3
 prefill.DTYPE = torch.float16  # the interpreter multiplies bf16 tiles as raw integers
 cpu, gen, report = torch.device("cpu"), torch.Generator().manual_seed(0), {}
 
@@ -254,7 +258,8 @@ def dequantized(q, scales):  # dequantize_fp8, expert by expert, into the float1
     return out
 
 def case(hidden, inter, tile, tokens=60, experts=4, bugs=False):
-    geometry = types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, fused_experts=False)
+    geometry = types.SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, fused_experts=False,
+                                     fp8_experts=False)
     h, w = prefill.expert_inputs(cpu, geometry, seed=1, tokens=tokens, experts=experts)
     (gate, gate_s), (up, up_s), (down, down_s) = (quantized(experts, inter, hidden), quantized(experts, inter, hidden),
                                                   quantized(experts, hidden, inter))
@@ -281,8 +286,57 @@ tma = (32, (32, 64, 1, 4, 1, True), (64, 64, 1, 4, 1, True))
 report["320, 96 " + str(here[0])] = case(320, 96, here[0], bugs=True)
 report["320, 96 " + str(tma)] = case(320, 96, tma)
 report["256, 320 " + str(here[0])] = case(256, 320, here[0])
+
+# A DeepSeek-V3 MoE layer held as today and with its experts held apart in FP8 (fp8_experts), the same checkpoint
+# tensors in each (random, FP8 without NaN): dequantized as the streamer does it (dequantize_layer into the bf16
+# scratch; the experts viewed where held), then moe_block (its router, the shared expert, the fused experts in the
+# interpreter's tile): the same bits. gate and up 96 wide, one block smaller than 128: the up's scales a grid apart
+def held_apart(tile):
+    raw = {**GEOMETRY, "model_type": "deepseek_v3", "moe_intermediate_size": 96, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}
+    today = prefill.ModelConfig.from_json(raw)
+    apart = prefill.dataclasses.replace(today, fp8_experts=True)
+    data = {}
+    for name, _, shape, dtype in today.held[1]:
+        if dtype == prefill.FP8:
+            q = torch.randint(256, shape, generator=gen, dtype=torch.uint8)
+            data[name] = q.masked_fill_(q % 128 == 127, 0).view(prefill.FP8)
+        else:
+            scale = 2.0 ** -7 if name.endswith("_scale_inv") else 0.5
+            data[name] = (torch.rand(shape, generator=gen) * scale).to(dtype)
+    x = torch.randn(50, raw["hidden_size"], generator=gen).to(prefill.DTYPE)
+    outs = []
+    for cfg in (today, apart):
+        held = torch.zeros(cfg.layer_bytes, dtype=torch.uint8)
+        for name, offset, shape, dtype in cfg.held[1]:
+            prefill.typed(held, offset, data[name].numel(), dtype).copy_(data[name].flatten())
+        scratch = torch.zeros(cfg.dequantized_bytes // 2, dtype=prefill.DTYPE)
+        prefill.dequantize_layer(held, scratch, prefill.fp8_layer(cfg.held[1], cfg.layouts["moe"], cpu))
+        w = prefill.layer_views(scratch, cfg, "moe", held)
+        out = x.clone()
+        prefill.moe_block(out, w, cfg, 64, prefill.TORCH_KERNELS, prefill.make_experts("fused", tile))
+        outs.append(out)
+    return {"same_bits": torch.equal(*outs), "fp8": str(w.gate_up.dtype), "moved": (outs[0] - x).abs().mean().item(),
+            "bytes": [today.dequantized_bytes, apart.dequantized_bytes, today.layer_bytes, apart.layer_bytes]}
+
+report["held layout"] = held_apart(here[0])
+
+# the start-up check of the fused candidate on FP8-held experts (that V3's shapes): passed, and refused with the next
+# expert's down scales planted (fused_experts given them)
+held = prefill.dataclasses.replace(prefill.ModelConfig.from_json({**GEOMETRY, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 96, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+    "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}), fp8_experts=True)
+[candidate] = prefill.expert_candidates("fused", cpu, held, 4096)
+fused, report["held check"] = prefill.fused_experts, {}
+for name, change in {"right": lambda w: {}, "the next expert's down scales": lambda w: dict(
+        down_scales=w.down_scales.roll(1, 0))}.items():
+    prefill.fused_experts = lambda x, h, weights, chosen, w, *rest, change=change: fused(
+        x, h, weights, chosen, prefill.dataclasses.replace(w, **change(w)), *rest)
+    [entry] = prefill.check_experts([candidate], cpu, held)
+    report["held check"][name] = [entry["error"], entry.get("reason")]
+prefill.fused_experts = fused
 print(json.dumps(report))
-"""
+""".replace("MLA_JSON", repr(json.dumps(MLA)))
 
 
 @pytest.fixture(scope="module")
@@ -293,9 +347,22 @@ def fp8_report():
 
 
 def test_fp8_experts_are_the_dequantized_experts_bit_for_bit_in_the_interpreter(fp8_report):
-    assert len(fp8_report) == 3
-    for name, c in fp8_report.items():
+    cases = {name: c for name, c in fp8_report.items() if name not in ("held layout", "held check")}
+    assert len(cases) == 3
+    for name, c in cases.items():
         assert c["same_bits"] and c["error"] == c["bf16 error"] < 2e-3, (name, c)
+
+
+def test_fp8_experts_held_apart_run_as_the_layer_dequantized_whole_bit_for_bit_in_the_interpreter(fp8_report):
+    c = fp8_report["held layout"]
+    today_scratch, apart_scratch, today_bytes, apart_bytes = c["bytes"]
+    assert c["same_bits"] and c["fp8"] == "torch.float8_e4m3fn" and c["moved"] > 0.1, c
+    assert apart_scratch < 0.7 * today_scratch and apart_bytes <= today_bytes, c
+
+
+def test_the_check_passes_fp8_held_fused_experts_and_refuses_misread_scales_in_the_interpreter(fp8_report):
+    (right_error, right_reason), (_, wrong_reason) = fp8_report["held check"].values()
+    assert right_reason is None and right_error < prefill.CHECK_TOLERANCE and "differs" in wrong_reason, fp8_report
 
 
 def test_fp8_experts_with_misread_scales_miss_the_dequantized_experts(fp8_report):

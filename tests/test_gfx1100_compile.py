@@ -247,9 +247,10 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
     return list(dict.fromkeys(launches)), kernels
 
 
-def moe_launches(target, kind, tiles, model):
+def moe_launches(target, kind, tiles, model, fp8=False):
     """The distinct kernel launches of one MoE feed-forward (moe_block) with the expert kernel of kind ("triton": the
-    grouped GEMM, "fused": the fused experts) in each of its tiles."""
+    grouped GEMM, "fused": the fused experts) in each of its tiles; fp8: its experts held FP8 (fp8_experts: the fused
+    experts' FP8 variant)."""
     model_cfg = cfg = model_config(MODELS[model])
     E, H, I = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size  # as many experts as a token meets
     S, router = cfg.shared_intermediate_size, cfg.tensor_dtypes.get("mlp.gate.weight", prefill.DTYPE)
@@ -267,6 +268,10 @@ def moe_launches(target, kind, tiles, model):
                                 down=torch.empty(E, I, H, dtype=prefill.DTYPE).transpose(1, 2),
                                 gate_up_bias=torch.zeros(E, 2 * I, dtype=prefill.DTYPE),
                                 down_bias=torch.zeros(E, H, dtype=prefill.DTYPE))
+    if fp8:  # the experts' runs as fp8_experts holds them, viewed as layer_views views them
+        held = dataclasses.replace(fp8_config(model_cfg), num_experts=E, n_group=1, topk_group=1, fp8_experts=True)
+        w = dataclasses.replace(w, **{field: torch.zeros(shape, dtype=dtype)
+                                      for field, (_, shape, dtype) in held.expert_runs.items()})
     x = torch.zeros(TOKENS, H, dtype=prefill.DTYPE)
     launches = []
     # the fused router's launch at the model's own expert count; moe_block's routing by route (a recorded router
@@ -459,6 +464,23 @@ def test_the_fp8_layer_dequantization_compiles_for_gfx1100_without_spills(fresh_
     assert sorted(launch.named_constexprs()["MXFP4"] for launch in compiles) == [False] * 3 + [True] * 2
     failures = [p for launch in compiles for p in problems(launch, gfx1100_registers(launch))]
     assert not failures, f"gfx1100, Triton {triton.__version__}:\n" + "\n".join(failures)
+
+
+def test_the_fp8_experts_spill_on_gfx1100_so_rdna3_runs_fp8_held_experts_by_the_loop(fresh_triton_cache, monkeypatch):
+    # Triton compiles float8e4nv for gfx1100, converting it in software (third_party/amd/backend/compiler.py,
+    # HIPOptions.supported_fp8_dtypes: "software emulate" before CDNA4 and RDNA4; Triton 3.9), but the fused experts'
+    # FP8 variant then spills SGPRs in every RDNA3 tile (6 of the 8 compiles of RDNA3's two tiles, and each of three
+    # more tiles tried, at 107 SGPRs with 6-23 spilled; the bf16 variant of RDNA3's first tile uses 27-33): not offered
+    # there. Where a plan holds the experts FP8 (fp8_experts), RDNA3's candidate
+    # is the loop, an expert dequantized at a time; this test fails once a Triton compiles the variant unspilled
+    triton, target = amd_backend()
+    [launch] = [launch for launch in moe_launches(target, "fused", RDNA3_FUSED_TILES[:1], "DeepSeek-V3", fp8=True)
+                if launch.kernel == "_moe_down_kernel" and launch.named_constexprs()["FP8"]][:1]
+    assert problems(launch, gfx1100_registers(launch)), f"Triton {triton.__version__}: offer the FP8 variant on RDNA3"
+    monkeypatch.setattr(prefill, "gpu_family", lambda device: "rdna3")
+    monkeypatch.setattr(prefill, "grouped_mm_native", lambda device: False)
+    cfg = dataclasses.replace(fp8_config(model_config(MODELS["DeepSeek-V3"])), fp8_experts=True)
+    assert [kind for _, kind, _ in prefill.expert_candidates("auto", torch.device("cuda"), cfg, 16384)] == ["loop"]
 
 
 def test_gfx1100_spill_check_sees_a_known_spilling_tile(fresh_triton_cache):

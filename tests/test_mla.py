@@ -390,8 +390,44 @@ def test_fp8_latent_attention_and_experts_match_transformers_float32_load(tmp_pa
     assert held["mlp.experts.7.down_proj.weight"] == held["self_attn.kv_b_proj.weight"] == prefill.FP8
     assert r.cfg.layer_bytes < 0.6 * r.cfg.dequantized_bytes
     assert max_rel_err(losses(r), transformers_losses(tmp_path, TEXTS)) < TOLERANCE
+    # budget 0: the plan with each layer's bf16 scratch is over it, so the routed experts are held FP8 apart (issue
+    # 37), the scratch the rest's alone, and run on the CPU by the loop, an expert dequantized at a time: the bits of
+    # the resident run by today's path, streamed and resident (a budget that holds every layer in that mode, not in
+    # today's)
     streamed = runner(tmp_path, gpu_memory_gib=0)
+    assert not r.cfg.fp8_experts and streamed.cfg.fp8_experts and streamed.experts == "loop"
+    assert streamed.cfg.dequantized_bytes < 0.5 * r.cfg.dequantized_bytes
+    held = {name: offset for name, offset, _, _ in streamed.cfg.held[1]}
+    assert held["mlp.experts.0.gate_proj.weight"] == 0 and held["mlp.experts.0.up_proj.weight"] == 128 * 256
     assert streamed.plan.streamed_layers == (0, 1) and losses(streamed) == losses(r)
+    room = streamed.plan.fixed_bytes + streamed.plan.working_bytes + sum(streamed.cfg.layer_nbytes) + 40_000
+    resident = runner(tmp_path, gpu_memory_gib=room / 2**30)
+    assert resident.cfg.fp8_experts and resident.plan.resident_layers == (0, 1) and losses(resident) == losses(r)
+
+
+@pytest.mark.parametrize("bug", [None, "scales of the other projection", "gate and up on one grid",
+                                 "the product rounded in bf16"])
+def test_the_fp8_experts_check_refuses_a_misdequantizing_loop(bug, monkeypatch):
+    # the loop's FP8 experts (FP8Experts, the fallback of the fused experts' FP8 variant) against the float32 experts
+    # of the dequantized weights, and bit for bit against the loop on them: gate and up 32 wide (one block each, their
+    # grids stacked), each bug refused, the last (each product rounded in bf16: within the tolerance) by its bits
+    from test_fp8 import FP8_CONFIG
+    cfg = prefill.ModelConfig.from_json({**GEOMETRY, "model_type": "deepseek_v3", "quantization_config": FP8_CONFIG})
+    cfg = dataclasses.replace(cfg, fp8_experts=True)
+    right = prefill.FP8Experts.__getitem__
+    wrong = {"scales of the other projection": lambda self, e: right(
+                 dataclasses.replace(self, scales=self.scales.roll(1, 1)), e),
+             "gate and up on one grid": lambda self, e: right(dataclasses.replace(self, parts=1), e),
+             "the product rounded in bf16": lambda self, e: (self.q[e].to(torch.bfloat16) * torch.cat(
+                 [s.repeat_interleave(128, 0)[:len(q)].repeat_interleave(128, 1)[:, :q.shape[1]] for q, s in zip(
+                     self.q[e].chunk(self.parts), self.scales[e].chunk(self.parts))]).to(torch.bfloat16))}
+    if bug:
+        monkeypatch.setattr(prefill.FP8Experts, "__getitem__", wrong[bug])
+    [entry] = prefill.check_experts(prefill.expert_candidates("auto", prefill.torch.device("cpu"), cfg, 4096),
+                                    prefill.torch.device("cpu"), cfg)
+    assert entry["name"] == "loop" and (entry["experts"] is None) == bool(bug), entry
+    if bug == "the product rounded in bf16":
+        assert entry["error"] < prefill.CHECK_TOLERANCE and "bits" in entry["reason"], entry
 
 
 def test_a_side_in_partial_blocks_is_read_as_transformers_fp8_linear_reads_it(monkeypatch):
