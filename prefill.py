@@ -2142,6 +2142,7 @@ class FP8Layer:
 # (Qwen3-235B-A22B's: 2.5 GB in FP8).
 FP8_COLUMNS = 8
 DEQUANTIZE_ROWS = 32  # the dequantization's rows a step (FP8, copies), and an MXFP4 program's rows
+MXFP4_STEPS = 8  # an MXFP4 program's steps of FP8_BLOCK columns
 
 def held_into(name, dtype):
     # the bf16 layout's name of a held tensor: itself, or an MXFP4 weight's for its blocks (scales: none of its own)
@@ -2166,7 +2167,7 @@ def fp8_layer(parts, layout, device, mxfp4=False):
             # the bf16 weight in whole 16 B (a group start of the layout: 128 B)
             assert offset % 16 == 0 and layout[into][0] % 8 == 0, "MXFP4 weight not 16 B-aligned"
             R, C = E * N, G * MXFP4_GROUP
-            grid = (R // DEQUANTIZE_ROWS, -(-C // FP8_BLOCK))
+            grid = (R // DEQUANTIZE_ROWS, -(-C // (FP8_BLOCK * MXFP4_STEPS)))
             rows.append([offset, parts[i + 1][1], layout[into][0], R, C, grid[1], len(programs), N])
         else:
             R, C = (math.prod(shape[:-1]), shape[-1]) if len(shape) > 1 else (1, shape[0])
@@ -2960,23 +2961,23 @@ if triton is not None:
             tl.store(out_ptr + dst + at, rounded.to(tl.int16), mask=mask)
 
     @triton.jit
-    def _mxfp4_bits(code, s):
-        # e2m1 codes times 2^(s - 127) (s: their scale bytes, broadcast), as bf16 bits by integer arithmetic, exact as
-        # dequantize_mxfp4's float32 is (at most two significant bits; subnormal below exponent 1; inf past 254,
-        # where the float32 product overflows; at a scale of 255 transformers' 2^128 is inf already: inf, or NaN for
-        # a zero)
-        mag = code & 7  # 0, 0.5, 1, 1.5, 2, 3, 4, 6: 2^e or 1.5 · 2^e
-        half = tl.where(mag >= 2, mag & 1, 0)
-        exponent = s + tl.where(mag >= 2, (mag >> 1) - 1, -1)  # the product's biased exponent, -1 at least
-        # normal: the exponent and the 0.5 of 1.5; subnormal (exponent 0, -1): the mantissa 2^(exponent + 6)
-        bits = tl.where(exponent >= 1, (exponent << 7) | (half << 6), (2 + half) << tl.minimum(exponent + 5, 6))
-        bits = tl.where((exponent >= 255) | (s == 255), 0x7F80, bits)
-        bits = tl.where(mag == 0, tl.where(s == 255, 0x7FC0, 0), bits) | ((code & 8) << 12)
-        return bits.to(tl.int16)
+    def _mxfp4_scale(s):
+        # what _mxfp4_bits takes of scale bytes s, computed once a scale rather than once a code
+        base = tl.where(s == 255, 0x7F80, (s - 1) << 7)
+        linear = tl.where(s == 0, 4, 2)
+        zero = tl.where(s == 255, 0x7FC0, 0)
+        step = tl.where(s == 255, -64, tl.where(s >= 2, (s - 1) << 7, 0x20 << s))
+        return base, linear, zero, step
+
+    @triton.jit
+    def _mxfp4_bits(code, base, linear, zero, step):
+        mag = code & 7
+        bits = tl.where(mag < linear, zero + mag * step, tl.minimum(mag * 64 + base, 0x7F80))
+        return (bits | ((code & 8) << 12)).to(tl.int16)
 
     @triton.jit
     def _dequantize_layer_kernel(q_ptr, copy_ptr, s_ptr, out_ptr, tensors_ptr, programs_ptr, COLUMNS: tl.constexpr,
-                                 BLOCK: tl.constexpr, ROWS: tl.constexpr, MXFP4: tl.constexpr):
+                                 BLOCK: tl.constexpr, ROWS: tl.constexpr, MXFP4: tl.constexpr, STEPS: tl.constexpr):
         # One program: one BLOCK x BLOCK block of one tensor of a layer (FP8Layer's tables: the tensor's row, the
         # block's index within it), whole; a side below BLOCK is one block. An FP8 weight's block: float8_e4m3fn
         # bytes decoded by integer arithmetic (exact, and on GPUs without FP8 conversions: gfx1100), times the
@@ -3020,17 +3021,21 @@ if triton is not None:
             group = tl.load(row + 7) // ROWS * ROWS
             first = block // grid_cols * ROWS
             n = first % group // ROWS * ROWS + tl.arange(0, ROWS)  # within the expert
-            g = block % grid_cols * (BLOCK // 32) + tl.arange(0, BLOCK // 32)  # the columns' scales within a row
             k = tl.arange(0, 16)
             scales = cols // 32
-            mask = g[None, :, None] < scales
-            at = (first + tl.arange(0, ROWS))[:, None, None] * scales + g[None, :, None]  # [ROWS, BLOCK / 32, 1]
-            byte = tl.load(q_ptr + src // 16 * 16 + at * 16 + k[None, None, :], mask=mask, other=0).to(tl.int32)
-            s = tl.load(q_ptr + scale + at, mask=mask, other=0).to(tl.int32)
-            out_at = (dst // 8 * 8 + first // group * (scales * 32 * group)
-                      + (g[None, :, None] * 32 + 2 * k[None, None, :]) * group + n[:, None, None])
-            tl.store(out_ptr + out_at, _mxfp4_bits(byte & 15, s), mask=mask)
-            tl.store(out_ptr + out_at + group, _mxfp4_bits(byte >> 4, s), mask=mask)
+            rows_at = (first + tl.arange(0, ROWS))[:, None, None] * scales  # [ROWS, 1, 1]
+            expert_at = dst // 8 * 8 + first // group * (scales * 32 * group) + n[:, None, None]
+            g0 = block % grid_cols * (STEPS * BLOCK // 32)
+            for g1 in range(g0, tl.minimum(g0 + STEPS * BLOCK // 32, scales), BLOCK // 32):
+                g = g1 + tl.arange(0, BLOCK // 32)  # the columns' scales within a row
+                mask = g[None, :, None] < scales
+                at = rows_at + g[None, :, None]  # [ROWS, BLOCK / 32, 1]
+                byte = tl.load(q_ptr + src // 16 * 16 + at * 16 + k[None, None, :], mask=mask, other=0).to(tl.int32)
+                s = tl.load(q_ptr + scale + at, mask=mask, other=0).to(tl.int32)
+                out_at = expert_at + (g[None, :, None] * 32 + 2 * k[None, None, :]) * group
+                base, linear, zero, step = _mxfp4_scale(s)
+                tl.store(out_ptr + out_at, _mxfp4_bits(byte, base, linear, zero, step), mask=mask)
+                tl.store(out_ptr + out_at + group, _mxfp4_bits(byte >> 4, base, linear, zero, step), mask=mask)
         else:
             s = tl.load(s_ptr + scale + block)  # the scale grid is row-major, as the blocks are numbered
             if (src % 8 == 0) & (dst % 8 == 0) & (cols % 8 == 0):  # whole 16 B of bf16 (and 8 B of FP8)
@@ -3094,7 +3099,7 @@ def dequantize_layer_triton(held, out, layer):
     _dequantize_layer_kernel[(layer.programs.numel(),)](
         held.view(torch.uint8), held.view(torch.int16), held.view(torch.float32), out.view(torch.int16),
         layer.tensors, layer.programs, COLUMNS=FP8_COLUMNS, BLOCK=FP8_BLOCK, ROWS=DEQUANTIZE_ROWS, MXFP4=layer.mxfp4,
-        num_warps=DEQUANTIZE_WARPS)
+        STEPS=MXFP4_STEPS, num_warps=DEQUANTIZE_WARPS)
 
 
 def token_nll_triton(logits, targets):
