@@ -2129,7 +2129,7 @@ class FP8Layer:
     layout: dict      # name -> (offset, shape) in the bf16 layer
     tensors: object   # int64 [tensors, FP8_COLUMNS]: one row per tensor of the bf16 layer, quantized or copied
     programs: object  # int32 [programs]: each program's tensor, one program per FP8_BLOCK x FP8_BLOCK block (MXFP4:
-    #                   per DEQUANTIZE_ROWS x FP8_BLOCK)
+    #                   per DEQUANTIZE_ROWS rows x MXFP4_STEPS * FP8_BLOCK columns)
     mxfp4: bool = False  # whether its quantized tensors are MXFP4 (the launch's variant), not FP8
 
 
@@ -2142,7 +2142,7 @@ class FP8Layer:
 # (Qwen3-235B-A22B's: 2.5 GB in FP8).
 FP8_COLUMNS = 8
 DEQUANTIZE_ROWS = 32  # the dequantization's rows a step (FP8, copies), and an MXFP4 program's rows
-MXFP4_STEPS = 8  # an MXFP4 program's steps of FP8_BLOCK columns
+MXFP4_STEPS = 8  # an MXFP4 program's steps of FP8_BLOCK columns (bench/fp8_dequantize.py tries others)
 
 def held_into(name, dtype):
     # the bf16 layout's name of a held tensor: itself, or an MXFP4 weight's for its blocks (scales: none of its own)
@@ -2153,8 +2153,8 @@ def fp8_layer(parts, layout, device, mxfp4=False):
     """The FP8Layer of a held layout's tensors (parts) and its bf16 layout, its tables on device. One program per block:
     Qwen3-235B-A22B's layer has 152k, far below both CUDA's limit on grid axis 0 (2^31 - 1 programs) and HIP's
     (gridDim.x times blockDim.x below 2^32 threads, hipModuleLaunchKernel's documentation: 2^24 programs of 256);
-    gpt-oss-120b's MXFP4 layer 778k. mxfp4: an MXFP4 model's layer (launched as such even where modules_to_not_convert
-    leaves it bf16: one kernel variant a model, the one its start-up check ran)."""
+    gpt-oss-120b's MXFP4 layer 106k (797k at a tile a program). mxfp4: an MXFP4 model's layer (launched as such even
+    where modules_to_not_convert leaves it bf16: one kernel variant a model, the one its start-up check ran)."""
     rows, programs = [], []
     for i, (name, offset, shape, dtype) in enumerate(parts):
         into = held_into(name, dtype)
@@ -2962,7 +2962,11 @@ if triton is not None:
 
     @triton.jit
     def _mxfp4_scale(s):
-        # what _mxfp4_bits takes of scale bytes s, computed once a scale rather than once a code
+        # what _mxfp4_bits takes of scale bytes s (int32, any shape), once a scale rather than once a code: the
+        # product's bf16 bits are an exponent field added to the code's (s - 1 + its exponent, mantissa bit 6 its
+        # half) but below `linear` (0 and 0.5; at a scale byte of 0, the subnormal 0.5 to 1.5 too: m · 2^-128, m the
+        # magnitude) they are zero + m · step; past 254 the exponent overflows to inf, and at 255, transformers' 2^128
+        # being inf already, every one is inf but zero's NaN
         base = tl.where(s == 255, 0x7F80, (s - 1) << 7)
         linear = tl.where(s == 0, 4, 2)
         zero = tl.where(s == 255, 0x7FC0, 0)
@@ -2971,7 +2975,11 @@ if triton is not None:
 
     @triton.jit
     def _mxfp4_bits(code, base, linear, zero, step):
-        mag = code & 7
+        # e2m1 codes (their low 4 bits) times 2^(s - 127), as bf16 bits, _mxfp4_scale's of their scale bytes s given:
+        # exact as dequantize_mxfp4's float32 is (at most two significant bits; subnormal at scale bytes 0 and 1),
+        # every code and scale byte (tests/test_gpt_oss.py). A compare, a clamp and three multiply-adds a code: the
+        # whole arithmetic once a code took 26 integer-pipe instructions on sm_90a (issue 37)
+        mag = code & 7  # 0, 0.5, 1, 1.5, 2, 3, 4, 6: 2^e or 1.5 · 2^e, its bf16 bits (as 2^-126's) mag · 64
         bits = tl.where(mag < linear, zero + mag * step, tl.minimum(mag * 64 + base, 0x7F80))
         return (bits | ((code & 8) << 12)).to(tl.int16)
 
@@ -3008,16 +3016,20 @@ if triton is not None:
             else:  # a quarter of the rows a step: element by element, ROWS of them took the kernel to 64 registers
                 _copy_block(copy_ptr, out_ptr, src, dst, r0, row_end, cols, c, ROWS // 4)
         elif MXFP4:
-            # ROWS rows of one expert's blocks [out, in / 32, 16] by BLOCK of their in columns (BLOCK / 32 scales of
-            # 16 bytes each: [ROWS, BLOCK / 32, 16]), written transposed into the bf16 layout's [experts, in, out]:
-            # each byte's low nibble to column c, its high to c + 1, each a run of ROWS along out (group: out, an
-            # expert's rows, whole programs of them). The rows as the expert's first plus a range: contiguous to
-            # Triton, which writes 8 of them a thread (st.global.v4.b32), the bytes read 8 a thread, transposed
-            # between through 4 KB of shared memory. A [ROWS, BLOCK] tile whose rows were computed from the row's
-            # expert had every thread write 2 B, `out` elements from its neighbour's (st.global.b16; 222 registers on
-            # sm_90a, 126 under Triton 3.6; 6.1 ms a gpt-oss-20b layer on the H200, its contest run's profile).
-            # fp8_layer asserts what the roundings take: 16 B-aligned blocks, a destination in whole 16 B, out a
-            # multiple of ROWS.
+            # ROWS rows of one expert's blocks [out, in / 32, 16] by STEPS tiles of BLOCK of their in columns, a tile
+            # a step (BLOCK / 32 scales of 16 bytes each: [ROWS, BLOCK / 32, 16]), written transposed into the bf16
+            # layout's [experts, in, out]: each byte's low nibble to column c, its high to c + 1, each a run of ROWS
+            # along out (group: out, an expert's rows, whole programs of them). The rows as the expert's first plus a
+            # range: contiguous to Triton, which writes 8 of them a thread (st.global.v4.b32), the bytes read 8 a
+            # thread, transposed between through 4 KB of shared memory. A [ROWS, BLOCK] tile whose rows were computed
+            # from the row's expert had every thread write 2 B, `out` elements from its neighbour's (st.global.b16;
+            # 222 registers on sm_90a, 126 under Triton 3.6; 6.1 ms a gpt-oss-20b layer on the H200, its contest
+            # run's profile). A program of one tile ran at 1.22 TB/s (gpt-oss-20b's and -120b's layer, H200), half
+            # of FP8's: bound by the integer pipe (64 lanes an SM on Hopper), not by memory: the codes' arithmetic 26
+            # instructions a code there, the tables and two 64-bit divisions ~100 a thread for its 16 codes. Now 4
+            # values a scale (_mxfp4_scale), ~8 a code, and the program's overhead once in STEPS tiles (bench/NOTES.md,
+            # issue 37). fp8_layer asserts what the roundings take: 16 B-aligned blocks, a destination in whole 16 B,
+            # out a multiple of ROWS.
             group = tl.load(row + 7) // ROWS * ROWS
             first = block // grid_cols * ROWS
             n = first % group // ROWS * ROWS + tl.arange(0, ROWS)  # within the expert
@@ -3095,7 +3107,7 @@ DEQUANTIZE_WARPS = 8  # dequantize_layer_triton's (bench/fp8_dequantize.py tries
 def dequantize_layer_triton(held, out, layer):
     # dequantize_layer in one launch (layer: an FP8Layer): its tables on the device, nothing read on the host.
     # [32, 128] tiles on 8 warps: 16 elements a thread (8 FP8 bytes of a row, 16 B of its bf16), a 128-row block in 4
-    # steps (a tensor not in whole 16 B: [8, 128] in 16; an MXFP4 program: [32, 4, 16] bytes, once)
+    # steps (a tensor not in whole 16 B: [8, 128] in 16; an MXFP4 program: [32, 4, 16] bytes, in up to MXFP4_STEPS)
     _dequantize_layer_kernel[(layer.programs.numel(),)](
         held.view(torch.uint8), held.view(torch.int16), held.view(torch.float32), out.view(torch.int16),
         layer.tensors, layer.programs, COLUMNS=FP8_COLUMNS, BLOCK=FP8_BLOCK, ROWS=DEQUANTIZE_ROWS, MXFP4=layer.mxfp4,
