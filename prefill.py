@@ -2129,7 +2129,7 @@ class FP8Layer:
     layout: dict      # name -> (offset, shape) in the bf16 layer
     tensors: object   # int64 [tensors, FP8_COLUMNS]: one row per tensor of the bf16 layer, quantized or copied
     programs: object  # int32 [programs]: each program's tensor, one program per FP8_BLOCK x FP8_BLOCK block (MXFP4:
-    #                   per DEQUANTIZE_ROWS rows x MXFP4_STEPS * FP8_BLOCK columns)
+    #                   per DEQUANTIZE_ROWS rows x MXFP4_STEPS * MXFP4_GROUPS * 32 columns)
     mxfp4: bool = False  # whether its quantized tensors are MXFP4 (the launch's variant), not FP8
 
 
@@ -2142,7 +2142,8 @@ class FP8Layer:
 # (Qwen3-235B-A22B's: 2.5 GB in FP8).
 FP8_COLUMNS = 8
 DEQUANTIZE_ROWS = 32  # the dequantization's rows a step (FP8, copies), and an MXFP4 program's rows
-MXFP4_STEPS = 8  # an MXFP4 program's steps of FP8_BLOCK columns (bench/fp8_dequantize.py tries others)
+MXFP4_GROUPS = 8  # an MXFP4 step: its program's rows by this many blocks of 32 columns (a full 128 B line a row)
+MXFP4_STEPS = 4  # an MXFP4 program's steps, one after the other (bench/fp8_dequantize.py tries others of both)
 
 def held_into(name, dtype):
     # the bf16 layout's name of a held tensor: itself, or an MXFP4 weight's for its blocks (scales: none of its own)
@@ -2167,7 +2168,7 @@ def fp8_layer(parts, layout, device, mxfp4=False):
             # the bf16 weight in whole 16 B (a group start of the layout: 128 B)
             assert offset % 16 == 0 and layout[into][0] % 8 == 0, "MXFP4 weight not 16 B-aligned"
             R, C = E * N, G * MXFP4_GROUP
-            grid = (R // DEQUANTIZE_ROWS, -(-C // (FP8_BLOCK * MXFP4_STEPS)))
+            grid = (R // DEQUANTIZE_ROWS, -(-C // (MXFP4_GROUP * MXFP4_GROUPS * MXFP4_STEPS)))
             rows.append([offset, parts[i + 1][1], layout[into][0], R, C, grid[1], len(programs), N])
         else:
             R, C = (math.prod(shape[:-1]), shape[-1]) if len(shape) > 1 else (1, shape[0])
@@ -2974,18 +2975,22 @@ if triton is not None:
         return base, linear, zero, step
 
     @triton.jit
-    def _mxfp4_bits(code, base, linear, zero, step):
-        # e2m1 codes (their low 4 bits) times 2^(s - 127), as bf16 bits, _mxfp4_scale's of their scale bytes s given:
-        # exact as dequantize_mxfp4's float32 is (at most two significant bits; subnormal at scale bytes 0 and 1),
-        # every code and scale byte (tests/test_gpt_oss.py). A compare, a clamp and three multiply-adds a code: the
-        # whole arithmetic once a code took 26 integer-pipe instructions on sm_90a (issue 37)
-        mag = code & 7  # 0, 0.5, 1, 1.5, 2, 3, 4, 6: 2^e or 1.5 · 2^e, its bf16 bits (as 2^-126's) mag · 64
-        bits = tl.where(mag < linear, zero + mag * step, tl.minimum(mag * 64 + base, 0x7F80))
-        return (bits | ((code & 8) << 12)).to(tl.int16)
+    def _mxfp4_bits(byte, base, linear, zero, step, NIBBLE: tl.constexpr):
+        # the e2m1 codes in bits NIBBLE to NIBBLE + 3 of bytes (0: low, 4: high) times 2^(s - 127), as bf16 bits,
+        # _mxfp4_scale's of their scale bytes s given: exact as dequantize_mxfp4's float32 is (at most two significant
+        # bits; subnormal at scale bytes 0 and 1), every code and scale byte (tests/test_gpt_oss.py). The magnitude
+        # left in place (step and 64 divided by 16 for the high nibble: every step is a multiple of 32), a code costs
+        # a mask, a compare, a clamp, the sign's mask and three multiply-adds; the whole arithmetic a code took 26
+        # integer-pipe instructions on sm_90a (issue 37)
+        mag = byte & (7 << NIBBLE)  # 0, 0.5, 1, 1.5, 2, 3, 4, 6: 2^e or 1.5 · 2^e, its bf16 bits (as 2^-126's) mag · 64
+        bits = tl.where(mag < (linear << NIBBLE), zero + mag * (step >> NIBBLE),
+                        tl.minimum(mag * (64 >> NIBBLE) + base, 0x7F80))
+        return (bits | ((byte & (8 << NIBBLE)) << (12 - NIBBLE))).to(tl.int16)
 
     @triton.jit
     def _dequantize_layer_kernel(q_ptr, copy_ptr, s_ptr, out_ptr, tensors_ptr, programs_ptr, COLUMNS: tl.constexpr,
-                                 BLOCK: tl.constexpr, ROWS: tl.constexpr, MXFP4: tl.constexpr, STEPS: tl.constexpr):
+                                 BLOCK: tl.constexpr, ROWS: tl.constexpr, MXFP4: tl.constexpr, GROUPS: tl.constexpr,
+                                 STEPS: tl.constexpr):
         # One program: one BLOCK x BLOCK block of one tensor of a layer (FP8Layer's tables: the tensor's row, the
         # block's index within it), whole; a side below BLOCK is one block. An FP8 weight's block: float8_e4m3fn
         # bytes decoded by integer arithmetic (exact, and on GPUs without FP8 conversions: gfx1100), times the
@@ -3016,20 +3021,20 @@ if triton is not None:
             else:  # a quarter of the rows a step: element by element, ROWS of them took the kernel to 64 registers
                 _copy_block(copy_ptr, out_ptr, src, dst, r0, row_end, cols, c, ROWS // 4)
         elif MXFP4:
-            # ROWS rows of one expert's blocks [out, in / 32, 16] by STEPS tiles of BLOCK of their in columns, a tile
-            # a step (BLOCK / 32 scales of 16 bytes each: [ROWS, BLOCK / 32, 16]), written transposed into the bf16
+            # ROWS rows of one expert's blocks [out, in / 32, 16] by STEPS tiles of GROUPS x 32 of their in columns,
+            # a tile a step (GROUPS scales of 16 bytes each: [ROWS, GROUPS, 16]), written transposed into the bf16
             # layout's [experts, in, out]: each byte's low nibble to column c, its high to c + 1, each a run of ROWS
             # along out (group: out, an expert's rows, whole programs of them). The rows as the expert's first plus a
-            # range: contiguous to Triton, which writes 8 of them a thread (st.global.v4.b32), the bytes read 8 a
-            # thread, transposed between through 4 KB of shared memory. A [ROWS, BLOCK] tile whose rows were computed
-            # from the row's expert had every thread write 2 B, `out` elements from its neighbour's (st.global.b16;
-            # 222 registers on sm_90a, 126 under Triton 3.6; 6.1 ms a gpt-oss-20b layer on the H200, its contest
-            # run's profile). A program of one tile ran at 1.22 TB/s (gpt-oss-20b's and -120b's layer, H200), half
-            # of FP8's: bound by the integer pipe (64 lanes an SM on Hopper), not by memory: the codes' arithmetic 26
-            # instructions a code there, the tables and two 64-bit divisions ~100 a thread for its 16 codes. Now 4
-            # values a scale (_mxfp4_scale), ~8 a code, and the program's overhead once in STEPS tiles (bench/NOTES.md,
-            # issue 37). fp8_layer asserts what the roundings take: 16 B-aligned blocks, a destination in whole 16 B,
-            # out a multiple of ROWS.
+            # range: contiguous to Triton, which writes 8 of them a thread (st.global.v4.b32), the bytes read 16 a
+            # thread at 8 groups (8 at 4), transposed between through shared memory. A [ROWS, BLOCK] tile whose rows
+            # were computed from the row's expert had every thread write 2 B, `out` elements from its neighbour's
+            # (st.global.b16; 222 registers on sm_90a, 126 under Triton 3.6; 6.1 ms a gpt-oss-20b layer on the H200,
+            # its contest run's profile). A program of one [32, 4, 16] tile ran at 1.22 TB/s (gpt-oss-20b's and
+            # -120b's layer, H200), half of FP8's: bound by the integer pipe (64 lanes an SM on Hopper), not by
+            # memory: the codes' arithmetic 26 instructions a code there, the tables and two 64-bit divisions ~100 a
+            # thread for its 16 codes. Now 4 values a scale (_mxfp4_scale), ~7 a code, and the program's overhead
+            # once in STEPS tiles (bench/NOTES.md, issue 37). fp8_layer asserts what the roundings take: 16 B-aligned
+            # blocks, a destination in whole 16 B, out a multiple of ROWS.
             group = tl.load(row + 7) // ROWS * ROWS
             first = block // grid_cols * ROWS
             n = first % group // ROWS * ROWS + tl.arange(0, ROWS)  # within the expert
@@ -3037,17 +3042,17 @@ if triton is not None:
             scales = cols // 32
             rows_at = (first + tl.arange(0, ROWS))[:, None, None] * scales  # [ROWS, 1, 1]
             expert_at = dst // 8 * 8 + first // group * (scales * 32 * group) + n[:, None, None]
-            g0 = block % grid_cols * (STEPS * BLOCK // 32)
-            for g1 in range(g0, tl.minimum(g0 + STEPS * BLOCK // 32, scales), BLOCK // 32):
-                g = g1 + tl.arange(0, BLOCK // 32)  # the columns' scales within a row
+            g0 = block % grid_cols * (STEPS * GROUPS)
+            for g1 in range(g0, tl.minimum(g0 + STEPS * GROUPS, scales), GROUPS):
+                g = g1 + tl.arange(0, GROUPS)  # the columns' scales within a row
                 mask = g[None, :, None] < scales
-                at = rows_at + g[None, :, None]  # [ROWS, BLOCK / 32, 1]
+                at = rows_at + g[None, :, None]  # [ROWS, GROUPS, 1]
                 byte = tl.load(q_ptr + src // 16 * 16 + at * 16 + k[None, None, :], mask=mask, other=0).to(tl.int32)
                 s = tl.load(q_ptr + scale + at, mask=mask, other=0).to(tl.int32)
                 out_at = expert_at + (g[None, :, None] * 32 + 2 * k[None, None, :]) * group
                 base, linear, zero, step = _mxfp4_scale(s)
-                tl.store(out_ptr + out_at, _mxfp4_bits(byte, base, linear, zero, step), mask=mask)
-                tl.store(out_ptr + out_at + group, _mxfp4_bits(byte >> 4, base, linear, zero, step), mask=mask)
+                tl.store(out_ptr + out_at, _mxfp4_bits(byte, base, linear, zero, step, 0), mask=mask)
+                tl.store(out_ptr + out_at + group, _mxfp4_bits(byte, base, linear, zero, step, 4), mask=mask)
         else:
             s = tl.load(s_ptr + scale + block)  # the scale grid is row-major, as the blocks are numbered
             if (src % 8 == 0) & (dst % 8 == 0) & (cols % 8 == 0):  # whole 16 B of bf16 (and 8 B of FP8)
@@ -3107,11 +3112,11 @@ DEQUANTIZE_WARPS = 8  # dequantize_layer_triton's (bench/fp8_dequantize.py tries
 def dequantize_layer_triton(held, out, layer):
     # dequantize_layer in one launch (layer: an FP8Layer): its tables on the device, nothing read on the host.
     # [32, 128] tiles on 8 warps: 16 elements a thread (8 FP8 bytes of a row, 16 B of its bf16), a 128-row block in 4
-    # steps (a tensor not in whole 16 B: [8, 128] in 16; an MXFP4 program: [32, 4, 16] bytes, in up to MXFP4_STEPS)
+    # steps (a tensor not in whole 16 B: [8, 128] in 16; an MXFP4 program: [32, 8, 16] bytes, in up to MXFP4_STEPS)
     _dequantize_layer_kernel[(layer.programs.numel(),)](
         held.view(torch.uint8), held.view(torch.int16), held.view(torch.float32), out.view(torch.int16),
         layer.tensors, layer.programs, COLUMNS=FP8_COLUMNS, BLOCK=FP8_BLOCK, ROWS=DEQUANTIZE_ROWS, MXFP4=layer.mxfp4,
-        STEPS=MXFP4_STEPS, num_warps=DEQUANTIZE_WARPS)
+        GROUPS=MXFP4_GROUPS, STEPS=MXFP4_STEPS, num_warps=DEQUANTIZE_WARPS)
 
 
 def token_nll_triton(logits, targets):

@@ -414,13 +414,13 @@ def test_mxfp4_one_launch_a_layer_is_dequantize_mxfp4_bit_for_bit_and_its_plante
 
 
 
-# An MXFP4 program's steps (MXFP4_STEPS tiles of 128 in columns, one after the other): the check layer's experts are one
-# tile wide; here 320 wide (2.5 tiles) at 2 steps a program, so that the gate_up rows take a program of two tiles and
-# one of a half tile, every scale byte 0-254 among them. Ablation: the tables of 2 steps a program launched at 1 leave
-# each row's second tile unwritten.
+# An MXFP4 program's steps (MXFP4_STEPS tiles of MXFP4_GROUPS x 32 in columns, one after the other): the check layer's
+# experts are less than a tile wide; here 320 wide at tiles of 128 columns (2.5 tiles) and 2 steps a program, so that
+# the gate_up rows take a program of two tiles and one of a half tile, every scale byte 0-254 among them. Ablation: the
+# tables of 2 steps a program launched at 1 leave each row's second tile unwritten.
 MXFP4_STEPS_KERNEL = """
 import json, math, torch, prefill
-prefill.MXFP4_STEPS = 2
+prefill.MXFP4_GROUPS, prefill.MXFP4_STEPS = 4, 2
 cfg = prefill.ModelConfig.from_json({**prefill.MXFP4_CHECK_MODEL, "hidden_size": 320})
 parts, layout = cfg.held[0], cfg.layer_layout
 held = torch.randint(256, (cfg.layer_bytes,), generator=torch.Generator().manual_seed(7), dtype=torch.uint8)
