@@ -2997,7 +2997,8 @@ if triton is not None:
         # block's one float32 scale, rounded to bf16 to nearest even by integer arithmetic too, so that the
         # interpreter (which truncates) gives the same bits as a GPU. A bf16 tensor's (a norm, a bias, the router):
         # copied as it is. q_ptr, copy_ptr, s_ptr: the held layer as bytes, int16 and float32. MXFP4 (a model whose
-        # quantized tensors are MXFP4, not FP8): a quantized tensor's program is ROWS rows by BLOCK columns.
+        # quantized tensors are MXFP4, not FP8): a quantized tensor's program is ROWS rows by STEPS tiles of GROUPS x 32
+        # columns, one after the other.
         # Offsets and widths come from the tables, so Triton cannot see that a tensor's rows start aligned: it read
         # FP8 a byte and wrote bf16 an element at a time (ld.global.b8, st.global.b16 in the sm_90a PTX, 128
         # registers under Triton 3.9 and 3.6; 568 GB/s on the H200,
