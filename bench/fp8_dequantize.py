@@ -100,8 +100,9 @@ def measure(name, args, device):
     kind = cfg.largest_kind
     parts, layout = cfg.held[cfg.layer_kinds.index(kind)], cfg.layouts[kind]
     held = random_layer(cfg, kind, device)
-    gen = torch.Generator().manual_seed(1)
-    poison = torch.randint(-2**15, 2**15, (cfg.dequantized_bytes // 2,), generator=gen, dtype=torch.int16).to(device)
+    gen = torch.Generator(device).manual_seed(1)  # on the device: gpt-oss-120b's bf16 layer is 3.2 G elements
+    poison = torch.randint(-2**15, 2**15, (cfg.dequantized_bytes // 2,), generator=gen, dtype=torch.int16,
+                           device=device)
     out = torch.empty_like(poison)
     want = poison.clone()
     prefill.dequantize_layer(held, want.view(prefill.DTYPE), prefill.fp8_layer(parts, layout, device, cfg.mxfp4))
