@@ -2197,7 +2197,7 @@ class FP8Layer:
     layout: dict      # name -> (offset, shape) in the bf16 layer
     tensors: object   # int64 [tensors, FP8_COLUMNS]: one row per tensor of the bf16 layer, quantized or copied
     programs: object  # int32 [programs]: each program's tensor, one program per FP8_BLOCK x FP8_BLOCK block (MXFP4:
-    #                   per DEQUANTIZE_ROWS x FP8_BLOCK)
+    #                   per DEQUANTIZE_ROWS rows x MXFP4_STEPS * MXFP4_GROUPS * 32 columns)
     mxfp4: bool = False  # whether its quantized tensors are MXFP4 (the launch's variant), not FP8
 
 
@@ -2210,6 +2210,8 @@ class FP8Layer:
 # (Qwen3-235B-A22B's: 2.5 GB in FP8).
 FP8_COLUMNS = 8
 DEQUANTIZE_ROWS = 32  # the dequantization's rows a step (FP8, copies), and an MXFP4 program's rows
+MXFP4_GROUPS = 8  # an MXFP4 step: its program's rows by this many blocks of 32 columns (a full 128 B line a row)
+MXFP4_STEPS = 4  # an MXFP4 program's steps, one after the other (bench/fp8_dequantize.py tries others of both)
 
 def held_into(name, dtype):
     # the bf16 layout's name of a held tensor: itself, or an MXFP4 weight's for its blocks (scales: none of its own)
@@ -2220,8 +2222,8 @@ def fp8_layer(parts, layout, device, mxfp4=False):
     """The FP8Layer of a held layout's tensors (parts) and its bf16 layout, its tables on device. One program per block:
     Qwen3-235B-A22B's layer has 152k, far below both CUDA's limit on grid axis 0 (2^31 - 1 programs) and HIP's
     (gridDim.x times blockDim.x below 2^32 threads, hipModuleLaunchKernel's documentation: 2^24 programs of 256);
-    gpt-oss-120b's MXFP4 layer 778k. mxfp4: an MXFP4 model's layer (launched as such even where modules_to_not_convert
-    leaves it bf16: one kernel variant a model, the one its start-up check ran)."""
+    gpt-oss-120b's MXFP4 layer 106k (797k at a tile a program). mxfp4: an MXFP4 model's layer (launched as such even
+    where modules_to_not_convert leaves it bf16: one kernel variant a model, the one its start-up check ran)."""
     rows, programs = [], []
     for i, (name, offset, shape, dtype) in enumerate(parts):
         into = held_into(name, dtype)
@@ -2234,7 +2236,7 @@ def fp8_layer(parts, layout, device, mxfp4=False):
             # the bf16 weight in whole 16 B (a group start of the layout: 128 B)
             assert offset % 16 == 0 and layout[into][0] % 8 == 0, "MXFP4 weight not 16 B-aligned"
             R, C = E * N, G * MXFP4_GROUP
-            grid = (R // DEQUANTIZE_ROWS, -(-C // FP8_BLOCK))
+            grid = (R // DEQUANTIZE_ROWS, -(-C // (MXFP4_GROUP * MXFP4_GROUPS * MXFP4_STEPS)))
             rows.append([offset, parts[i + 1][1], layout[into][0], R, C, grid[1], len(programs), N])
         else:
             R, C = (math.prod(shape[:-1]), shape[-1]) if len(shape) > 1 else (1, shape[0])
@@ -3031,30 +3033,43 @@ if triton is not None:
             tl.store(out_ptr + dst + at, rounded.to(tl.int16), mask=mask)
 
     @triton.jit
-    def _mxfp4_bits(code, s):
-        # e2m1 codes times 2^(s - 127) (s: their scale bytes, broadcast), as bf16 bits by integer arithmetic, exact as
-        # dequantize_mxfp4's float32 is (at most two significant bits; subnormal below exponent 1; inf past 254,
-        # where the float32 product overflows; at a scale of 255 transformers' 2^128 is inf already: inf, or NaN for
-        # a zero)
-        mag = code & 7  # 0, 0.5, 1, 1.5, 2, 3, 4, 6: 2^e or 1.5 · 2^e
-        half = tl.where(mag >= 2, mag & 1, 0)
-        exponent = s + tl.where(mag >= 2, (mag >> 1) - 1, -1)  # the product's biased exponent, -1 at least
-        # normal: the exponent and the 0.5 of 1.5; subnormal (exponent 0, -1): the mantissa 2^(exponent + 6)
-        bits = tl.where(exponent >= 1, (exponent << 7) | (half << 6), (2 + half) << tl.minimum(exponent + 5, 6))
-        bits = tl.where((exponent >= 255) | (s == 255), 0x7F80, bits)
-        bits = tl.where(mag == 0, tl.where(s == 255, 0x7FC0, 0), bits) | ((code & 8) << 12)
-        return bits.to(tl.int16)
+    def _mxfp4_scale(s):
+        # what _mxfp4_bits takes of scale bytes s (int32, any shape), once a scale rather than once a code: the
+        # product's bf16 bits are an exponent field added to the code's (s - 1 + its exponent, mantissa bit 6 its
+        # half) but below `linear` (0 and 0.5; at a scale byte of 0, the subnormal 0.5 to 1.5 too: m · 2^-128, m the
+        # magnitude) they are zero + m · step; past 254 the exponent overflows to inf, and at 255, transformers' 2^128
+        # being inf already, every one is inf but zero's NaN
+        base = tl.where(s == 255, 0x7F80, (s - 1) << 7)
+        linear = tl.where(s == 0, 4, 2)
+        zero = tl.where(s == 255, 0x7FC0, 0)
+        step = tl.where(s == 255, -64, tl.where(s >= 2, (s - 1) << 7, 0x20 << s))
+        return base, linear, zero, step
+
+    @triton.jit
+    def _mxfp4_bits(byte, base, linear, zero, step, NIBBLE: tl.constexpr):
+        # the e2m1 codes in bits NIBBLE to NIBBLE + 3 of bytes (0: low, 4: high) times 2^(s - 127), as bf16 bits,
+        # _mxfp4_scale's of their scale bytes s given: exact as dequantize_mxfp4's float32 is (at most two significant
+        # bits; subnormal at scale bytes 0 and 1), every code and scale byte (tests/test_gpt_oss.py). The magnitude
+        # left in place (step and 64 divided by 16 for the high nibble: every step is a multiple of 32), a code costs
+        # a mask, a compare, a clamp, the sign's mask and three multiply-adds; the whole arithmetic a code took 26
+        # integer-pipe instructions on sm_90a (issue 37)
+        mag = byte & (7 << NIBBLE)  # 0, 0.5, 1, 1.5, 2, 3, 4, 6: 2^e or 1.5 · 2^e, its bf16 bits (as 2^-126's) mag · 64
+        bits = tl.where(mag < (linear << NIBBLE), zero + mag * (step >> NIBBLE),
+                        tl.minimum(mag * (64 >> NIBBLE) + base, 0x7F80))
+        return (bits | ((byte & (8 << NIBBLE)) << (12 - NIBBLE))).to(tl.int16)
 
     @triton.jit
     def _dequantize_layer_kernel(q_ptr, copy_ptr, s_ptr, out_ptr, tensors_ptr, programs_ptr, COLUMNS: tl.constexpr,
-                                 BLOCK: tl.constexpr, ROWS: tl.constexpr, MXFP4: tl.constexpr):
+                                 BLOCK: tl.constexpr, ROWS: tl.constexpr, MXFP4: tl.constexpr, GROUPS: tl.constexpr,
+                                 STEPS: tl.constexpr):
         # One program: one BLOCK x BLOCK block of one tensor of a layer (FP8Layer's tables: the tensor's row, the
         # block's index within it), whole; a side below BLOCK is one block. An FP8 weight's block: float8_e4m3fn
         # bytes decoded by integer arithmetic (exact, and on GPUs without FP8 conversions: gfx1100), times the
         # block's one float32 scale, rounded to bf16 to nearest even by integer arithmetic too, so that the
         # interpreter (which truncates) gives the same bits as a GPU. A bf16 tensor's (a norm, a bias, the router):
         # copied as it is. q_ptr, copy_ptr, s_ptr: the held layer as bytes, int16 and float32. MXFP4 (a model whose
-        # quantized tensors are MXFP4, not FP8): a quantized tensor's program is ROWS rows by BLOCK columns.
+        # quantized tensors are MXFP4, not FP8): a quantized tensor's program is ROWS rows by STEPS tiles of GROUPS x 32
+        # columns, one after the other.
         # Offsets and widths come from the tables, so Triton cannot see that a tensor's rows start aligned: it read
         # FP8 a byte and wrote bf16 an element at a time (ld.global.b8, st.global.b16 in the sm_90a PTX, 128
         # registers under Triton 3.9 and 3.6; 568 GB/s on the H200,
@@ -3078,30 +3093,38 @@ if triton is not None:
             else:  # a quarter of the rows a step: element by element, ROWS of them took the kernel to 64 registers
                 _copy_block(copy_ptr, out_ptr, src, dst, r0, row_end, cols, c, ROWS // 4)
         elif MXFP4:
-            # ROWS rows of one expert's blocks [out, in / 32, 16] by BLOCK of their in columns (BLOCK / 32 scales of
-            # 16 bytes each: [ROWS, BLOCK / 32, 16]), written transposed into the bf16 layout's [experts, in, out]:
-            # each byte's low nibble to column c, its high to c + 1, each a run of ROWS along out (group: out, an
-            # expert's rows, whole programs of them). The rows as the expert's first plus a range: contiguous to
-            # Triton, which writes 8 of them a thread (st.global.v4.b32), the bytes read 8 a thread, transposed
-            # between through 4 KB of shared memory. A [ROWS, BLOCK] tile whose rows were computed from the row's
-            # expert had every thread write 2 B, `out` elements from its neighbour's (st.global.b16; 222 registers on
-            # sm_90a, 126 under Triton 3.6; 6.1 ms a gpt-oss-20b layer on the H200, its contest run's profile).
-            # fp8_layer asserts what the roundings take: 16 B-aligned blocks, a destination in whole 16 B, out a
-            # multiple of ROWS.
+            # ROWS rows of one expert's blocks [out, in / 32, 16] by STEPS tiles of GROUPS x 32 of their in columns,
+            # a tile a step (GROUPS scales of 16 bytes each: [ROWS, GROUPS, 16]), written transposed into the bf16
+            # layout's [experts, in, out]: each byte's low nibble to column c, its high to c + 1, each a run of ROWS
+            # along out (group: out, an expert's rows, whole programs of them). The rows as the expert's first plus a
+            # range: contiguous to Triton, which writes 8 of them a thread (st.global.v4.b32), the bytes read 16 a
+            # thread at 8 groups (8 at 4), transposed between through shared memory. A [ROWS, BLOCK] tile whose rows
+            # were computed from the row's expert had every thread write 2 B, `out` elements from its neighbour's
+            # (st.global.b16; 222 registers on sm_90a, 126 under Triton 3.6; 6.1 ms a gpt-oss-20b layer on the H200,
+            # its contest run's profile). A program of one [32, 4, 16] tile ran at 1.22 TB/s (gpt-oss-20b's and
+            # -120b's layer, H200), half of FP8's: bound by the integer pipe (64 lanes an SM on Hopper), not by
+            # memory: the codes' arithmetic 26 instructions a code there, the tables and two 64-bit divisions ~100 a
+            # thread for its 16 codes. Now 4 values a scale (_mxfp4_scale), ~7 a code, and the program's overhead
+            # once in STEPS tiles (bench/NOTES.md, issue 37). fp8_layer asserts what the roundings take: 16 B-aligned
+            # blocks, a destination in whole 16 B, out a multiple of ROWS.
             group = tl.load(row + 7) // ROWS * ROWS
             first = block // grid_cols * ROWS
             n = first % group // ROWS * ROWS + tl.arange(0, ROWS)  # within the expert
-            g = block % grid_cols * (BLOCK // 32) + tl.arange(0, BLOCK // 32)  # the columns' scales within a row
             k = tl.arange(0, 16)
             scales = cols // 32
-            mask = g[None, :, None] < scales
-            at = (first + tl.arange(0, ROWS))[:, None, None] * scales + g[None, :, None]  # [ROWS, BLOCK / 32, 1]
-            byte = tl.load(q_ptr + src // 16 * 16 + at * 16 + k[None, None, :], mask=mask, other=0).to(tl.int32)
-            s = tl.load(q_ptr + scale + at, mask=mask, other=0).to(tl.int32)
-            out_at = (dst // 8 * 8 + first // group * (scales * 32 * group)
-                      + (g[None, :, None] * 32 + 2 * k[None, None, :]) * group + n[:, None, None])
-            tl.store(out_ptr + out_at, _mxfp4_bits(byte & 15, s), mask=mask)
-            tl.store(out_ptr + out_at + group, _mxfp4_bits(byte >> 4, s), mask=mask)
+            rows_at = (first + tl.arange(0, ROWS))[:, None, None] * scales  # [ROWS, 1, 1]
+            expert_at = dst // 8 * 8 + first // group * (scales * 32 * group) + n[:, None, None]
+            g0 = block % grid_cols * (STEPS * GROUPS)
+            for g1 in range(g0, tl.minimum(g0 + STEPS * GROUPS, scales), GROUPS):
+                g = g1 + tl.arange(0, GROUPS)  # the columns' scales within a row
+                mask = g[None, :, None] < scales
+                at = rows_at + g[None, :, None]  # [ROWS, GROUPS, 1]
+                byte = tl.load(q_ptr + src // 16 * 16 + at * 16 + k[None, None, :], mask=mask, other=0).to(tl.int32)
+                s = tl.load(q_ptr + scale + at, mask=mask, other=0).to(tl.int32)
+                out_at = expert_at + (g[None, :, None] * 32 + 2 * k[None, None, :]) * group
+                base, linear, zero, step = _mxfp4_scale(s)
+                tl.store(out_ptr + out_at, _mxfp4_bits(byte, base, linear, zero, step, 0), mask=mask)
+                tl.store(out_ptr + out_at + group, _mxfp4_bits(byte, base, linear, zero, step, 4), mask=mask)
         else:
             s = tl.load(s_ptr + scale + block)  # the scale grid is row-major, as the blocks are numbered
             if (src % 8 == 0) & (dst % 8 == 0) & (cols % 8 == 0):  # whole 16 B of bf16 (and 8 B of FP8)
@@ -3161,11 +3184,11 @@ DEQUANTIZE_WARPS = 8  # dequantize_layer_triton's (bench/fp8_dequantize.py tries
 def dequantize_layer_triton(held, out, layer):
     # dequantize_layer in one launch (layer: an FP8Layer): its tables on the device, nothing read on the host.
     # [32, 128] tiles on 8 warps: 16 elements a thread (8 FP8 bytes of a row, 16 B of its bf16), a 128-row block in 4
-    # steps (a tensor not in whole 16 B: [8, 128] in 16; an MXFP4 program: [32, 4, 16] bytes, once)
+    # steps (a tensor not in whole 16 B: [8, 128] in 16; an MXFP4 program: [32, 8, 16] bytes, in up to MXFP4_STEPS)
     _dequantize_layer_kernel[(layer.programs.numel(),)](
         held.view(torch.uint8), held.view(torch.int16), held.view(torch.float32), out.view(torch.int16),
         layer.tensors, layer.programs, COLUMNS=FP8_COLUMNS, BLOCK=FP8_BLOCK, ROWS=DEQUANTIZE_ROWS, MXFP4=layer.mxfp4,
-        num_warps=DEQUANTIZE_WARPS)
+        GROUPS=MXFP4_GROUPS, STEPS=MXFP4_STEPS, num_warps=DEQUANTIZE_WARPS)
 
 
 def token_nll_triton(logits, targets):

@@ -4,10 +4,11 @@ kernel before ce7be0c), PyTorch's dequantize_layer and a device-to-device copy o
 ceiling), on random bytes laid out as each geometry's largest layer: by default Qwen3-30B-A3B's MoE layer in block-wise
 FP8 (393 tensors) and gpt-oss-20b's in MXFP4 (its 32 experts'); a geometry with gpt-oss's experts is held as MXFP4, any
 other as FP8. The one launch also runs in other steps (DEQUANTIZE_ROWS: an FP8 block's rows a step, an MXFP4 program's
-rows) and warps. Every output starts as the same random bits (a missed write shows) and is compared bit for bit with
-PyTorch's; GPU time is the median of triton.testing.do_bench (which clears the L2 between calls), GB/s the held layer
-read plus the bf16 one written over it; issue_ms the host's time to issue one (what a wave pays when the GPU waits on
-Python). Prints a JSON line a geometry, then a table; the device machine runs it in a minute or two.
+rows; MXFP4_GROUPS x 32 columns an MXFP4 step, MXFP4_STEPS a program) and warps. Every output
+starts as the same random bits (a missed write shows) and is compared bit for bit with PyTorch's; GPU time is the
+median of triton.testing.do_bench (which clears the L2 between calls), GB/s the held layer read plus the bf16 one
+written over it; issue_ms the host's time to issue one (what a wave pays when the GPU waits on Python). Prints a JSON
+line a geometry, then a table; the device machine runs it in a minute or two.
 
     python bench/fp8_dequantize.py [--geometry qwen3-30b-a3b gpt-oss-20b] [--out FILE]
     TRITON_INTERPRET=1 python bench/fp8_dequantize.py --device cpu --geometry tiny-moe tiny-gpt-oss  # the bits alone
@@ -29,10 +30,14 @@ import interact  # noqa: E402
 import prefill  # noqa: E402
 from bench.make_checkpoint import GEOMETRIES, geometry  # noqa: E402
 
-# (DEQUANTIZE_ROWS, DEQUANTIZE_WARPS) of the one launch: prefill's first, then the others tried (an MXFP4 layer's rows
-# must divide its experts' out sides: gpt-oss's 2880 takes 64, not 128), then prefill's again (the spread of a repeat)
-PREFILL = (prefill.DEQUANTIZE_ROWS, prefill.DEQUANTIZE_WARPS)
-VARIANTS = [PREFILL, (16, 4), (32, 4), (64, 8), (64, 4), (128, 8), PREFILL]
+# (DEQUANTIZE_ROWS, DEQUANTIZE_WARPS, MXFP4_GROUPS, MXFP4_STEPS) of the one launch beside prefill's, which runs first
+# and last (the spread of a repeat). An MXFP4 layer's rows must divide its experts' out sides (gpt-oss's 2880 takes 64,
+# not 128); (32, 8, 4, 1) is the MXFP4 program before issue 37's second change (32 rows by 128 columns). An FP8 layer
+# runs those whose groups and steps are prefill's (both are MXFP4's alone).
+DEFAULT = (prefill.DEQUANTIZE_ROWS, prefill.DEQUANTIZE_WARPS, prefill.MXFP4_GROUPS, prefill.MXFP4_STEPS)
+VARIANTS = [(16, 4, 8, 4), (32, 4, 8, 4), (64, 8, 8, 4), (64, 4, 8, 4), (128, 8, 8, 4),  # FP8's, and MXFP4's
+            (32, 8, 4, 8), (32, 4, 4, 8), (64, 8, 4, 8), (32, 8, 4, 1), (32, 8, 8, 2), (32, 8, 8, 12), (16, 4, 4, 8)]
+KNOBS = ("DEQUANTIZE_ROWS", "DEQUANTIZE_WARPS", "MXFP4_GROUPS", "MXFP4_STEPS")
 
 
 def quantized_config(name):
@@ -95,8 +100,9 @@ def measure(name, args, device):
     kind = cfg.largest_kind
     parts, layout = cfg.held[cfg.layer_kinds.index(kind)], cfg.layouts[kind]
     held = random_layer(cfg, kind, device)
-    gen = torch.Generator().manual_seed(1)
-    poison = torch.randint(-2**15, 2**15, (cfg.dequantized_bytes // 2,), generator=gen, dtype=torch.int16).to(device)
+    gen = torch.Generator(device).manual_seed(1)  # on the device: gpt-oss-120b's bf16 layer is 3.2 G elements
+    poison = torch.randint(-2**15, 2**15, (cfg.dequantized_bytes // 2,), generator=gen, dtype=torch.int16,
+                           device=device)
     out = torch.empty_like(poison)
     want = poison.clone()
     prefill.dequantize_layer(held, want.view(prefill.DTYPE), prefill.fp8_layer(parts, layout, device, cfg.mxfp4))
@@ -121,15 +127,19 @@ def measure(name, args, device):
     gpu_ms, _ = timed(lambda: copied.copy_(source), args.repeats, cuda)
     report["copy"] = {"gpu_ms": gpu_ms and round(gpu_ms, 4), "gb_per_s": gpu_ms and round(moved / gpu_ms / 1e6)}
     experts_out = [shape[1] for part, _, shape, dtype in parts if prefill.held_into(part, dtype) != part]  # MXFP4
-    for i, (rows, warps) in enumerate(VARIANTS):
-        if any(n % rows for n in experts_out):
-            continue
-        prefill.DEQUANTIZE_ROWS, prefill.DEQUANTIZE_WARPS = rows, warps
+    variants = [DEFAULT, *[v for v in VARIANTS if not any(n % v[0] for n in experts_out)
+                           and (cfg.mxfp4 or v[2:] == DEFAULT[2:])], DEFAULT]
+    for i, variant in enumerate(variants):
+        for knob, value in zip(KNOBS, variant):
+            setattr(prefill, knob, value)
+        rows, warps, groups, steps = variant
         layer = prefill.fp8_layer(parts, layout, device, cfg.mxfp4)
-        key = ("one launch" if i == 0 else "one launch, again" if (rows, warps) == PREFILL
-               else f"one launch, {rows} rows, {warps} warps")
+        key = ("one launch" if i == 0 else "one launch, again" if i == len(variants) - 1
+               else f"one launch, {rows} rows, {warps} warps" + (f", {groups}x32 x {steps}" if cfg.mxfp4 else ""))
         run(key, lambda: prefill.dequantize_layer_triton(held, out.view(prefill.DTYPE), layer), rows=rows, warps=warps,
-            programs=layer.programs.numel(), tensors=len(layer.tensors))
+            groups=groups, steps=steps, programs=layer.programs.numel(), tensors=len(layer.tensors))
+    for knob, value in zip(KNOBS, DEFAULT):
+        setattr(prefill, knob, value)
     tensors = per_tensor(cfg, kind, device)
     run("a launch a tensor", lambda: [prefill.dequantize_layer_triton(held, out.view(prefill.DTYPE), t)
                                       for t in tensors], launches=len(tensors))
@@ -148,11 +158,11 @@ def main():
     reports = [measure(name, args, torch.device(args.device)) for name in args.geometry]
     for report in reports:
         print(json.dumps(report))
-    print(f"{'geometry':<16}{'quantized':<10}{'what':<34}{'GPU ms':>9}{'GB/s':>7}  bits = torch's")
+    print(f"{'geometry':<16}{'quantized':<10}{'what':<40}{'GPU ms':>9}{'GB/s':>7}  bits = torch's")
     for report in reports:
         for key, row in report.items():
             if isinstance(row, dict):
-                print(f"{report['geometry']:<16}{report['quantized']:<10}{key:<34}{row['gpu_ms'] or '-':>9}"
+                print(f"{report['geometry']:<16}{report['quantized']:<10}{key:<40}{row['gpu_ms'] or '-':>9}"
                       f"{row['gb_per_s'] or '-':>7}  {row.get('bits_equal_torch', '')}")
     if args.out:
         Path(args.out).write_text(json.dumps(reports, indent=1) + "\n")

@@ -413,6 +413,41 @@ def test_mxfp4_one_launch_a_layer_is_dequantize_mxfp4_bit_for_bit_and_its_plante
     assert report["layers"] == 2 and report["launches"] == 2, report
 
 
+
+# An MXFP4 program's steps (MXFP4_STEPS tiles of MXFP4_GROUPS x 32 in columns, one after the other): the check layer's
+# experts are less than a tile wide; here 320 wide at tiles of 128 columns (2.5 tiles) and 2 steps a program, so that
+# the gate_up rows take a program of two tiles and one of a half tile, every scale byte 0-254 among them. Ablation: the
+# tables of 2 steps a program launched at 1 leave each row's second tile unwritten.
+MXFP4_STEPS_KERNEL = """
+import json, math, torch, prefill
+prefill.MXFP4_GROUPS, prefill.MXFP4_STEPS = 4, 2
+cfg = prefill.ModelConfig.from_json({**prefill.MXFP4_CHECK_MODEL, "hidden_size": 320})
+parts, layout = cfg.held[0], cfg.layer_layout
+held = torch.randint(256, (cfg.layer_bytes,), generator=torch.Generator().manual_seed(7), dtype=torch.uint8)
+for name, offset, shape, dtype in parts:
+    if name.endswith("_scales"):
+        held[offset:offset + math.prod(shape)] = torch.arange(math.prod(shape)) % 255
+layer = prefill.fp8_layer(parts, layout, torch.device("cpu"), True)
+want = torch.zeros(cfg.dequantized_bytes // 2, dtype=torch.int16)
+prefill.dequantize_layer(held, want.view(torch.bfloat16), layer)
+report = {"in columns, programs a row": sorted({(cols, grid) for _, scale, _, _, cols, grid, *_ in layer.tensors.tolist()
+                                                if scale >= 0})}
+for steps in (2, 1):
+    prefill.MXFP4_STEPS = steps
+    got = torch.zeros_like(want)
+    prefill.dequantize_layer_triton(held, got.view(torch.bfloat16), layer)
+    report[steps] = torch.equal(got, want)
+print(json.dumps(report))
+"""
+
+
+def test_mxfp4_programs_of_several_steps_and_a_partial_one_are_dequantize_mxfp4_bit_for_bit():
+    p = interpreted(MXFP4_STEPS_KERNEL)
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = json.loads(p.stdout)
+    assert report["in columns, programs a row"] == [[96, 1], [320, 2]], report
+    assert report["2"] is True and report["1"] is False, report
+
 # ----------------------------------------------------------------------------- Triton: sinks, clamp, norms
 
 TRITON_SINKS = """
