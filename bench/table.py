@@ -28,7 +28,7 @@ COLUMNS = ("date", "commit", "machine", "workload", "GPUs (speedup)", "texts", "
 
 
 def _num(v, fmt: str) -> str:
-    return "–" if v is None else fmt.format(v)
+    return "–" if v is None or v != v else fmt.format(v)  # v != v: NaN, a run without reference texts
 
 
 def row(r: dict) -> list[str]:
