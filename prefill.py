@@ -2210,8 +2210,14 @@ class FP8Layer:
 # (Qwen3-235B-A22B's: 2.5 GB in FP8).
 FP8_COLUMNS = 8
 DEQUANTIZE_ROWS = 32  # the dequantization's rows a step (FP8, copies), and an MXFP4 program's rows
-MXFP4_GROUPS = 8  # an MXFP4 step: its program's rows by this many blocks of 32 columns (a full 128 B line a row)
-MXFP4_STEPS = 4  # an MXFP4 program's steps, one after the other (bench/fp8_dequantize.py tries others of both)
+# An MXFP4 step: its program's rows by MXFP4_GROUPS blocks of 32 columns; MXFP4_STEPS of them a program, one after the
+# other, on MXFP4_WARPS warps (an MXFP4 model's launch alone; FP8's and plain copies' keep DEQUANTIZE_WARPS). Of the
+# 12 shapes bench/fp8_dequantize.py timed on the H200, 4 warps, 4 blocks x 8 steps were fastest on both gpt-oss
+# layers: 0.736 and 2.825 ms against 0.822 and 3.165 at 8 warps, 8 blocks x 4 (64 B a row a step then, not 128;
+# primitives/2026-12-03-h200-mxfp4-dequantize@b22c0a4.json)
+MXFP4_GROUPS = 4
+MXFP4_STEPS = 8
+MXFP4_WARPS = 4
 
 def held_into(name, dtype):
     # the bf16 layout's name of a held tensor: itself, or an MXFP4 weight's for its blocks (scales: none of its own)
@@ -3188,7 +3194,7 @@ def dequantize_layer_triton(held, out, layer):
     _dequantize_layer_kernel[(layer.programs.numel(),)](
         held.view(torch.uint8), held.view(torch.int16), held.view(torch.float32), out.view(torch.int16),
         layer.tensors, layer.programs, COLUMNS=FP8_COLUMNS, BLOCK=FP8_BLOCK, ROWS=DEQUANTIZE_ROWS, MXFP4=layer.mxfp4,
-        GROUPS=MXFP4_GROUPS, STEPS=MXFP4_STEPS, num_warps=DEQUANTIZE_WARPS)
+        GROUPS=MXFP4_GROUPS, STEPS=MXFP4_STEPS, num_warps=MXFP4_WARPS if layer.mxfp4 else DEQUANTIZE_WARPS)
 
 
 def token_nll_triton(logits, targets):

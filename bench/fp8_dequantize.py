@@ -30,14 +30,17 @@ import interact  # noqa: E402
 import prefill  # noqa: E402
 from bench.make_checkpoint import GEOMETRIES, geometry  # noqa: E402
 
-# (DEQUANTIZE_ROWS, DEQUANTIZE_WARPS, MXFP4_GROUPS, MXFP4_STEPS) of the one launch beside prefill's, which runs first
-# and last (the spread of a repeat). An MXFP4 layer's rows must divide its experts' out sides (gpt-oss's 2880 takes 64,
-# not 128); (32, 8, 4, 1) is the MXFP4 program before issue 37's second change (32 rows by 128 columns). An FP8 layer
-# runs those whose groups and steps are prefill's (both are MXFP4's alone).
-DEFAULT = (prefill.DEQUANTIZE_ROWS, prefill.DEQUANTIZE_WARPS, prefill.MXFP4_GROUPS, prefill.MXFP4_STEPS)
+# (rows, warps, MXFP4 groups, MXFP4 steps) of the one launch beside prefill's, which runs first and last (the spread
+# of a repeat): knobs' values, the warps an MXFP4 model's own (MXFP4_WARPS). An MXFP4 layer's rows must divide its
+# experts' out sides (gpt-oss's 2880 takes 64, not 128); (32, 8, 4, 1) is the MXFP4 program before issue 37's second
+# change (32 rows by 128 columns), (32, 8, 8, 4) the one after it. An FP8 layer runs each (rows, warps) once, with
+# prefill's groups and steps (MXFP4's alone).
+def knobs(cfg):
+    return ("DEQUANTIZE_ROWS", "MXFP4_WARPS" if cfg.mxfp4 else "DEQUANTIZE_WARPS", "MXFP4_GROUPS", "MXFP4_STEPS")
+
+
 VARIANTS = [(16, 4, 8, 4), (32, 4, 8, 4), (64, 8, 8, 4), (64, 4, 8, 4), (128, 8, 8, 4),  # FP8's, and MXFP4's
-            (32, 8, 4, 8), (32, 4, 4, 8), (64, 8, 4, 8), (32, 8, 4, 1), (32, 8, 8, 2), (32, 8, 8, 12), (16, 4, 4, 8)]
-KNOBS = ("DEQUANTIZE_ROWS", "DEQUANTIZE_WARPS", "MXFP4_GROUPS", "MXFP4_STEPS")
+            (32, 8, 4, 8), (32, 8, 8, 4), (64, 8, 4, 8), (32, 8, 4, 1), (32, 8, 8, 2), (32, 8, 8, 12), (16, 4, 4, 8)]
 
 
 def quantized_config(name):
@@ -127,10 +130,13 @@ def measure(name, args, device):
     gpu_ms, _ = timed(lambda: copied.copy_(source), args.repeats, cuda)
     report["copy"] = {"gpu_ms": gpu_ms and round(gpu_ms, 4), "gb_per_s": gpu_ms and round(moved / gpu_ms / 1e6)}
     experts_out = [shape[1] for part, _, shape, dtype in parts if prefill.held_into(part, dtype) != part]  # MXFP4
-    variants = [DEFAULT, *[v for v in VARIANTS if not any(n % v[0] for n in experts_out)
-                           and (cfg.mxfp4 or v[2:] == DEFAULT[2:])], DEFAULT]
+    names = knobs(cfg)
+    default = tuple(getattr(prefill, knob) for knob in names)
+    others = VARIANTS if cfg.mxfp4 else [v[:2] + default[2:] for v in VARIANTS]
+    variants = [default, *[v for v in dict.fromkeys(others) if not any(n % v[0] for n in experts_out) and v != default],
+                default]
     for i, variant in enumerate(variants):
-        for knob, value in zip(KNOBS, variant):
+        for knob, value in zip(names, variant):
             setattr(prefill, knob, value)
         rows, warps, groups, steps = variant
         layer = prefill.fp8_layer(parts, layout, device, cfg.mxfp4)
@@ -138,7 +144,7 @@ def measure(name, args, device):
                else f"one launch, {rows} rows, {warps} warps" + (f", {groups}x32 x {steps}" if cfg.mxfp4 else ""))
         run(key, lambda: prefill.dequantize_layer_triton(held, out.view(prefill.DTYPE), layer), rows=rows, warps=warps,
             groups=groups, steps=steps, programs=layer.programs.numel(), tensors=len(layer.tensors))
-    for knob, value in zip(KNOBS, DEFAULT):
+    for knob, value in zip(names, default):
         setattr(prefill, knob, value)
     tensors = per_tensor(cfg, kind, device)
     run("a launch a tensor", lambda: [prefill.dequantize_layer_triton(held, out.view(prefill.DTYPE), t)

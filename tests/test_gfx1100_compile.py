@@ -495,12 +495,13 @@ def test_gfx1100_spill_check_sees_a_known_spilling_tile(fresh_triton_cache):
 
 # dequantize_layer_triton's vector accesses in the H200's PTX (the same under Triton 3.9 and 3.6): a tensor in whole
 # 16 B of bf16 (every tensor of these models: tests/test_fp8.py) has FP8 read 8 B a thread (ld.global.v2.b32), a copy
-# 16 B (ld.global.v4.b32), both written 16 B (st.global.v4.b32), 16 elements a thread a step; an MXFP4 step's blocks
-# 16 B a thread (ld.global.v4.b32: a [32, 8, 16] tile on 8 warps) and its two nibbles 16 B twice each, 8 rows of a
-# column (before issue 37's second change, a [32, 4, 16] tile: 8 B, ld.global.v2.b32, and once each). At bf3ce35 there
-# were none: FP8 read by ld.global.b8, every bf16 written by st.global.b16 (MXFP4: 2 B a thread `out` elements apart).
+# 16 B (ld.global.v4.b32), both written 16 B (st.global.v4.b32), 16 elements a thread a step; an MXFP4 model's launch
+# runs on 4 warps (MXFP4_WARPS), so its copies take 32 elements a thread a step (4 of each), its blocks 16 B a thread
+# (ld.global.v4.b32: a [32, 4, 16] tile) and its two nibbles 16 B twice each, 8 rows of a column (before issue 37's
+# second change, a [32, 4, 16] tile on 8 warps: 8 B, ld.global.v2.b32, and once each). At bf3ce35 there were none: FP8
+# read by ld.global.b8, every bf16 written by st.global.b16 (MXFP4: 2 B a thread `out` elements apart).
 SM90_VECTOR_ACCESSES = {"Qwen3-30B-A3B": {"ld.global.v2.b32": 2, "ld.global.v4.b32": 2, "st.global.v4.b32": 4},
-                        "gpt-oss-120b": {"ld.global.v4.b32": 3, "st.global.v4.b32": 6}}
+                        "gpt-oss-120b": {"ld.global.v4.b32": 5, "st.global.v4.b32": 8}}
 
 
 def test_the_layer_dequantization_reads_and_writes_16_bytes_at_a_time_on_sm_90a(fresh_triton_cache):
