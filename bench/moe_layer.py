@@ -85,7 +85,7 @@ def shape_config(name):
         hidden_size=H, num_experts=E, num_experts_per_tok=k, moe_intermediate_size=I, norm_topk_prob=not oss,
         rms_norm_eps=1e-5 if oss else 1e-6, norm_style=prefill.NORM_FLOAT32 if oss else prefill.NORM_CAST,
         router=prefill.Router("topk_softmax", k) if oss else prefill.Router("softmax", k, True), fused_experts=oss,
-        expert_activation=prefill.ClampedSwiGLU(1.702, 7.0) if oss else "silu")
+        expert_activation=prefill.ClampedSwiGLU(1.702, 7.0) if oss else "silu", fp8_experts=False)
 
 
 def layer_weights(cfg, device, seed=0):
