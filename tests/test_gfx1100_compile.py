@@ -471,12 +471,14 @@ def test_the_fp8_experts_spill_on_gfx1100_so_rdna3_runs_fp8_held_experts_by_the_
     # HIPOptions.supported_fp8_dtypes: "software emulate" before CDNA4 and RDNA4; Triton 3.9), but the fused experts'
     # FP8 variant then spills SGPRs in every RDNA3 tile (6 of the 8 compiles of RDNA3's two tiles, and each of three
     # more tiles tried, at 107 SGPRs with 6-23 spilled; the bf16 variant of RDNA3's first tile uses 27-33): not offered
-    # there. Where a plan holds the experts FP8 (fp8_experts), RDNA3's candidate
-    # is the loop, an expert dequantized at a time; this test fails once a Triton compiles the variant unspilled
+    # there. Where a plan holds the experts FP8 (fp8_experts), RDNA3's candidate is the loop, an expert dequantized at a
+    # time. Under Triton 3.6 (.ci/run's second step) this launch compiles unspilled (191 VGPRs, 85 SGPRs), but what is
+    # offered must compile unspilled under both; this test fails once the lock's Triton compiles the variant unspilled
     triton, target = amd_backend()
     [launch] = [launch for launch in moe_launches(target, "fused", RDNA3_FUSED_TILES[:1], "DeepSeek-V3", fp8=True)
                 if launch.kernel == "_moe_down_kernel" and launch.named_constexprs()["FP8"]][:1]
-    assert problems(launch, gfx1100_registers(launch)), f"Triton {triton.__version__}: offer the FP8 variant on RDNA3"
+    if tuple(int(n) for n in triton.__version__.split(".")[:2]) >= (3, 9):
+        assert problems(launch, gfx1100_registers(launch)), f"Triton {triton.__version__}: offer the FP8 variant on RDNA3"
     monkeypatch.setattr(prefill, "gpu_family", lambda device: "rdna3")
     monkeypatch.setattr(prefill, "grouped_mm_native", lambda device: False)
     cfg = dataclasses.replace(fp8_config(model_config(MODELS["DeepSeek-V3"])), fp8_experts=True)
