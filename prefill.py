@@ -1836,8 +1836,14 @@ def plan_memory(cfg, budget_bytes, chunk_tokens=4096, wave_tokens=65536, batch_t
     # tree is one batch: its wave never holds another). DeepSeek-V3's are 80 KB a token (128 heads of 192 + 128)
     batch_tokens = batch_tokens or wave_tokens
     tree_wave_tokens = max(1, batch_tokens * state // (state + 2 * (cfg.kv_size + cfg.v_size)))
-    # FP8 layers: the bf16 scratch each is dequantized into before it runs
-    working = wave_state + max(layer_scratch, loss_scratch) + ALLOCATOR_SLACK + cfg.dequantized_bytes
+    # FP8 layers: the bf16 scratch each is dequantized into before it runs; FP8 experts held apart: where their loop
+    # runs (FP8Experts), one expert's bf16 gate and up beside the expert slice, and dequantize_fp8's float32 temporaries
+    # (q, its scales and their product) of a projection's block rows at a time
+    J = cfg.moe_intermediate_size
+    expert_copy = 2 * J * H * DTYPE.itemsize + 12 * min(J * H, max(DEQUANTIZE_ELEMENTS, min(J, FP8_BLOCK) * H)) \
+        if cfg.fp8_experts else 0
+    working = (wave_state + max(layer_scratch + expert_copy, loss_scratch) + ALLOCATOR_SLACK
+               + cfg.dequantized_bytes)
     fixed = ((1 if cfg.tie_word_embeddings else 2) * V * H + H) * DTYPE.itemsize
     free = budget_bytes - fixed - working
     # every layer resident, or two slots (of the largest layer) and as many resident layers as fit beside them
@@ -1861,11 +1867,29 @@ def held_experts_config(cfg, plan):
     them held FP8 (fp8_experts): run by the fused experts' FP8 variant, dequantized tile by tile in the GEMMs (where its
     start-up check passes; else an expert at a time, FP8Experts), the scratch the layer's other tensors' alone
     (DeepSeek-V3: 0.5 GB of a MoE layer, not 23, or a dense layer's 1.2). Where the plan fits, nothing changes: the FP8
-    variant is slower on small experts (Qwen3-30B-A3B's 1.29x on the H200, bench/fp8_experts.py). The budget (a
-    setting, or the free memory where none is set) and the checkpoint decide, never a timing."""
+    variant is slower on small experts (Qwen3-30B-A3B's 1.29x on the H200, bench/fp8_experts.py). The two ways pick
+    their expert kernels apart, so their last bits may differ: plan is made at Runner._held_budget (a setting, or the
+    GPU's total memory less HELD_RESERVE), which neither the free memory nor a timing moves."""
     if plan.total_bytes > plan.budget_bytes and cfg.can_hold_fp8_experts and not cfg.fp8_experts:
         return dataclasses.replace(cfg, fp8_experts=True)
     return cfg
+
+
+# Without --gpu-memory an FP8 MoE's experts are held FP8 or not as its plan fits the GPU's total memory less this: the
+# default budget's 1.5 GiB margin, a first run's timings' PICK_SCRATCH (1 GiB) and 1 GiB for the CUDA context and
+# whatever else a GPU holds with nothing else running (under a 48 GiB cap the H200's runner saw 47.2 GiB free: 0.8
+# GiB of context, bench/NOTES.md). Where the free memory then falls short of the plan the total allows, the run stops
+# (held_experts_refusal) rather than take other bits.
+HELD_RESERVE = int(3.5 * GiB)
+
+
+def held_experts_refusal(plan, budget_bytes, held_budget_bytes):
+    # the one line of a run whose free memory falls short of the plan its GPU's total memory decides it by
+    return (f"this FP8 mixture of experts' plan (each layer dequantized whole) needs {plan.total_bytes / GiB:.1f} GiB, "
+            f"which this GPU holds ({held_budget_bytes / GiB:.1f} GiB: its total memory less "
+            f"{HELD_RESERVE / GiB:g}), but {budget_bytes / GiB:.1f} GiB of its free memory is usable: other processes "
+            f"hold the rest. Free it, or set --gpu-memory (at most {budget_bytes / GiB:.1f}) to hold the routed "
+            f"experts FP8 instead, by other expert kernels, so with other last bits (docs/models.md)")
 
 
 # --- how large a wave hides the copies: a streamed layer's bytes cross PCIe once a wave, its FLOPs grow with the wave
@@ -6134,14 +6158,18 @@ class Runner:
                 if timed_batches else None
             budget = self._budget(gpu_memory_gib)
 
-            def planned(cfg):
+            def planned(cfg, budget=budget):
                 if wave_tokens is None and cfg.num_experts and batch in (None, WAVE_STEP):
                     return plan_wave(cfg, budget, chunk_tokens, PLAN_RATES[gpu_family(self.device)])
                 return plan_memory(cfg, budget, chunk_tokens, wave_tokens or WAVE_STEP, batch), None
             self.plan, self.wave_plan = planned(cfg)
-            if held_experts_config(cfg, self.plan) is not cfg:  # FP8 experts held apart: a smaller plan
-                self.cfg = cfg = held_experts_config(cfg, self.plan)
-                self.plan, self.wave_plan = planned(cfg)
+            if cfg.can_hold_fp8_experts:  # held FP8 or not: decided at a budget free memory does not move
+                held = held_experts_config(cfg, planned(cfg, self._held_budget(gpu_memory_gib))[0])
+                if held is cfg and self.plan.total_bytes > budget:
+                    raise UserError(held_experts_refusal(self.plan, budget, self._held_budget(gpu_memory_gib)))
+                if held is not cfg:  # FP8 experts held apart: a smaller plan
+                    self.cfg = cfg = held
+                    self.plan, self.wave_plan = planned(cfg)
             plan = self.plan
             lap("setup")
             # so do the kernels' JIT compilation, checks and timings
@@ -6208,6 +6236,16 @@ class Runner:
         if gpu_memory_gib * GiB > free:
             raise UserError(f"--gpu-memory {gpu_memory_gib:g} GiB exceeds the {free / GiB:.1f} GiB free on {self.device}")
         return int(gpu_memory_gib * GiB)
+
+    def _held_budget(self, gpu_memory_gib):
+        # the budget an FP8 MoE's experts are held FP8 or not at (held_experts_config): the setting, or on a GPU its
+        # total memory less HELD_RESERVE, which the free memory never moves, whatever else holds some or what the
+        # first run times
+        if gpu_memory_gib is not None:  # (checked by _budget)
+            return int(gpu_memory_gib * GiB)
+        if self.device.type != "cuda":
+            return 1 << 62
+        return max(0, torch.cuda.mem_get_info(self.device)[1] - HELD_RESERVE)
 
     def _model_bytes(self):
         return (sum(self.cfg.layer_nbytes) + self.embed.nbytes

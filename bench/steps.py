@@ -335,7 +335,9 @@ def cmd_blocker(args) -> int:
     """Allocates all but cap GiB of the GPU's free memory, prints one JSON line, holds it until stdin closes.
 
     The runner started next sees cap GiB free, less its own CUDA context, as it would on the W7800.  The
-    parent holds our stdin: when it closes it (or dies), read() returns and the memory is released."""
+    parent holds our stdin: when it closes it (or dies), read() returns and the memory is released.  Its total
+    memory stays the H200's, which is what an FP8 MoE's experts are held FP8 or not by without --gpu-memory
+    (prefill's HELD_RESERVE): where the cap calls for the held way, pass --runner-gpu-memory, or prefill stops."""
     import torch
     cap = int(args.cap_gib * GiB)
     torch.cuda.init()

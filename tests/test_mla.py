@@ -346,11 +346,18 @@ def test_the_plan_counts_mla_s_bytes_and_flops(mla):
     experts_slice = plan.moe_chunk_tokens * prefill.moe_scratch_per_token(v3)
     assert experts_slice > chunk and plan.working_bytes == plan.wave_tokens * state + experts_slice + \
         prefill.ALLOCATOR_SLACK
+    # its FP8 release with the experts held FP8: the scratch the rest's, and, where the loop runs, one expert's bf16
+    # gate and up (59 MB) and dequantize_fp8's float32 temporaries of a whole projection (J x H, 176 MB) beside the slice
+    from test_fp8 import FP8_CONFIG
+    fp8 = prefill.ModelConfig.from_json({**interact.config_json(DEEPSEEK_V3), "quantization_config": FP8_CONFIG})
+    fp8 = dataclasses.replace(fp8, fp8_experts=True)
+    held = prefill.plan_memory(fp8, 48 * prefill.GiB)
+    assert held.working_bytes - fp8.dequantized_bytes == plan.working_bytes + 2 * J * H * 2 + 12 * J * H
 
 
 # ----------------------------------------------------------------------------- block-wise FP8
 
-def test_fp8_latent_attention_and_experts_match_transformers_float32_load(tmp_path):
+def test_fp8_latent_attention_and_experts_match_transformers_float32_load(tmp_path, monkeypatch):
     # every projection quantized per 128x128 block (kv_a_proj_with_mqa too, whose name is not *_proj; each routed
     # expert's and the shared one's), sides in whole blocks or below one, which transformers loads on the CPU: its
     # float32 load is the reference; the router and its correction bias stay float32. Every layer streamed gives the
@@ -403,6 +410,14 @@ def test_fp8_latent_attention_and_experts_match_transformers_float32_load(tmp_pa
     room = streamed.plan.fixed_bytes + streamed.plan.working_bytes + sum(streamed.cfg.layer_nbytes) + 40_000
     resident = runner(tmp_path, gpu_memory_gib=room / 2**30)
     assert resident.cfg.fp8_experts and resident.plan.resident_layers == (0, 1) and losses(resident) == losses(r)
+    # the free memory never decides the way, since the two may pick expert kernels of other bits: the budget it is
+    # decided at (Runner._held_budget: the setting, or a GPU's total memory less HELD_RESERVE) does, and where the
+    # run's budget (the free memory, without a setting) cannot hold the plan that one allows, the run stops
+    monkeypatch.setattr(prefill.Runner, "_held_budget", lambda self, gpu_memory_gib: 0)
+    assert runner(tmp_path).cfg.fp8_experts  # no limit on the CPU: held all the same
+    monkeypatch.setattr(prefill.Runner, "_held_budget", lambda self, gpu_memory_gib: 1 << 62)
+    with pytest.raises(prefill.UserError, match=r"other processes hold the rest.*set --gpu-memory \(at most 0\.0\)"):
+        runner(tmp_path, gpu_memory_gib=0)
 
 
 @pytest.mark.parametrize("bug", [None, "scales of the other projection", "gate and up on one grid",

@@ -622,3 +622,8 @@ def test_a_first_run_plans_room_for_the_scratch_of_the_attention_timings(tmp_pat
     first, later = (types.SimpleNamespace(device=gpu, times_attention=t) for t in (True, False))
     assert prefill.Runner._budget(later, None) - prefill.Runner._budget(first, None) == prefill.PICK_SCRATCH
     assert prefill.Runner._budget(first, 20) == prefill.Runner._budget(later, 20) == 20 * 2**30  # as asked
+    # an FP8 MoE's way (its experts held FP8 or not) is decided at the total memory, which a first run's timings do
+    # not move, nor does what other processes hold: the free memory is 40 GiB here
+    assert prefill.Runner._held_budget(first, None) == prefill.Runner._held_budget(later, None) \
+        == 48 * 2**30 - prefill.HELD_RESERVE
+    assert prefill.Runner._held_budget(first, 20) == 20 * 2**30
