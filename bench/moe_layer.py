@@ -8,7 +8,8 @@ Triton grouped GEMM and the per-expert loop (one device command, ~3-5 min on the
         --out /tmp/l.json
 
 Shapes (hidden, experts, top-k, moe_intermediate): Qwen3-30B-A3B (2048, 128, 8, 768), Qwen3-235B-A22B (4096, 128, 8,
-1536), Mixtral-8x7B (4096, 8, 2, 14336), DeepSeek-V3 (7168, 256, 8, 2048), gpt-oss-20b (2880, 32, 4, 2880) and
+1536), Mixtral-8x7B (4096, 8, 2, 14336), DeepSeek-V3 (7168, 256, 8, 2048), Moonlight-16B-A3B (2048, 64, 6, 1408),
+Qwen1.5-MoE-A2.7B (2048, 60, 4, 1408), GLM-4.5-Air (4096, 128, 8, 1408), gpt-oss-20b (2880, 32, 4, 2880) and
 gpt-oss-120b (2880, 128, 4, 2880). The math is Qwen3-MoE's for the others' shapes (softmax router, top-k
 renormalised, SwiGLU experts without biases: the shapes decide the speed) and gpt-oss's for its own (its router's
 top-k softmax and bias, its experts' [experts, in, out] layout, biases and clamped SwiGLU). Weights random, bf16, std
@@ -53,6 +54,9 @@ SHAPES = {  # (hidden, experts, top-k, moe_intermediate) of each model's MoE lay
     "qwen3-235b-a22b": (4096, 128, 8, 1536),
     "mixtral-8x7b": (4096, 8, 2, 14336),
     "deepseek-v3": (7168, 256, 8, 2048),
+    "moonlight-16b-a3b": (2048, 64, 6, 1408),  # DeepSeek's sigmoid router; routed here by softmax (same shapes)
+    "qwen1.5-moe-a2.7b": (2048, 60, 4, 1408),
+    "glm-4.5-air": (4096, 128, 8, 1408),
     "gpt-oss-20b": (2880, 32, 4, 2880),
     "gpt-oss-120b": (2880, 128, 4, 2880),
     "tiny": (64, 8, 2, 32),  # a CPU try

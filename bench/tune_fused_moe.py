@@ -2,7 +2,7 @@
 of a search space, the best kept, printed as prefill.FUSED_TILES rows (one device command, < 8 min on the H200; issue
 37).
 
-    python bench/tune_fused_moe.py --out $OUT/fused-moe-tiles.json    # bench/moe_layer.py's six shapes, 4,096 and
+    python bench/tune_fused_moe.py --out $OUT/fused-moe-tiles.json    # bench/moe_layer.py's nine shapes, 4,096 and
                                                                       # 16,384 tokens a slice
     python bench/tune_fused_moe.py --shapes qwen3-30b-a3b --tokens 16384 --out $OUT/tiles.json
     python bench/tune_fused_moe.py --shapes gpt-oss-20b --tokens 16384,65536 --out $OUT/tiles.json
