@@ -1883,13 +1883,15 @@ def held_experts_config(cfg, plan):
 HELD_RESERVE = int(3.5 * GiB)
 
 
-def held_experts_refusal(plan, budget_bytes, held_budget_bytes):
-    # the one line of a run whose free memory falls short of the plan its GPU's total memory decides it by
+def held_experts_refusal(plan, held_plan, budget_bytes, held_budget_bytes, free_bytes):
+    # the one line of a run whose free memory falls short of the plan its GPU's total memory decides it by (plan, at
+    # the run's budget); held_plan: the same with the experts held FP8
     return (f"this FP8 mixture of experts' plan (each layer dequantized whole) needs {plan.total_bytes / GiB:.1f} GiB, "
             f"which this GPU holds ({held_budget_bytes / GiB:.1f} GiB: its total memory less "
-            f"{HELD_RESERVE / GiB:g}), but {budget_bytes / GiB:.1f} GiB of its free memory is usable: other processes "
-            f"hold the rest. Free it, or set --gpu-memory (at most {budget_bytes / GiB:.1f}) to hold the routed "
-            f"experts FP8 instead, by other expert kernels, so with other last bits (docs/models.md)")
+            f"{HELD_RESERVE / GiB:g}), but {budget_bytes / GiB:.1f} GiB of the {free_bytes / GiB:.1f} GiB free is "
+            f"usable: other processes hold the rest. Free it, or set --gpu-memory from "
+            f"{held_plan.total_bytes / GiB:.1f} to {free_bytes / GiB:.1f} to hold the routed experts FP8 instead, by "
+            f"other expert kernels, so with other last bits (docs/models.md)")
 
 
 # --- how large a wave hides the copies: a streamed layer's bytes cross PCIe once a wave, its FLOPs grow with the wave
@@ -6166,7 +6168,9 @@ class Runner:
             if cfg.can_hold_fp8_experts:  # held FP8 or not: decided at a budget free memory does not move
                 held = held_experts_config(cfg, planned(cfg, self._held_budget(gpu_memory_gib))[0])
                 if held is cfg and self.plan.total_bytes > budget:
-                    raise UserError(held_experts_refusal(self.plan, budget, self._held_budget(gpu_memory_gib)))
+                    free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else budget
+                    raise UserError(held_experts_refusal(self.plan, planned(dataclasses.replace(
+                        cfg, fp8_experts=True))[0], budget, self._held_budget(gpu_memory_gib), free))
                 if held is not cfg:  # FP8 experts held apart: a smaller plan
                     self.cfg = cfg = held
                     self.plan, self.wave_plan = planned(cfg)

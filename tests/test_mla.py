@@ -416,7 +416,7 @@ def test_fp8_latent_attention_and_experts_match_transformers_float32_load(tmp_pa
     monkeypatch.setattr(prefill.Runner, "_held_budget", lambda self, gpu_memory_gib: 0)
     assert runner(tmp_path).cfg.fp8_experts  # no limit on the CPU: held all the same
     monkeypatch.setattr(prefill.Runner, "_held_budget", lambda self, gpu_memory_gib: 1 << 62)
-    with pytest.raises(prefill.UserError, match=r"other processes hold the rest.*set --gpu-memory \(at most 0\.0\)"):
+    with pytest.raises(prefill.UserError, match=r"needs 0\.\d GiB.*other processes hold the rest.*--gpu-memory from 0\.\d to 0\.0 to hold"):
         runner(tmp_path, gpu_memory_gib=0)
 
 
