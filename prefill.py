@@ -1719,6 +1719,7 @@ class Stager:
 
 LOGITS_CHUNK_BYTES = 512 * 2**20  # float32 logits of one loss chunk
 ALLOCATOR_SLACK = 512 * 2**20     # BLAS workspaces, allocator rounding, attention scratch
+DEQUANTIZE_ELEMENTS = 1 << 24     # dequantize_fp8's float32 temporaries: up to this many elements at a time
 
 
 @dataclass
@@ -2173,9 +2174,6 @@ class StorageRing:
 
     def stop(self):
         self.readers.stop()
-
-
-DEQUANTIZE_ELEMENTS = 1 << 24  # dequantize_fp8's float32 temporaries: up to this many elements at a time
 
 
 def dequantize_fp8(q, scales, out):
