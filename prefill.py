@@ -3924,7 +3924,11 @@ def grouped_mm_native(device):
 # float16 (tests/test_fused_moe.py), now 1.1e-3 and in most tiles the grouped path's bits; the same bytes move.
 
 ALIGN_CHUNK = 512   # (token, slot) entries a program of align_experts reads and places
-ALIGN_EXPERTS = 16  # experts it handles at a time ([ALIGN_CHUNK, ALIGN_EXPERTS] comparisons)
+ALIGN_EXPERTS = 32  # experts it handles at a time at most ([ALIGN_CHUNK, ALIGN_EXPERTS] comparisons): the model's
+#                     experts' power of two below that. On the H200, of 24 launch configurations (bench/align_sweep.py,
+#                     primitives/2026-12-04-h200-align-sweep@742d573.json), 32 at 512 a chunk placed a 16,384-token
+#                     slice fastest for six of the seven families' shapes (Qwen3-30B-A3B 71 us, from 91 at 16;
+#                     DeepSeek-V3 132 from 173), and Mixtral's 8 experts fastest at 8 (9.1 us, from 11.4)
 ALIGN_BLOCKS = 16   # blocks it labels at a time
 ALIGN_SCAN = 64     # chunks' counts the running sum adds up at a time
 
@@ -4205,15 +4209,15 @@ def align_experts(chosen, num_experts, block_m):
     the chunks before it."""
     rows, device = chosen.numel(), chosen.device
     chunks, blocks = triton.cdiv(rows, ALIGN_CHUNK), triton.cdiv(rows, block_m) + num_experts
+    eb = min(ALIGN_EXPERTS, triton.next_power_of_2(num_experts))
     counts, ends = torch.empty(2, chunks, num_experts, dtype=torch.int32, device=device)
     ids = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
-    _moe_count_kernel[(chunks,)](chosen, counts, rows, num_experts, CHUNK=ALIGN_CHUNK, EB=ALIGN_EXPERTS, num_warps=8)
-    _moe_scan_kernel[(triton.cdiv(num_experts, ALIGN_EXPERTS),)](counts, ends, chunks, num_experts, CB=ALIGN_SCAN,
-                                                                 EB=ALIGN_EXPERTS, num_warps=4)
-    _moe_align_kernel[(chunks,)](chosen, ends, ids, block_expert, rows, num_experts,
-                                 chunks, blocks, CHUNK=ALIGN_CHUNK, EB=ALIGN_EXPERTS, JB=ALIGN_BLOCKS, BLOCK_M=block_m,
-                                 num_warps=16)
+    _moe_count_kernel[(chunks,)](chosen, counts, rows, num_experts, CHUNK=ALIGN_CHUNK, EB=eb, num_warps=8)
+    _moe_scan_kernel[(triton.cdiv(num_experts, eb),)](counts, ends, chunks, num_experts, CB=ALIGN_SCAN, EB=eb,
+                                                      num_warps=4)
+    _moe_align_kernel[(chunks,)](chosen, ends, ids, block_expert, rows, num_experts, chunks, blocks, CHUNK=ALIGN_CHUNK,
+                                 EB=eb, JB=ALIGN_BLOCKS, BLOCK_M=block_m, num_warps=16)
     return ids, block_expert
 
 
