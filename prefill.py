@@ -23,10 +23,10 @@ both):
   weight streaming: HeldLayers, StorageRing, dequantize_fp8, dequantize_mxfp4, FP8Layer, fp8_layer, dequantize_layer,
       WeightStreamer
   model math: rms_norm, rope_tables, apply_rope, gated_act, token_nll, combine, Kernels, TORCH_KERNELS, Chunk,
-      latent_qkv, attention_block, gated_mlp, mlp_block
+      Latent, joined, latent_qkv, attention_block, gated_mlp, mlp_block
   fused kernels (Triton, optional): rms_norm_triton, head_norm_rope_triton, dequantize_layer_triton,
       token_nll_triton, TRITON_KERNELS
-  attention backends: attention_sdpa, attention_triton, make_attention, ATTENTION_TILES, gpu_family,
+  attention backends: attention_sdpa, latent_layout, attention_triton, make_attention, ATTENTION_TILES, gpu_family,
       attention_candidates
   mixture of experts: route_softmax, route_sigmoid, route_topk_softmax, route, route_triton, expert_rows, moe_ffn,
       shared_experts, moe_block, FP8Experts, grouped_experts, grouped_loop, grouped_triton, align_experts,
@@ -2616,8 +2616,40 @@ def grouped_qkv(h, w, cos, sin, cfg, kernels):
 LATENT_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's: DeepseekV3Attention builds them without rms_norm_eps
 
 
+@dataclass(frozen=True)
+class Latent:
+    """Latent attention's q or k as latent_qkv leaves them, not joined: nope [tokens, heads, N], a view of a
+    projection's output (q's heads N + P apart, k's N + V), and rope [tokens, heads or 1, P] contiguous (k's one RoPE
+    key, shared by every head). Prefill's Triton attention reads both where they lie; the other backends, a prefix
+    tree's wave and the checks' float32 reference read them joined (joined): the torch.cat of q's and k's halves took
+    0.028 s of Moonlight-16B-A3B's 0.55 s contest request on the H200, and v's copy out of kv_b's output more
+    (bench/results/profiles/2026-12-03-h200-moonlight-16b-a3b-contest-120gib@dab7942.txt)."""
+    nope: torch.Tensor
+    rope: torch.Tensor
+
+    @property
+    def shape(self):
+        return torch.Size((*self.nope.shape[:2], self.nope.shape[2] + self.rope.shape[2]))
+
+    @property
+    def device(self):
+        return self.nope.device
+
+    def joined(self):
+        return torch.cat((self.nope, self.rope.expand(*self.nope.shape[:2], -1)), dim=-1)
+
+
+def joined(q, k, v):
+    # q, k, v whole and v contiguous, as attention backends but prefill's Triton kernel take them: latent_qkv's joined
+    # (the tensors it returned before Latent, bit for bit), any other model's as they are
+    if isinstance(q, Latent):
+        return q.joined(), k.joined(), v.contiguous()
+    return q, k, v
+
+
 def latent_qkv(h, w, cos, sin, cfg, kernels):
-    """h: [tokens, hidden], the normed x -> q, k [tokens, heads, nope + rope], v [tokens, heads, v_head_dim]: DeepSeek's
+    """h: [tokens, hidden], the normed x -> q, k (Latent: [tokens, heads, nope + rope] unjoined), v [tokens, heads,
+    v_head_dim] (a view of kv_b's output, heads nope + v_head_dim apart): DeepSeek's
     multi-head latent attention (transformers 5.24, DeepseekV3Attention). q is q_b(norm(q_a(h))), or q_proj(h)
     without q LoRA; kv_a(h) is the latent (kv_lora_rank) and one RoPE key shared by every head (rope_dim); kv_b of
     the normed latent is each head's k_nope and v. RoPE rotates q's last rope_dim channels and the shared key.
@@ -2639,8 +2671,7 @@ def latent_qkv(h, w, cos, sin, cfg, kernels):
     q_rope = kernels.head_norm_rope(q[..., N:], None, cos, sin, eps, NORM_CAST,
                                     cfg.rope_interleave)  # [tokens, heads, P]
     k_rope = kernels.head_norm_rope(kv_a[:, R:].view(T, 1, P), None, cos, sin, eps, NORM_CAST, cfg.rope_interleave)
-    return (torch.cat((q[..., :N], q_rope), dim=-1), torch.cat((kv[..., :N], k_rope.expand(T, heads, P)), dim=-1),
-            kv[..., N:].contiguous())
+    return Latent(q[..., :N], q_rope), Latent(kv[..., :N], k_rope), kv[..., N:]
 
 
 def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels, how, wave_kv=None):
@@ -2650,7 +2681,8 @@ def attention_block(x, w, cos, sin, chunk, cfg, attend, kernels, how, wave_kv=No
     T, eps, style = x.shape[0], cfg.rms_norm_eps, cfg.norm_style
     h = kernels.rms_norm(x, w.input_norm, eps, style)
     q, k, v = (latent_qkv if cfg.kv_lora_rank else grouped_qkv)(h, w, cos, sin, cfg, kernels)
-    if wave_kv is not None:
+    if wave_kv is not None:  # the wave's keys and values are kept whole
+        q, k, v = joined(q, k, v)
         wave_kv[0][chunk.start:chunk.end], wave_kv[1][chunk.start:chunk.end] = k, v
         if chunk.ancestors is not None:
             k, v = wave_kv
@@ -2866,22 +2898,30 @@ if triton is not None:
             tl.store(at, tile, mask=rows_ok)
 
     @triton.jit
-    def _attention_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, rows, length, n_lo, n_hi, scale_log2, window, cap_log2,
-                         KV_HEADS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr,
-                         DVP: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr, WINDOW: tl.constexpr,
-                         SOFTCAP: tl.constexpr):
+    def _attention_tiles(acc, m_i, l_i, q, q_rope, k_ptr, k_rope_ptr, v_ptr, rows, length, n_lo, n_hi, scale_log2,
+                         window, cap_log2, K_STEP: tl.constexpr, V_STEP: tl.constexpr, D: tl.constexpr,
+                         DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, ROPE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
         # online softmax over key tiles [n_lo, n_hi); only the tiles on the diagonal, and with WINDOW those on its
         # left edge (DIAGONAL too), need the causal/length/window mask. SOFTCAP: scores capped to ±cap (log2 units).
-        # k: rows of KV_HEADS heads of D channels (DP lanes, the padding masked to 0: it adds nothing to q.k), v of DV
-        # (DVP lanes)
+        # k: rows K_STEP apart of D channels (DP lanes, the padding masked to 0: it adds nothing to q.k), v V_STEP
+        # apart of DV (DVP lanes). ROPE (latent attention unjoined: Latent): each key's other ROPE channels at
+        # k_rope_ptr, ROPE apart (the one RoPE key every head shares), their product with q_rope [BLOCK_M, ROPE] added
+        # to q.k; 0: none (q_rope, k_rope_ptr unread)
         d = tl.arange(0, DP)
         dv = tl.arange(0, DVP)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
-            k_at = k_ptr + cols[None, :].to(tl.int64) * (KV_HEADS * D) + d[:, None]  # [DP, BLOCK_N]
-            v_at = v_ptr + cols[:, None].to(tl.int64) * (KV_HEADS * DV) + dv[None, :]  # [BLOCK_N, DVP]
+            k_at = k_ptr + cols[None, :].to(tl.int64) * K_STEP + d[:, None]  # [DP, BLOCK_N]
+            v_at = v_ptr + cols[:, None].to(tl.int64) * V_STEP + dv[None, :]  # [BLOCK_N, DVP]
             k = _tile(k_at, cols[None, :] < length, d[:, None] < D, DIAGONAL, DP != D)
-            s = tl.dot(q, k) * scale_log2  # [BLOCK_M, BLOCK_N] float32, in log2 units
+            if ROPE:
+                r = tl.arange(0, ROPE)
+                k_rope = _tile(k_rope_ptr + cols[None, :].to(tl.int64) * ROPE + r[:, None], cols[None, :] < length,
+                               r[:, None] < ROPE, DIAGONAL, False)  # [ROPE, BLOCK_N]
+                s = tl.dot(q_rope, k_rope, tl.dot(q, k)) * scale_log2
+            else:
+                s = tl.dot(q, k) * scale_log2  # [BLOCK_M, BLOCK_N] float32, in log2 units
             if SOFTCAP:
                 s = cap_log2 * _tanh(s / cap_log2)
             if DIAGONAL:
@@ -2903,16 +2943,21 @@ if triton is not None:
         return acc, m_i, l_i
 
     @triton.jit
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, sinks_ptr, scale_log2, window, cap_log2,
-                          HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                          DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, sinks_ptr, scale_log2, window, cap_log2, q_rope_ptr,
+                          k_rope_ptr, q_step, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                          DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+                          ROPE: tl.constexpr):
         # one program: BLOCK_M query rows of one head of one sequence; q: [tokens, HEADS, D], k: [tokens, KV_HEADS,
         # D], v: [tokens, KV_HEADS, DV], out: [tokens, HEADS, DV] (DP, DVP: those head dims' powers of two, the lanes
         # a tile has); query head h reads kv head h // (HEADS // KV_HEADS). Every row sees its own key, so no row
         # divides by 0. WINDOW: the key tiles left of every row's window are skipped, not masked. SINKS: the head's
         # sink (sinks_ptr [HEADS], natural units) is a column every row has seen before its first key: the running max
-        # starts at it and the sum at its exp(0), and its value is 0
+        # starts at it and the sum at its exp(0), and its value is 0. ROPE (latent attention unjoined, Latent; 0: not):
+        # q's D channels a head at q_ptr, rows q_step apart and heads D + ROPE; k's D and v's DV channels of one
+        # [tokens, KV_HEADS, D + DV] tensor (k_ptr at k's, v_ptr at v's: rows KV_HEADS (D + DV) apart, heads D + DV);
+        # q's ROPE other channels at q_rope_ptr [tokens, HEADS, ROPE] and k's at k_rope_ptr [tokens, 1, ROPE], the
+        # key every head shares. D, ROPE and DV powers of two there (no padded lanes)
         block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(cu_ptr + seq)
         length = tl.load(cu_ptr + seq + 1) - start
@@ -2922,11 +2967,25 @@ if triton is not None:
             # offsets as int64 tensors, then one pointer add: other association orders compiled to one more VGPR for
             # gfx1100 at 64x32, where this kernel sits at 256 of 256 (tests/test_gfx1100_compile.py)
             token_head = (start + rows[:, None]).to(tl.int64) * HEADS + head
-            q = _tile(q_ptr + (token_head * D + tl.arange(0, DP)[None, :]), rows[:, None] < length,
-                      tl.arange(0, DP)[None, :] < D, True, DP != D)  # [BLOCK_M, DP]
             kv_head = head // (HEADS // KV_HEADS)
-            k_at = k_ptr + (start.to(tl.int64) * KV_HEADS * D + kv_head * D)
-            v_at = v_ptr + (start.to(tl.int64) * KV_HEADS * DV + kv_head * DV)
+            if ROPE:
+                tl.static_assert(DP == D and DVP == DV)
+                q = _tile(q_ptr + ((start + rows[:, None]).to(tl.int64) * q_step + head * (D + ROPE)
+                                   + tl.arange(0, D)[None, :]), rows[:, None] < length, True, True, False)
+                q_rope = _tile(q_rope_ptr + (token_head * ROPE + tl.arange(0, ROPE)[None, :]), rows[:, None] < length,
+                               True, True, False)  # [BLOCK_M, ROPE]
+                k_at = k_ptr + (start.to(tl.int64) * KV_HEADS * (D + DV) + kv_head * (D + DV))
+                v_at = v_ptr + (start.to(tl.int64) * KV_HEADS * (D + DV) + kv_head * (D + DV))
+                k_rope_at = k_rope_ptr + start.to(tl.int64) * ROPE
+            else:
+                q = _tile(q_ptr + (token_head * D + tl.arange(0, DP)[None, :]), rows[:, None] < length,
+                          tl.arange(0, DP)[None, :] < D, True, DP != D)  # [BLOCK_M, DP]
+                q_rope = q
+                k_at = k_ptr + (start.to(tl.int64) * KV_HEADS * D + kv_head * D)
+                v_at = v_ptr + (start.to(tl.int64) * KV_HEADS * DV + kv_head * DV)
+                k_rope_at = k_at
+            K_STEP: tl.constexpr = KV_HEADS * (D + DV) if ROPE else KV_HEADS * D
+            V_STEP: tl.constexpr = KV_HEADS * (D + DV) if ROPE else KV_HEADS * DV
             acc = tl.zeros((BLOCK_M, DVP), tl.float32)
             if SINKS:
                 m_i = tl.zeros((BLOCK_M,), tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
@@ -2939,15 +2998,15 @@ if triton is not None:
                 first = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N  # the first tile the top row sees
                 inside = tl.minimum((tl.maximum(m0 + BLOCK_M - window, first) + BLOCK_N - 1) // BLOCK_N * BLOCK_N,
                                     m0)
-                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, first, inside,
-                                                 scale_log2, window, cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N,
-                                                 True, WINDOW, SOFTCAP)
-            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, inside, m0, scale_log2,
-                                             window, cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N, False, WINDOW,
-                                             SOFTCAP)
-            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, m0,
-                                             tl.minimum(m0 + BLOCK_M, length), scale_log2, window, cap_log2,
-                                             KV_HEADS, D, DP, DV, DVP, BLOCK_N, True, WINDOW, SOFTCAP)
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, q_rope, k_at, k_rope_at, v_at, rows, length,
+                                                 first, inside, scale_log2, window, cap_log2, K_STEP, V_STEP, D, DP,
+                                                 DV, DVP, ROPE, BLOCK_N, True, WINDOW, SOFTCAP)
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, q_rope, k_at, k_rope_at, v_at, rows, length, inside,
+                                             m0, scale_log2, window, cap_log2, K_STEP, V_STEP, D, DP, DV, DVP, ROPE,
+                                             BLOCK_N, False, WINDOW, SOFTCAP)
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, q_rope, k_at, k_rope_at, v_at, rows, length, m0,
+                                             tl.minimum(m0 + BLOCK_M, length), scale_log2, window, cap_log2, K_STEP,
+                                             V_STEP, D, DP, DV, DVP, ROPE, BLOCK_N, True, WINDOW, SOFTCAP)
             dv = tl.arange(0, DVP)[None, :]
             _store(out_ptr + (token_head * DV + dv), (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
                    rows[:, None] < length, dv < DV, DVP != DV)
@@ -2973,6 +3032,8 @@ if triton is not None:
         # the tiles left of the top row's window are skipped, the rest masked. SINKS: as _attention_kernel's, each row
         # its own head's.
         GROUP: tl.constexpr = HEADS // KV_HEADS
+        K_STEP: tl.constexpr = KV_HEADS * D
+        V_STEP: tl.constexpr = KV_HEADS * DV
         block, node, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(cu_ptr + node)
         length = tl.load(cu_ptr + node + 1) - start
@@ -3001,33 +3062,34 @@ if triton is not None:
                 if WINDOW:
                     shift = depth - tl.load(depth_ptr + lo)  # >= n: the range lies above the node
                     first = tl.maximum(m0 // GROUP + shift - window + 1, 0) // BLOCK_N * BLOCK_N
-                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows + shift, n, first, n,
-                                                     scale_log2, window, cap_log2, KV_HEADS, D, DP, DV, DVP,
+                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, q, k_at, k_at, v_at, rows + shift, n, first, n,
+                                                     scale_log2, window, cap_log2, K_STEP, V_STEP, D, DP, DV, DVP, 0,
                                                      BLOCK_N, True, WINDOW, SOFTCAP)
                 else:
                     whole = n // BLOCK_N * BLOCK_N
-                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, n, 0, whole, scale_log2,
-                                                     window, cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N, False,
+                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, q, k_at, k_at, v_at, rows, n, 0, whole,
+                                                     scale_log2, window, cap_log2, K_STEP, V_STEP, D, DP, DV, DVP, 0,
+                                                     BLOCK_N, False, WINDOW, SOFTCAP)
+                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, q, k_at, k_at, v_at,
+                                                     tl.zeros((BLOCK_M,), tl.int32) + (n - 1), n, whole, n, scale_log2,
+                                                     window, cap_log2, K_STEP, V_STEP, D, DP, DV, DVP, 0, BLOCK_N, True,
                                                      WINDOW, SOFTCAP)
-                    acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at,
-                                                     tl.zeros((BLOCK_M,), tl.int32) + (n - 1), n, whole, n,
-                                                     scale_log2, window, cap_log2, KV_HEADS, D, DP, DV, DVP,
-                                                     BLOCK_N, True, WINDOW, SOFTCAP)
             k_at = k_ptr + ((kv_start + start).to(tl.int64) * KV_HEADS * D + kv_head * D)
             v_at = v_ptr + ((kv_start + start).to(tl.int64) * KV_HEADS * DV + kv_head * DV)
             first = m0 // GROUP // BLOCK_N * BLOCK_N  # every row's keys below it are unmasked (without a window)
             if WINDOW:  # the window's first tile for the top row on, masked
-                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length,
-                                                 tl.maximum(m0 // GROUP - window + 1, 0) // BLOCK_N * BLOCK_N,
-                                                 first, scale_log2, window, cap_log2, KV_HEADS, D, DP, DV, DVP,
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, q, k_at, k_at, v_at, rows, length,
+                                                 tl.maximum(m0 // GROUP - window + 1, 0) // BLOCK_N * BLOCK_N, first,
+                                                 scale_log2, window, cap_log2, K_STEP, V_STEP, D, DP, DV, DVP, 0,
                                                  BLOCK_N, True, WINDOW, SOFTCAP)
             else:
-                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, 0, first, scale_log2,
-                                                 window, cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N, False, WINDOW,
-                                                 SOFTCAP)
-            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, k_at, v_at, rows, length, first,
+                acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, q, k_at, k_at, v_at, rows, length, 0, first,
+                                                 scale_log2, window, cap_log2, K_STEP, V_STEP, D, DP, DV, DVP, 0,
+                                                 BLOCK_N, False, WINDOW, SOFTCAP)
+            acc, m_i, l_i = _attention_tiles(acc, m_i, l_i, q, q, k_at, k_at, v_at, rows, length, first,
                                              tl.minimum((m0 + BLOCK_M - 1) // GROUP + 1, length), scale_log2, window,
-                                             cap_log2, KV_HEADS, D, DP, DV, DVP, BLOCK_N, True, WINDOW, SOFTCAP)
+                                             cap_log2, K_STEP, V_STEP, D, DP, DV, DVP, 0, BLOCK_N, True, WINDOW,
+                                             SOFTCAP)
             dv = tl.arange(0, DVP)[None, :]
             _store(out_ptr + (token_head * DV + dv), (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), valid[:, None],
                    dv < DV, DVP != DV)
@@ -3367,12 +3429,38 @@ def unoffered_attention(family, cfg):
             and not needs <= attention_features(kind, family)}
 
 
+def latent_layout(q, k, v):
+    # whether _attention_kernel's ROPE variant reads latent_qkv's q, k, v where they lie: k's and v's channels one
+    # [tokens, heads, N + V] tensor (kv_b's output), q's N a head N + P apart, rows a multiple of 16 elements apart
+    # (Triton specialises an integer on that: the start-up check, on other rows, compiles what the run launches), the
+    # RoPE parts contiguous, k's one key for every head, N, P and V powers of two
+    (T, heads, N), P, V = q.nope.shape, q.rope.shape[2], v.shape[2]
+    kv = k.nope
+    return (all(n & (n - 1) == 0 for n in (N, P, V)) and q.nope.stride()[1:] == (N + P, 1)
+            and q.nope.stride(0) % 16 == 0 and kv.stride() == (heads * (N + V), N + V, 1) and v.stride() == kv.stride()
+            and v.data_ptr() == kv.data_ptr() + N * kv.element_size() and q.rope.is_contiguous()
+            and k.rope.is_contiguous() and k.rope.shape == (T, 1, P) and q.rope.shape == (T, heads, P))
+
+
 def attention_triton(q, k, v, chunk, how, tile, sinks=None):
     # q: [tokens, heads, D], k: [tokens, kv_heads, D], v: [tokens, kv_heads, DV] -> [tokens, heads, DV]; one launch
     # per chunk, no per-sequence Python loop. The grid covers the longest sequence; shorter ones' surplus programs
     # exit at once. No recompilation per max_len. A window, a softcap and sinks ([heads]) are compile-time variants,
     # and head dims that are not powers of two (DeepSeek's 192) padded ones: a model without them runs the kernel it
-    # ran before.
+    # ran before. Latent attention's q and k (Latent) are read unjoined where latent_layout holds (not in a prefix
+    # tree's chunk: its kernel reads them joined)
+    rope = (isinstance(q, Latent) and chunk.ancestors is None and not (how.window or how.softcap or sinks is not None)
+            and latent_layout(q, k, v))
+    if rope:
+        (T, heads, D), P, DV = q.nope.shape, q.rope.shape[2], v.shape[2]
+        out = q.nope.new_empty(T, heads, DV)
+        grid = (triton.cdiv(chunk.max_len, tile[0]), len(chunk.seq_bounds) - 1, heads)
+        _attention_kernel[grid](q.nope, k.nope, v, out, chunk.cu_seqlens, out, math.log2(math.e) * how.scale, 0, 1.0,
+                                q.rope, k.rope, q.nope.stride(0), HEADS=heads, KV_HEADS=heads, D=D, DP=D, DV=DV,
+                                DVP=DV, BLOCK_M=tile[0], BLOCK_N=tile[1], WINDOW=False, SOFTCAP=False, SINKS=False,
+                                ROPE=P, num_warps=tile[2], num_stages=tile[3])
+        return out
+    q, k, v = joined(q, k, v)
     (T, heads, D), DV = q.shape, v.shape[2]
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
     assert (sinks is not None) == how.sinks, "a layer's sinks are its attention settings'"
@@ -3391,7 +3479,8 @@ def attention_triton(q, k, v, chunk, how, tile, sinks=None):
                                      chunk.ancestor_ranges, chunk.depths, sinks, scale_log2, how.window or 0,
                                      cap_log2, **variant)
         return out
-    _attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, sinks, scale_log2, how.window or 0, cap_log2, **variant)
+    _attention_kernel[grid](q, k, v, out, chunk.cu_seqlens, sinks, scale_log2, how.window or 0, cap_log2, q, k, 0,
+                            ROPE=0, **variant)
     return out
 
 
@@ -3407,8 +3496,8 @@ def v_padded(attend):
     return attend_padded
 
 
-def make_attention(kind, tile=None):
-    """An attention function (q, k, v, chunk, how) -> [tokens, heads, v's head dim] for the named backend."""
+def backend_attention(kind, tile):
+    # make_attention's backend by name, reading q, k, v whole (prefill's Triton kernel: Latent too)
     if kind == "sdpa":
         return attention_sdpa
     if kind == "flash":
@@ -3454,13 +3543,33 @@ def make_attention(kind, tile=None):
     raise UserError(f"unknown attention backend {kind!r}")
 
 
-def attention_inputs(device, cfg, lens, seed):
-    # random q, k, v for texts of the given lengths, drawn on the device (a 4096-token set is 42M values)
+def make_attention(kind, tile=None):
+    """An attention function (q, k, v, chunk, how) -> [tokens, heads, v's head dim] for the named backend. Latent
+    attention's q and k (Latent) go to prefill's Triton kernel as they are, to the others joined."""
+    attend = backend_attention(kind, tile)
+    if kind == "triton":
+        return attend
+    return lambda q, k, v, chunk, how, **sinks: attend(*joined(q, k, v), chunk, how, **sinks)
+
+
+def attention_inputs(device, cfg, lens, seed, latent=False):
+    # random q, k, v for texts of the given lengths, drawn on the device (a 4096-token set is 42M values); latent (a
+    # model with latent attention): laid out as latent_qkv leaves them (Latent q and k, v a view of one tensor with
+    # k's other channels, the RoPE key every head's), so that the checks and timings run what a run launches
     gen = torch.Generator(device=device).manual_seed(seed)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     T = sum(lens)
-    q, k, v = (torch.randn(T, h, D, generator=gen, device=device, dtype=DTYPE)
-               for h, D in ((heads, cfg.head_dim), (kv_heads, cfg.head_dim), (kv_heads, cfg.v_head_dim)))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=DTYPE)
+    if latent and cfg.kv_lora_rank:
+        N, P, V = cfg.qk_nope_head_dim, cfg.rope_dim, cfg.v_head_dim
+        kv = randn(T, heads, N + V)
+        q, k, v = Latent(randn(T, heads, N + P)[..., :N], randn(T, heads, P)), Latent(kv[..., :N], randn(T, 1, P)), \
+            kv[..., N:]
+    else:
+        q, k, v = (randn(T, h, D) for h, D in ((heads, cfg.head_dim), (kv_heads, cfg.head_dim),
+                                               (kv_heads, cfg.v_head_dim)))
     bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
     return q, k, v, Chunk(0, T, bounds, torch.tensor(bounds, dtype=torch.int32, device=device), max(lens))
 
@@ -4523,6 +4632,7 @@ def with_sinks(scores, sinks):
 def attention_reference(q, k, v, chunk, how, sinks=None):
     # float32 causal attention written out: softmax(softcap(q k^T · scale)) v per text and KV head ([group, n, n]
     # scores), over the keys each row sees (its window's), with each query head's sink where given ([heads])
+    q, k, v = joined(q, k, v)
     out = torch.empty(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device)
     kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
@@ -4713,8 +4823,8 @@ def sharpened(q, cfg, how):
 
 
 def check_inputs(device, cfg, lens, seed, how, sharp):
-    # attention_inputs, with q sharpened for sharp inputs
-    q, k, v, chunk = attention_inputs(device, cfg, lens, seed)
+    # attention_inputs, with q sharpened for sharp inputs (as a run lays them out)
+    q, k, v, chunk = attention_inputs(device, cfg, lens, seed, latent=True)
     return (sharpened(q, cfg, how) if sharp else q), k, v, chunk
 
 
@@ -4820,7 +4930,7 @@ def time_attention(entries, label, device, cfg):
     # adds time_ms[label] and first_ms[label] to each entry, on a chunk of the bucket's timing texts: per layer, the
     # mean over the model's layers of each one's settings (Gemma 3: five windowed layers to one full)
     lengths = next(timed for name, _, timed, _ in ATTENTION_BUCKETS if name == label)
-    inputs = attention_inputs(device, cfg, lengths, seed=1)
+    inputs = attention_inputs(device, cfg, lengths, seed=1, latent=True)
     for entry in entries:
         first = ms = 0.0
         for how, layers in attention_settings(cfg).items():

@@ -224,7 +224,7 @@ def prefill_launches(target, model, tiles, tree_tiles=()):
             attend = prefill.make_attention("triton", tile)
             prefill.attention_block(x, w, cos, sin, chunk, cfg, attend, prefill.TRITON_KERNELS, how)
         if not tiles:  # no Triton attention here (DeepSeek's 192 on RDNA3): another backend's, around the same kernels
-            prefill.attention_block(x, w, cos, sin, chunk, cfg, lambda q, k, v, chunk, how, sinks=None: q.new_empty(
+            prefill.attention_block(x, w, cos, sin, chunk, cfg, lambda q, k, v, chunk, how, sinks=None: v.new_empty(
                 *q.shape[:2], v.shape[2]), prefill.TRITON_KERNELS, prefill.attention_settings(cfg).most_common()[0][0])
         for tile, how in itertools.product(tree_tiles, prefill.attention_settings(cfg)):
             attend = prefill.make_attention("triton", tile)

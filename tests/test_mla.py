@@ -482,10 +482,11 @@ def test_a_side_in_partial_blocks_is_read_as_transformers_fp8_linear_reads_it(mo
 
 # ----------------------------------------------------------------------------- the Triton kernels, interpreted
 
-# In Triton's interpreter (a child process: test_prefill.interpreted), on this file's "lora" geometry (q/k head dim 24
-# in 32 lanes, v 16): both attention kernels, in NVIDIA's first tile and RDNA3's first offered for it (a program a
-# head: the interpreter's cost), on the start-up check's texts (37 and 100 tokens) and a tree of the check's shape at
-# a tenth of its size (test_eval's), then with a planted bug, the q/k head dim padded down (16 lanes: the RoPE
+# In Triton's interpreter (a child process: test_prefill.interpreted), on this file's "lora" geometry (q/k head dim
+# 16 + 8, v 16): both attention kernels, in NVIDIA's first tile and RDNA3's first offered for it (a program a head:
+# the interpreter's cost), on the start-up check's texts (37 and 100 tokens: q and k unjoined, as latent_qkv leaves
+# them) and a tree of the check's shape at a tenth of its size (test_eval's: joined, 24 channels in 32 lanes), then
+# with a planted bug, half the RoPE channels read (texts) or the q/k head dim padded down (tree: 16 lanes, the RoPE
 # channels dropped), which the check refuses; the fused elementwise kernels in every launch the model makes (RoPE
 # interleaved at q's head stride and on the one shared key, the latents' norms), then RoPE not interleaved, refused.
 # (A Runner on them adds 25 s here: their launches are kernel_checks', laid out as latent_qkv lays them out.)
@@ -496,17 +497,25 @@ prefill.CHECK_LENGTHS, prefill.TREE_CHECK = [37, 100], [[[40, 7], [40, 20, 90], 
 tiles = [prefill.ATTENTION_TILES["nvidia"][0], prefill.attention_tiles("rdna3", cfg)[0]]
 candidates = [(f"triton {tile}", "triton", tile) for tile in tiles]
 def half(cases):  # the interpreter multiplies bfloat16 tiles as raw integers: float16 here (bf16 on a GPU)
-    return [(how, sharp, (q.half(), k.half(), v.half(), chunk), want) for how, sharp, (q, k, v, chunk), want in cases]
+    return [(how, sharp, (*halved(q, k, v), chunk), want) for how, sharp, (q, k, v, chunk), want in cases]
+def halved(q, k, v):  # latent_qkv's layout kept: q's N channels a head N + P apart, k's and v's one tensor
+    if not isinstance(q, prefill.Latent):
+        return q.half(), k.half(), v.half()
+    N = q.nope.shape[2]
+    kv = torch.cat((k.nope, v), -1).half()
+    return (prefill.Latent(torch.cat((q.nope, q.rope), -1).half()[..., :N], q.rope.half()),
+            prefill.Latent(kv[..., :N], k.rope.half()), kv[..., N:])
 def checked():
     return {kind: {e["name"]: e.get("reason", e["error"]) for e in prefill.check_attention(candidates, cpu, cfg,
                                                                                         half(cases(cpu, cfg)))}
             for kind, cases in (("texts", prefill.text_check_cases), ("tree", prefill.tree_check_cases))}
 report = {"good": checked(), "kernels": prefill.kernel_checks(cpu, cfg)}
-class PaddedDown:  # the launch with its q/k head dim padded to the power of two below, not above
-    def __init__(self, kernel):
+class PaddedDown:  # the launch with its q/k head dim padded to the power of two below, not above; unjoined (ROPE),
+    def __init__(self, kernel):  # half its RoPE channels read
         self.kernel = kernel
     def __getitem__(self, grid):
-        return lambda *args, **kw: self.kernel[grid](*args, **dict(kw, DP=1 << (kw["D"].bit_length() - 1)))
+        return lambda *args, **kw: self.kernel[grid](*args, **dict(kw, **(
+            {"ROPE": kw["ROPE"] // 2} if kw.get("ROPE") else {"DP": 1 << (kw["D"].bit_length() - 1)})))
 good = prefill._attention_kernel, prefill._tree_attention_kernel
 prefill._attention_kernel, prefill._tree_attention_kernel = map(PaddedDown, good)
 candidates = candidates[:1]
@@ -516,6 +525,13 @@ rope = prefill.head_norm_rope_triton
 prefill.head_norm_rope_triton = lambda x, w, cos, sin, eps, offset, interleave=False: rope(x, w, cos, sin, eps, offset,
                                                                                           not interleave)
 report["rope flipped"] = prefill.kernel_checks(cpu, cfg)
+# the check's texts, and a layer's latent_qkv, in the layout the unjoined kernel reads
+report["unjoined"] = [prefill.latent_layout(*halved(q, k, v)) for _, _, (q, k, v, _), _ in
+                      prefill.text_check_cases(cpu, cfg)]
+w = prefill.layer_views(torch.zeros(cfg.layer_numel, dtype=prefill.DTYPE), cfg)
+cos, sin = prefill.rope_tables(torch.arange(5), cfg.ropes[0], cfg.rope_dim)
+h = torch.zeros(5, cfg.hidden_size, dtype=prefill.DTYPE)
+report["unjoined"].append(prefill.latent_layout(*prefill.latent_qkv(h, w, cos, sin, cfg, prefill.TORCH_KERNELS)))
 print(json.dumps(report))
 """
 
@@ -536,6 +552,7 @@ def test_triton_kernels_with_their_own_v_head_dim_and_interleaved_rope():
     assert all(error < prefill.CHECK_TOLERANCE for _, _, error in report["kernels"]), report["kernels"]
     flipped = [error for kernel, _, error in report["rope flipped"] if kernel == "head_norm_rope"]
     assert len(flipped) == 2 and min(flipped) > 4 * prefill.CHECK_TOLERANCE, report["rope flipped"]
+    assert report["unjoined"] == [True, True], report["unjoined"]  # the check's texts and a run's latent_qkv
 
 
 # ----------------------------------------------------------------------------- every way in
