@@ -8,7 +8,8 @@ of another (one device command; issue 37: the H200's runs spread by +-4%).
 
 Each round runs every file once, in the order given. The texts: bench/workload.py's contest-like 100 (seed 0), tokenized
 by the checkpoint's tokenizer. Prints each run's T and whether its losses equal the first file's first run's, bit for
-bit (else their largest relative difference); the record holds them all.
+bit (else their largest relative difference), and whether they equal the same file's first run's (repeatability); the
+record holds them all.
 """
 import argparse
 import json
@@ -36,7 +37,7 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     texts = workload.make_texts(args.texts, 0, workload.load_tokenizer(args.ckpt))
-    runs, first = [], None
+    runs, first, own = [], None, {}  # own: each file's first run's losses
     for round_ in range(args.rounds):
         for path in args.prefill:
             cmd = [sys.executable, path, "--model", args.ckpt, "--gpu-memory", f"{args.gpu_memory:g}",
@@ -45,12 +46,14 @@ def main():
             if r.returncode != 0:
                 raise SystemExit(f"ab_runs: {path} failed ({r.returncode}): {r.stderr[-2000:]}")
             first = r.losses if first is None else first
+            repeated = r.losses == own.setdefault(path, r.losses)
             diff = max(abs(a - b) / abs(b) for a, b in zip(r.losses, first) if b == b and b != 0)
             runs.append({"prefill": path, "round": round_, "t_seconds": r.t_seconds,
                          "time_to_ready_s": r.time_to_ready_s, "same_losses": r.losses == first,
-                         "max_rel_diff": diff, "stderr": r.stderr.strip().splitlines()[-4:]})
+                         "max_rel_diff": diff, "same_as_own_first": repeated,
+                         "stderr": r.stderr.strip().splitlines()[-4:]})
             print(f"round {round_} {path:<30} T {r.t_seconds:.3f} s  same losses {r.losses == first} "
-                  f"(max relative difference {diff:.2e})", flush=True)
+                  f"(max relative difference {diff:.2e}); its own first run's bits {repeated}", flush=True)
     medians = {path: statistics.median(x["t_seconds"] for x in runs if x["prefill"] == path) for path in args.prefill}
     Path(args.out).write_text(json.dumps({"args": vars(args), "medians": medians, "runs": runs},
                                          indent=1))
